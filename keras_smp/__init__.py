@@ -1,3 +1,46 @@
-"""keras-smp: model and data parallelism for Keras 3 on TensorFlow."""
+"""keras-smp: model and data parallelism for Keras 3 on TensorFlow.
+
+Public API:
+
+- `SMPStrategy`: a `tf.distribute.Strategy`; build and compile under its
+  scope, then `fit` / `evaluate` / `predict` as usual.
+- `SMPConfig`: every option, validated.
+- rank helpers with SageMaker smp's names: `rank()`, `size()`,
+  `local_rank()`, `local_size()`, `dp_rank()`, `dp_size()`, `pp_rank()`,
+  `pp_size()`, `mp_rank()`, `mp_size()`.
+
+TensorFlow is imported lazily: `import keras_smp` and the rank helpers work
+without it, so launch scripts can read ranks before building anything.
+"""
+
+from keras_smp.config import SMPConfig
+from keras_smp.ranks import dp_rank
+from keras_smp.ranks import dp_size
+from keras_smp.ranks import is_chief
+from keras_smp.ranks import local_rank
+from keras_smp.ranks import local_size
+from keras_smp.ranks import mp_rank
+from keras_smp.ranks import mp_size
+from keras_smp.ranks import pp_rank
+from keras_smp.ranks import pp_size
+from keras_smp.ranks import rank
+from keras_smp.ranks import size
 
 __version__ = "0.1.0"
+
+_LAZY = {"SMPStrategy": "keras_smp.distribute.strategy"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'keras_smp' has no attribute {name!r}")
+
+
+__all__ = [
+    "SMPConfig", "SMPStrategy", "rank", "size", "local_rank", "local_size",
+    "dp_rank", "dp_size", "pp_rank", "pp_size", "mp_rank", "mp_size",
+    "is_chief",
+]

@@ -1,0 +1,394 @@
+"""Configuration for keras-smp: the validated `SMPConfig` and how it is built.
+
+This module is pure Python (standard library only) and never imports
+TensorFlow, so configurations can be validated before any device is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "ALLOWED_KEYS",
+    "CONFIG_KEYS",
+    "KEY_ALIASES",
+    "ENV_VAR",
+    "LEGACY_ENV_VAR",
+    "SMPConfig",
+]
+
+#: Environment variable holding a JSON object that overrides every other source.
+ENV_VAR = "SMP_CONFIG"
+#: SageMaker's environment variable for model-parallel parameters (same JSON form).
+LEGACY_ENV_VAR = "SM_HP_MP_PARAMETERS"
+
+#: Canonical option names, in the order of the `SMPConfig` fields.
+CONFIG_KEYS: tuple[str, ...] = (
+    "partitions",
+    "microbatches",
+    "pipeline",
+    "optimize",
+    "auto_partition",
+    "default_partition",
+    "contiguous",
+    "horovod",
+    "placement_strategy",
+    "allreduce",
+    "fusion_threshold_mb",
+    "collective_timeout_seconds",
+    "local_devices",
+)
+
+#: Alternative spellings accepted on input, mapped to their canonical key.
+KEY_ALIASES: dict[str, str] = {"pipeline_parallel_degree": "partitions"}
+
+#: Every key accepted by `SMPConfig.build` (canonical keys plus aliases).
+ALLOWED_KEYS: tuple[str, ...] = CONFIG_KEYS + tuple(KEY_ALIASES)
+
+_PIPELINES = {
+    "gpipe": "gpipe",
+    "1f1b": "1f1b",
+    "simple": "gpipe",  # SMP's name
+    "interleaved": "1f1b",  # SMP's name
+}
+_OPTIMIZE = ("memory", "speed")
+_PLACEMENTS = ("cluster", "spread")
+_ALLREDUCE = ("auto", "ring", "hierarchical", "horovod")
+
+
+# --------------------------------------------------------------------------
+# Value checkers. Each returns the normalised value or raises ValueError.
+# --------------------------------------------------------------------------
+
+
+def _where(key: str, origins: Mapping[str, str] | None) -> str:
+    origin = (origins or {}).get(key)
+    return f" (from {origin})" if origin else ""
+
+
+def _bad(key, value, expected, origins, fix=None) -> ValueError:
+    msg = (
+        f"Invalid keras-smp config value for '{key}'{_where(key, origins)}: "
+        f"received {value!r}, expected {expected}."
+    )
+    if fix:
+        msg += f" {fix}"
+    return ValueError(msg)
+
+
+def _check_int(key, value, minimum, origins) -> int:
+    expected = f"an integer >= {minimum}"
+    if isinstance(value, bool):
+        raise _bad(key, value, expected, origins, "Booleans are not accepted here.")
+    if isinstance(value, float):
+        if not (math.isfinite(value) and value.is_integer()):
+            raise _bad(key, value, expected, origins)
+        value = int(value)
+    if not isinstance(value, int):
+        raise _bad(key, value, expected, origins, "Pass a number, not a string.")
+    if value < minimum:
+        raise _bad(key, value, expected, origins)
+    return value
+
+
+def _check_float(key, value, origins, *, strictly_positive: bool) -> float:
+    expected = "a finite number > 0" if strictly_positive else "a finite number >= 0"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(key, value, expected, origins)
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (strictly_positive and value == 0):
+        raise _bad(key, value, expected, origins)
+    return value
+
+
+def _check_bool(key, value, origins) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(
+            key, value, "True or False", origins,
+            "Strings such as 'true' and numbers are not accepted; use a JSON "
+            "boolean (true/false) or a Python bool.",
+        )
+    return value
+
+
+def _check_choice(key, value, choices, origins) -> str:
+    shown = " | ".join(repr(c) for c in choices)
+    if not isinstance(value, str) or value.strip().lower() not in choices:
+        raise _bad(key, value, f"one of {shown}", origins)
+    return value.strip().lower()
+
+
+def _normalise(values: Mapping[str, Any], origins: Mapping[str, str] | None = None) -> dict:
+    """Validates a complete dict of canonical keys and returns normalised values."""
+    out: dict[str, Any] = {}
+    out["partitions"] = _check_int("partitions", values["partitions"], 1, origins)
+    out["microbatches"] = _check_int("microbatches", values["microbatches"], 1, origins)
+    pipeline = _check_choice("pipeline", values["pipeline"], tuple(_PIPELINES), origins)
+    out["pipeline"] = _PIPELINES[pipeline]
+    out["optimize"] = _check_choice("optimize", values["optimize"], _OPTIMIZE, origins)
+    out["auto_partition"] = _check_bool("auto_partition", values["auto_partition"], origins)
+    out["default_partition"] = _check_int(
+        "default_partition", values["default_partition"], 0, origins
+    )
+    out["contiguous"] = _check_bool("contiguous", values["contiguous"], origins)
+    out["horovod"] = _check_bool("horovod", values["horovod"], origins)
+    out["placement_strategy"] = _check_choice(
+        "placement_strategy", values["placement_strategy"], _PLACEMENTS, origins
+    )
+    out["allreduce"] = _check_choice("allreduce", values["allreduce"], _ALLREDUCE, origins)
+    out["fusion_threshold_mb"] = _check_float(
+        "fusion_threshold_mb", values["fusion_threshold_mb"], origins, strictly_positive=False
+    )
+    out["collective_timeout_seconds"] = _check_float(
+        "collective_timeout_seconds", values["collective_timeout_seconds"], origins,
+        strictly_positive=True,
+    )
+    local_devices = values["local_devices"]
+    if local_devices is not None:
+        try:
+            local_devices = _check_int("local_devices", local_devices, 1, origins)
+        except ValueError:
+            raise _bad(
+                "local_devices", values["local_devices"], "an integer >= 1 or None",
+                origins, "Use None to drive all visible GPUs (or 1 CPU device).",
+            ) from None
+    out["local_devices"] = local_devices
+
+    # Cross-field checks.
+    if out["default_partition"] >= out["partitions"]:
+        raise ValueError(
+            f"Invalid keras-smp config value for 'default_partition'"
+            f"{_where('default_partition', origins)}: received "
+            f"{values['default_partition']!r}, but it must be < partitions="
+            f"{out['partitions']}{_where('partitions', origins)}. Use a value in "
+            f"0..{out['partitions'] - 1}, or increase 'partitions'."
+        )
+    if out["horovod"]:
+        if out["allreduce"] == "auto":
+            out["allreduce"] = "horovod"
+        elif out["allreduce"] != "horovod":
+            raise ValueError(
+                f"Conflicting keras-smp config: horovod=True{_where('horovod', origins)} "
+                f"requires allreduce='horovod', but received allreduce="
+                f"{values['allreduce']!r}{_where('allreduce', origins)}. Either drop "
+                "'allreduce' (horovod=True implies allreduce='horovod') or set "
+                "horovod=False to use the built-in all-reduce."
+            )
+    return out
+
+
+# --------------------------------------------------------------------------
+# Building from sources.
+# --------------------------------------------------------------------------
+
+
+def _canonical_source(source: Mapping, label: str) -> dict[str, Any]:
+    """Checks keys of one source and resolves aliases; returns canonical keys."""
+    out: dict[str, Any] = {}
+    for key, value in source.items():
+        if key in KEY_ALIASES:
+            continue
+        if key not in CONFIG_KEYS:
+            msg = f"Unknown keras-smp config key {key!r} (from {label})."
+            if isinstance(key, str):
+                close = difflib.get_close_matches(key, ALLOWED_KEYS, n=1)
+                if close:
+                    msg += f" Did you mean {close[0]!r}?"
+            msg += f" Allowed keys: {', '.join(ALLOWED_KEYS)}."
+            raise ValueError(msg)
+        out[key] = value
+    for alias, target in KEY_ALIASES.items():
+        if alias not in source:
+            continue
+        if target in source and source[target] != source[alias]:
+            raise ValueError(
+                f"Conflicting keras-smp config keys (from {label}): {target!r}="
+                f"{source[target]!r} and its alias {alias!r}={source[alias]!r}. "
+                f"Give only one of them, or give both the same value."
+            )
+        out[target] = source[alias]
+    return out
+
+
+def _read_env(environ: Mapping[str, str], name: str) -> dict | None:
+    raw = environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        parsed = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"Environment variable {name} is not valid JSON ({e}): received {raw!r}. "
+            f"Expected a JSON object such as '{{\"partitions\": 2, \"microbatches\": 4}}'."
+        ) from None
+    if not isinstance(parsed, dict):
+        raise ValueError(
+            f"Environment variable {name} must hold a JSON object, but received "
+            f"{type(parsed).__name__} {raw!r}. Expected e.g. "
+            f"'{{\"partitions\": 2, \"microbatches\": 4}}'."
+        )
+    return parsed
+
+
+@dataclasses.dataclass(frozen=True)
+class SMPConfig:
+    """Validated, immutable keras-smp configuration.
+
+    Values are checked and normalised on construction (for instance SMP's
+    pipeline name `"interleaved"` is stored as `"1f1b"`). Use
+    `SMPConfig.build()` to merge a dict, keyword arguments and the
+    `SMP_CONFIG` / `SM_HP_MP_PARAMETERS` environment variables.
+
+    Args:
+        partitions: Pipeline stages per model replica, an int >= 1.
+            Alias: `pipeline_parallel_degree`.
+        microbatches: Microbatches per step, an int >= 1 (1 = no pipelining).
+        pipeline: `"1f1b"` (backward as early as possible) or `"gpipe"`
+            (all forwards, then all backwards). SMP's names `"interleaved"`
+            and `"simple"` are accepted and mapped to these.
+        optimize: Auto-partition balance, `"memory"` or `"speed"`.
+        auto_partition: Whether layers are partitioned automatically.
+        default_partition: Partition for layers outside any
+            `smp.partition()` scope; must be < `partitions`.
+        contiguous: Whether each partition is a connected piece of the model.
+        horovod: SMP's hybrid-parallelism flag; implies `allreduce="horovod"`.
+        placement_strategy: `"cluster"` (a replica's stages on neighbouring
+            ranks) or `"spread"`.
+        allreduce: Gradient all-reduce implementation: `"auto"`, `"ring"`,
+            `"hierarchical"` or `"horovod"`.
+        fusion_threshold_mb: Tensor-fusion buffer size in MB, >= 0
+            (0 disables fusion).
+        collective_timeout_seconds: Timeout for collectives, > 0.
+        local_devices: Devices driven by each process (int >= 1), or None to
+            use all visible GPUs, or 1 CPU device when there are none. On CPU
+            this many logical devices are created.
+
+    Example:
+
+    ```python
+    from keras_smp.config import SMPConfig
+
+    config = SMPConfig(partitions=2, microbatches=4, pipeline="interleaved")
+    assert config.pipeline == "1f1b"
+    ```
+    """
+
+    partitions: int = 1
+    microbatches: int = 1
+    pipeline: str = "1f1b"
+    optimize: str = "memory"
+    auto_partition: bool = True
+    default_partition: int = 0
+    contiguous: bool = True
+    horovod: bool = False
+    placement_strategy: str = "cluster"
+    allreduce: str = "auto"
+    fusion_threshold_mb: float = 64.0
+    collective_timeout_seconds: float = 300.0
+    local_devices: int | None = None
+
+    def __post_init__(self):
+        raw = {key: getattr(self, key) for key in CONFIG_KEYS}
+        for key, value in _normalise(raw).items():
+            object.__setattr__(self, key, value)
+
+    @classmethod
+    def build(
+        cls,
+        config: "SMPConfig | Mapping[str, Any] | None" = None,
+        /,
+        *,
+        environ: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> "SMPConfig":
+        """Builds a config from a dict/config, keyword overrides and env vars.
+
+        Sources, from lowest to highest precedence: `config`, `kwargs`, the
+        JSON object in `SM_HP_MP_PARAMETERS` (SageMaker's legacy variable),
+        the JSON object in `SMP_CONFIG`. Keys missing everywhere take their
+        defaults. `pipeline_parallel_degree` is accepted as an alias of
+        `partitions`.
+
+        Args:
+            config: None, a dict of options, or an `SMPConfig`.
+            environ: Mapping to read environment variables from. Defaults to
+                `os.environ`.
+            **kwargs: Options overriding the keys of `config`.
+
+        Returns:
+            A validated `SMPConfig`.
+
+        Raises:
+            ValueError: On an unknown key, an invalid value, conflicting keys,
+                or malformed JSON in an environment variable.
+            TypeError: If `config` is not None, a mapping or an `SMPConfig`.
+
+        Example:
+
+        ```python
+        from keras_smp.config import SMPConfig
+
+        config = SMPConfig.build(
+            {"pipeline_parallel_degree": 2, "microbatches": 2},
+            microbatches=8,
+            environ={"SMP_CONFIG": '{"pipeline": "simple"}'},
+        )
+        assert (config.partitions, config.microbatches, config.pipeline) == (2, 8, "gpipe")
+        ```
+        """
+        environ = os.environ if environ is None else environ
+        if config is None:
+            base: Mapping = {}
+        elif isinstance(config, SMPConfig):
+            base = config.to_dict()
+        elif isinstance(config, Mapping):
+            base = config
+        else:
+            raise TypeError(
+                f"keras-smp config must be None, a dict or an SMPConfig; received "
+                f"{type(config).__name__} {config!r}. Pass e.g. "
+                f"{{'partitions': 2, 'microbatches': 4}}."
+            )
+
+        sources: list[tuple[str, Mapping]] = [
+            ("the config argument", base),
+            ("keyword arguments", kwargs),
+        ]
+        for name in (LEGACY_ENV_VAR, ENV_VAR):  # later wins
+            parsed = _read_env(environ, name)
+            if parsed is not None:
+                sources.append((f"environment variable {name}", parsed))
+
+        merged: dict[str, Any] = {}
+        origins: dict[str, str] = {}
+        for label, source in sources:
+            for key, value in _canonical_source(source, label).items():
+                merged[key] = value
+                origins[key] = label
+
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        values = {key: merged.get(key, defaults[key]) for key in CONFIG_KEYS}
+        return cls(**_normalise(values, origins))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the normalised options as a plain dict of canonical keys.
+
+        Returns:
+            A new dict mapping every key of `CONFIG_KEYS` to its value.
+
+        Example:
+
+        ```python
+        from keras_smp.config import SMPConfig
+
+        d = SMPConfig(pipeline="simple").to_dict()
+        assert d["pipeline"] == "gpipe" and SMPConfig(**d) == SMPConfig(pipeline="gpipe")
+        ```
+        """
+        return {key: getattr(self, key) for key in CONFIG_KEYS}

@@ -1,0 +1,178 @@
+"""`SMPStrategy`: the `tf.distribute.Strategy` of keras-smp.
+
+The strategy is a thin subclass of TensorFlow's collective all-reduce
+strategy (the class behind `tf.distribute.MultiWorkerMirroredStrategy`), so
+Keras 3 recognises it as multi-worker and `model.fit` works unchanged. What
+is ours:
+
+- the cluster comes from `keras_smp.topology` (TF_CONFIG, SLURM, or one
+  process), the options from one validated `SMPConfig`;
+- local devices: GPUs, or N logical CPU devices (`local_devices=N`);
+- gradient sync goes through `GradientAllReduce` (fusion, ring or
+  hierarchical), not TensorFlow's default;
+- fixes for Keras 3.15 on TF 2.21 (`Strategy.reduce` of nested batches and
+  scalar logs, which stock MultiWorkerMirroredStrategy fails on);
+- only the chief prints Keras progress.
+"""
+
+import tensorflow as tf
+from tensorflow.python.distribute import collective_all_reduce_strategy as cars
+from tensorflow.python.distribute import distribute_lib
+
+from keras_smp import state
+from keras_smp.config import SMPConfig
+from keras_smp.distribute.allreduce import GradientAllReduce
+from keras_smp.distribute.groups import ReplicaLayout
+from keras_smp.distribute.groups import resolve_algorithm
+from keras_smp.topology import Topology
+from keras_smp.topology import resolve_cluster
+
+
+def _configure_local_devices(requested):
+    """Returns `(device_type, count)`, creating logical CPUs if asked."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        count = requested or len(gpus)
+        if count > len(gpus):
+            raise ValueError(
+                f"local_devices={count} but this process sees {len(gpus)} "
+                "GPU(s). Pass local_devices <= the number of visible GPUs, "
+                "or leave it unset to use all of them.")
+        return "GPU", count
+    count = requested or 1
+    if count > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        existing = tf.config.get_logical_device_configuration(cpu) or []
+        if len(existing) < count:
+            try:
+                tf.config.set_logical_device_configuration(
+                    cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"local_devices={count} needs {count} logical CPU "
+                    f"devices, but TensorFlow was already initialised with "
+                    f"{max(len(existing), 1)}. Create SMPStrategy at the top "
+                    "of the program, before any other TensorFlow call."
+                ) from e
+    return "CPU", count
+
+
+class SMPStrategy(cars.CollectiveAllReduceStrategy):
+    """Data- (and later pipeline-) parallel strategy for Keras 3.
+
+    Build and compile the model inside `strategy.scope()`; `model.fit`,
+    `evaluate`, `predict` and Keras callbacks then work unchanged, in one
+    process or across the worker processes described by `TF_CONFIG` (or
+    SLURM). Each process feeds the same global-batch dataset; it is
+    sharded across replicas automatically, and gradients are summed with
+    keras-smp's fused collective all-reduce.
+
+    Create the strategy at the start of the program, before other
+    TensorFlow calls (like `tf.distribute.MultiWorkerMirroredStrategy`).
+
+    Args:
+        config: `None`, a dict of options, or an `SMPConfig`. The JSON
+            env var `SMP_CONFIG` overrides it; see `SMPConfig` for keys.
+        **kwargs: options, overriding `config`'s.
+
+    Example:
+
+    ```python
+    import keras, numpy as np, keras_smp
+    strategy = keras_smp.SMPStrategy(local_devices=1)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4, verbose=0)
+    ```
+    """
+
+    def __init__(self, config=None, /, **kwargs):
+        config = SMPConfig.build(config, **kwargs)
+        cluster = resolve_cluster()
+        topology = Topology.from_cluster(
+            cluster, partitions=config.partitions,
+            placement_strategy=config.placement_strategy)
+        if config.partitions > 1:
+            raise NotImplementedError(
+                f"partitions={config.partitions}: pipeline parallelism is not "
+                "available in this version of keras-smp yet. Use "
+                "partitions=1 (data parallelism).")
+        device_type, count = _configure_local_devices(config.local_devices)
+        options = tf.distribute.experimental.CommunicationOptions(
+            timeout_seconds=config.collective_timeout_seconds)
+        if cluster.world_size > 1:
+            resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+                tf.train.ClusterSpec(cluster.cluster_spec),
+                task_type=cluster.task_type, task_id=cluster.task_index,
+                rpc_layer="grpc")
+        else:
+            resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+                tf.train.ClusterSpec({}), rpc_layer="grpc")
+        extended = _SMPExtended(
+            self, resolver, options, device_type, count, config, topology)
+        distribute_lib.Strategy.__init__(self, extended)
+        self.config = config
+        self.cluster = cluster
+        self.topology = topology
+        state.install(config, cluster, topology)
+        if topology.rank != 0:
+            import keras
+
+            keras.config.disable_interactive_logging()
+
+    @property
+    def is_chief(self):
+        """True on world rank 0."""
+        return self.topology.rank == 0
+
+    @property
+    def allreduce_algorithm(self):
+        """The gradient all-reduce algorithm in use ("ring", ...)."""
+        return self.extended._cross_device_ops.algorithm
+
+    def reduce(self, reduce_op, value, axis):
+        # Keras 3 reduces whole (x, y, sample_weight) batches and scalar
+        # logs with axis=0; stock MultiWorkerMirroredStrategy fails on both.
+        if isinstance(value, (tuple, list, dict)):
+            return tf.nest.map_structure(
+                lambda v: self.reduce(reduce_op, v, axis), value)
+        if axis is not None:
+            parts = (value.values
+                     if isinstance(value, tf.distribute.DistributedValues)
+                     else (value,))
+            if getattr(parts[0], "shape", None) is not None and (
+                    parts[0].shape.rank == 0):
+                axis = None
+        return super().reduce(reduce_op, value, axis)
+
+
+class _SMPExtended(cars.CollectiveAllReduceExtended):
+    """TensorFlow's collective extended with our devices and gradient sync."""
+
+    def __init__(self, container, resolver, options, device_type, count,
+                 config, topology):
+        self._smp_device_type = device_type
+        self._smp_device_count = count
+        super().__init__(container, cluster_resolver=resolver,
+                         communication_options=options)
+        layout = ReplicaLayout.from_workers(
+            worker_hosts=tuple(
+                topology.host_of(r) for r in range(topology.world_size)),
+            devices_per_worker=len(self.worker_devices),
+            worker_rank=topology.rank)
+        algorithm = resolve_algorithm(config.allreduce, layout)
+        if algorithm == "horovod":
+            raise NotImplementedError(
+                "allreduce='horovod' is not available in this version of "
+                "keras-smp yet; use 'ring' or 'auto'.")
+        self._cross_device_ops = GradientAllReduce(
+            devices=self.worker_devices, layout=layout, algorithm=algorithm,
+            fusion_threshold_bytes=int(config.fusion_threshold_mb * 2**20),
+            options=options, collective_keys=self._collective_keys)
+
+    def _initialize_local_devices(self, cluster_resolver, worker_device):
+        devices = tuple(
+            f"{worker_device}/device:{self._smp_device_type}:{i}"
+            for i in range(self._smp_device_count))
+        return devices, self._smp_device_type

@@ -1,0 +1,415 @@
+"""Tests for keras_smp.config (pure Python, no TensorFlow)."""
+
+import ast
+import inspect
+import dataclasses
+import json
+import pathlib
+import re
+
+import pytest
+
+from keras_smp import config as config_module
+from keras_smp.config import ALLOWED_KEYS, CONFIG_KEYS, SMPConfig
+
+NO_ENV: dict = {}
+
+
+def build(*args, environ=None, **kwargs):
+    return SMPConfig.build(*args, environ=NO_ENV if environ is None else environ, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Defaults and normalisation
+# ---------------------------------------------------------------------------
+
+
+def test_defaults():
+    expected = {
+        "partitions": 1,
+        "microbatches": 1,
+        "pipeline": "1f1b",
+        "optimize": "memory",
+        "auto_partition": True,
+        "default_partition": 0,
+        "contiguous": True,
+        "horovod": False,
+        "placement_strategy": "cluster",
+        "allreduce": "auto",
+        "fusion_threshold_mb": 64.0,
+        "collective_timeout_seconds": 300.0,
+        "local_devices": None,
+    }
+    assert SMPConfig().to_dict() == expected
+    assert build().to_dict() == expected
+    assert build(None).to_dict() == expected
+    assert list(SMPConfig().to_dict()) == list(CONFIG_KEYS)
+
+
+def test_allowed_keys():
+    assert set(ALLOWED_KEYS) == set(CONFIG_KEYS) | {"pipeline_parallel_degree"}
+    assert [f.name for f in dataclasses.fields(SMPConfig)] == list(CONFIG_KEYS)
+
+
+def test_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SMPConfig().partitions = 3
+
+
+@pytest.mark.parametrize(
+    "given, stored",
+    [("simple", "gpipe"), ("interleaved", "1f1b"), ("gpipe", "gpipe"), ("1f1b", "1f1b"),
+     ("Simple", "gpipe"), ("1F1B", "1f1b")],
+)
+def test_pipeline_names_normalised(given, stored):
+    assert build(pipeline=given).pipeline == stored
+    assert SMPConfig(pipeline=given).pipeline == stored
+
+
+def test_partitions_alias():
+    assert build({"pipeline_parallel_degree": 4}).partitions == 4
+    assert build(pipeline_parallel_degree=2).partitions == 2
+    assert build({"pipeline_parallel_degree": 3, "partitions": 3}).partitions == 3
+    cfg = build({"pipeline_parallel_degree": 2})
+    assert "pipeline_parallel_degree" not in cfg.to_dict()
+
+
+def test_alias_in_higher_source_overrides_canonical_key_in_lower():
+    assert build({"partitions": 2}, pipeline_parallel_degree=4).partitions == 4
+    env = {"SMP_CONFIG": '{"pipeline_parallel_degree": 8}'}
+    assert build({"partitions": 2}, environ=env).partitions == 8
+
+
+def test_integral_float_accepted_for_int():
+    cfg = build(partitions=2.0, microbatches=4.0, default_partition=1.0, local_devices=2.0)
+    assert (cfg.partitions, cfg.microbatches, cfg.default_partition, cfg.local_devices) == (
+        2, 4, 1, 2)
+    assert all(isinstance(v, int) for v in (cfg.partitions, cfg.microbatches))
+
+
+def test_int_accepted_for_float():
+    cfg = build(fusion_threshold_mb=0, collective_timeout_seconds=10)
+    assert cfg.fusion_threshold_mb == 0.0 and isinstance(cfg.fusion_threshold_mb, float)
+    assert cfg.collective_timeout_seconds == 10.0
+    assert isinstance(cfg.collective_timeout_seconds, float)
+
+
+def test_horovod_implies_allreduce():
+    cfg = build(horovod=True)
+    assert cfg.allreduce == "horovod"
+    assert build(horovod=True, allreduce="horovod").allreduce == "horovod"
+    assert SMPConfig(horovod=True).allreduce == "horovod"
+
+
+def test_other_choices():
+    cfg = build(optimize="speed", placement_strategy="spread", allreduce="hierarchical",
+                auto_partition=False, contiguous=False, default_partition=1, partitions=2,
+                local_devices=4)
+    assert cfg.optimize == "speed"
+    assert cfg.placement_strategy == "spread"
+    assert cfg.allreduce == "hierarchical"
+    assert cfg.auto_partition is False and cfg.contiguous is False
+    assert cfg.default_partition == 1 and cfg.local_devices == 4
+    assert build(allreduce="ring").allreduce == "ring"
+
+
+def test_to_dict_roundtrip():
+    cfg = build(partitions=2, microbatches=4, pipeline="simple", horovod=True)
+    assert SMPConfig(**cfg.to_dict()) == cfg
+    assert build(cfg.to_dict()) == cfg
+    d = cfg.to_dict()
+    d["partitions"] = 99  # a copy, not a view
+    assert cfg.partitions == 2
+
+
+# ---------------------------------------------------------------------------
+# Sources and precedence
+# ---------------------------------------------------------------------------
+
+
+def test_kwargs_override_dict():
+    cfg = build({"partitions": 2, "microbatches": 2}, microbatches=8)
+    assert (cfg.partitions, cfg.microbatches) == (2, 8)
+
+
+def test_config_instance_as_base():
+    base = SMPConfig(partitions=2, microbatches=4)
+    cfg = build(base, microbatches=8)
+    assert (cfg.partitions, cfg.microbatches) == (2, 8)
+
+
+def test_dict_not_mutated():
+    d = {"pipeline_parallel_degree": 2}
+    build(d)
+    assert d == {"pipeline_parallel_degree": 2}
+
+
+def test_smp_config_env_overrides_dict_and_kwargs():
+    env = {"SMP_CONFIG": json.dumps({"microbatches": 16, "pipeline": "simple"})}
+    cfg = build({"microbatches": 2, "partitions": 2}, microbatches=4, environ=env)
+    assert (cfg.partitions, cfg.microbatches, cfg.pipeline) == (2, 16, "gpipe")
+
+
+def test_legacy_env_overrides_dict_and_kwargs():
+    env = {"SM_HP_MP_PARAMETERS": json.dumps({"partitions": 4, "microbatches": 2})}
+    cfg = build({"partitions": 2}, microbatches=8, environ=env)
+    assert (cfg.partitions, cfg.microbatches) == (4, 2)
+
+
+def test_smp_config_beats_legacy_env():
+    env = {
+        "SM_HP_MP_PARAMETERS": json.dumps({"partitions": 4, "microbatches": 2}),
+        "SMP_CONFIG": json.dumps({"partitions": 8}),
+    }
+    cfg = build(environ=env)
+    assert (cfg.partitions, cfg.microbatches) == (8, 2)
+
+
+@pytest.mark.parametrize("value", ["", "   "])
+def test_empty_env_ignored(value):
+    env = {"SMP_CONFIG": value, "SM_HP_MP_PARAMETERS": value}
+    assert build(environ=env) == SMPConfig()
+
+
+def test_os_environ_default(monkeypatch):
+    monkeypatch.setenv("SMP_CONFIG", '{"microbatches": 3}')
+    monkeypatch.delenv("SM_HP_MP_PARAMETERS", raising=False)
+    assert SMPConfig.build().microbatches == 3
+
+
+def test_env_bool_json():
+    env = {"SMP_CONFIG": '{"auto_partition": false, "horovod": true}'}
+    cfg = build(environ=env)
+    assert cfg.auto_partition is False and cfg.allreduce == "horovod"
+
+
+# ---------------------------------------------------------------------------
+# Bad values: one case per key/value, message names key and value
+# ---------------------------------------------------------------------------
+
+BAD_VALUES = [
+    ("partitions", 0),
+    ("partitions", -1),
+    ("partitions", True),
+    ("partitions", "2"),
+    ("partitions", 2.5),
+    ("partitions", None),
+    ("microbatches", 0),
+    ("microbatches", False),
+    ("microbatches", "4"),
+    ("microbatches", 1.5),
+    ("pipeline", "pipedream"),
+    ("pipeline", 1),
+    ("pipeline", None),
+    ("optimize", "balanced"),
+    ("optimize", True),
+    ("auto_partition", "true"),
+    ("auto_partition", 1),
+    ("auto_partition", None),
+    ("default_partition", -1),
+    ("default_partition", True),
+    ("default_partition", "0"),
+    ("contiguous", "yes"),
+    ("contiguous", 0),
+    ("horovod", "True"),
+    ("horovod", 1),
+    ("placement_strategy", "random"),
+    ("placement_strategy", None),
+    ("allreduce", "nccl"),
+    ("allreduce", 3),
+    ("fusion_threshold_mb", -1),
+    ("fusion_threshold_mb", "64"),
+    ("fusion_threshold_mb", True),
+    ("fusion_threshold_mb", float("nan")),
+    ("fusion_threshold_mb", float("inf")),
+    ("collective_timeout_seconds", 0),
+    ("collective_timeout_seconds", -5.0),
+    ("collective_timeout_seconds", "300"),
+    ("collective_timeout_seconds", False),
+    ("local_devices", 0),
+    ("local_devices", True),
+    ("local_devices", "2"),
+    ("local_devices", 1.5),
+]
+
+
+@pytest.mark.parametrize("key, value", BAD_VALUES, ids=[f"{k}={v!r}" for k, v in BAD_VALUES])
+def test_bad_value(key, value):
+    with pytest.raises(ValueError) as info:
+        build({key: value})
+    msg = str(info.value)
+    assert f"'{key}'" in msg
+    assert f"received {value!r}" in msg
+    assert "expected" in msg
+
+
+@pytest.mark.parametrize("key, value", BAD_VALUES[:6], ids=[f"{k}={v!r}" for k, v in BAD_VALUES[:6]])
+def test_bad_value_direct_construction(key, value):
+    with pytest.raises(ValueError, match=re.escape(repr(value))):
+        SMPConfig(**{key: value})
+
+
+def test_bad_value_names_env_source():
+    env = {"SMP_CONFIG": '{"microbatches": 0}'}
+    with pytest.raises(ValueError, match="environment variable SMP_CONFIG") as info:
+        build(environ=env)
+    assert "'microbatches'" in str(info.value) and "received 0" in str(info.value)
+
+
+def test_bad_value_names_legacy_env_source():
+    env = {"SM_HP_MP_PARAMETERS": '{"pipeline": "fast"}'}
+    with pytest.raises(ValueError, match="SM_HP_MP_PARAMETERS") as info:
+        build(environ=env)
+    assert "'pipeline'" in str(info.value) and "'fast'" in str(info.value)
+
+
+def test_default_partition_must_be_below_partitions():
+    with pytest.raises(ValueError) as info:
+        build(partitions=2, default_partition=2)
+    msg = str(info.value)
+    assert "'default_partition'" in msg and "received 2" in msg and "partitions=2" in msg
+
+
+def test_default_partition_checked_against_default_partitions():
+    with pytest.raises(ValueError, match="must be < partitions=1"):
+        SMPConfig(default_partition=1)
+
+
+@pytest.mark.parametrize("allreduce", ["ring", "hierarchical"])
+def test_horovod_with_other_allreduce(allreduce):
+    with pytest.raises(ValueError) as info:
+        build(horovod=True, allreduce=allreduce)
+    msg = str(info.value)
+    assert "horovod=True" in msg and repr(allreduce) in msg and "allreduce" in msg
+
+
+def test_alias_conflict():
+    with pytest.raises(ValueError) as info:
+        build({"partitions": 2, "pipeline_parallel_degree": 4})
+    msg = str(info.value)
+    assert "'partitions'=2" in msg and "'pipeline_parallel_degree'=4" in msg
+
+
+def test_alias_conflict_in_kwargs():
+    with pytest.raises(ValueError, match="keyword arguments"):
+        build(partitions=2, pipeline_parallel_degree=3)
+
+
+def test_alias_conflict_in_env():
+    env = {"SMP_CONFIG": '{"partitions": 2, "pipeline_parallel_degree": 4}'}
+    with pytest.raises(ValueError, match="environment variable SMP_CONFIG"):
+        build(environ=env)
+
+
+# ---------------------------------------------------------------------------
+# Unknown keys
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key, suggestion",
+    [("partitons", "partitions"), ("microbatch", "microbatches"),
+     ("pipline", "pipeline"), ("placement", "placement_strategy"),
+     ("pipeline_parallel_degre", "pipeline_parallel_degree")],
+)
+def test_unknown_key_with_suggestion(key, suggestion):
+    with pytest.raises(ValueError) as info:
+        build({key: 1})
+    msg = str(info.value)
+    assert repr(key) in msg
+    assert f"Did you mean {suggestion!r}?" in msg
+    assert "Allowed keys:" in msg and "microbatches" in msg
+
+
+def test_unknown_key_without_suggestion():
+    with pytest.raises(ValueError) as info:
+        build({"zzzzzz": 1})
+    msg = str(info.value)
+    assert "'zzzzzz'" in msg and "Did you mean" not in msg and "Allowed keys:" in msg
+
+
+def test_unknown_kwarg():
+    with pytest.raises(ValueError, match=r"'microbatchs'.*keyword arguments.*'microbatches'"):
+        build(microbatchs=2)
+
+
+def test_unknown_non_string_key():
+    with pytest.raises(ValueError, match="Unknown keras-smp config key 1 "):
+        build({1: 2})
+
+
+@pytest.mark.parametrize("var", ["SMP_CONFIG", "SM_HP_MP_PARAMETERS"])
+def test_unknown_key_from_env_names_variable(var):
+    with pytest.raises(ValueError) as info:
+        build(environ={var: '{"tensor_parallel_degree": 2}'})
+    msg = str(info.value)
+    assert "'tensor_parallel_degree'" in msg and f"environment variable {var}" in msg
+
+
+# ---------------------------------------------------------------------------
+# Malformed environment variables
+# ---------------------------------------------------------------------------
+
+MALFORMED_ENV = [
+    ("SMP_CONFIG", "{partitions: 2}", "not valid JSON"),
+    ("SMP_CONFIG", '{"partitions": 2', "not valid JSON"),
+    ("SMP_CONFIG", "[1, 2]", "must hold a JSON object"),
+    ("SMP_CONFIG", "2", "must hold a JSON object"),
+    ("SMP_CONFIG", '"partitions"', "must hold a JSON object"),
+    ("SMP_CONFIG", "null", "must hold a JSON object"),
+    ("SM_HP_MP_PARAMETERS", "partitions=2", "not valid JSON"),
+    ("SM_HP_MP_PARAMETERS", "[]", "must hold a JSON object"),
+]
+
+
+@pytest.mark.parametrize("var, raw, expected", MALFORMED_ENV)
+def test_malformed_env(var, raw, expected):
+    with pytest.raises(ValueError) as info:
+        build(environ={var: raw})
+    msg = str(info.value)
+    assert var in msg and expected in msg and repr(raw) in msg
+
+
+@pytest.mark.parametrize("config", [[("partitions", 2)], "partitions=2", 2])
+def test_bad_config_argument_type(config):
+    with pytest.raises(TypeError, match="must be None, a dict or an SMPConfig"):
+        build(config)
+
+
+def test_config_is_positional_only():
+    # `config` is positional-only, so config=... is treated as an unknown option.
+    with pytest.raises(ValueError, match="Unknown keras-smp config key 'config'"):
+        SMPConfig.build(config={"partitions": 2}, environ={})
+
+
+# ---------------------------------------------------------------------------
+# Module hygiene
+# ---------------------------------------------------------------------------
+
+
+def test_no_tensorflow_import():
+    tree = ast.parse(pathlib.Path(config_module.__file__).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        else:
+            continue
+        assert not any(n.split(".")[0] in ("tensorflow", "keras") for n in names), names
+
+
+def _python_examples(obj):
+    doc = inspect.getdoc(obj) or ""
+    return re.findall(r"```python\n(.*?)```", doc, flags=re.S)
+
+
+@pytest.mark.parametrize("obj", [SMPConfig, SMPConfig.build, SMPConfig.to_dict],
+                         ids=["SMPConfig", "build", "to_dict"])
+def test_docstring_examples_run(obj, monkeypatch):
+    for var in ("SMP_CONFIG", "SM_HP_MP_PARAMETERS"):
+        monkeypatch.delenv(var, raising=False)
+    examples = _python_examples(obj)
+    assert examples
+    for code in examples:
+        exec(compile(code, f"<{obj.__qualname__} example>", "exec"), {})
