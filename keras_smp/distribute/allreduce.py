@@ -55,6 +55,9 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self.algorithm = algorithm
         self.layout = layout
         self.fusion_threshold_bytes = int(fusion_threshold_bytes)
+        # Buckets traced so far (all replicas): tests and users can check
+        # that gradients really went through this component.
+        self.buckets_traced = 0
         first = layout.replica_id
         self._local_layouts = [
             layout.for_replica(first + i) for i in range(len(devices))]
@@ -140,6 +143,7 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             shapes, [v.dtype.name for v in values],
             [v.dtype.size for v in values], self.fusion_threshold_bytes)
         out = {}
+        self.buckets_traced += len(buckets)
         for bucket in buckets:
             flat = fusion.pack(values, bucket)
             flat = self._reduce_flat(flat, replica_id, options)

@@ -21,6 +21,7 @@ from tensorflow.python.distribute import distribute_lib
 
 from keras_smp import state
 from keras_smp.config import SMPConfig
+from keras_smp.distribute import chief_io
 from keras_smp.distribute.allreduce import GradientAllReduce
 from keras_smp.distribute.groups import ReplicaLayout
 from keras_smp.distribute.groups import resolve_algorithm
@@ -116,6 +117,7 @@ class SMPStrategy(cars.CollectiveAllReduceStrategy):
         self.cluster = cluster
         self.topology = topology
         state.install(config, cluster, topology)
+        chief_io.install()
         if topology.rank != 0:
             import keras
 
@@ -127,9 +129,14 @@ class SMPStrategy(cars.CollectiveAllReduceStrategy):
         return self.topology.rank == 0
 
     @property
+    def gradient_sync(self):
+        """The `GradientAllReduce` that sums gradients across replicas."""
+        return self.extended._cross_device_ops
+
+    @property
     def allreduce_algorithm(self):
         """The gradient all-reduce algorithm in use ("ring", ...)."""
-        return self.extended._cross_device_ops.algorithm
+        return self.gradient_sync.algorithm
 
     def reduce(self, reduce_op, value, axis):
         # Keras 3 reduces whole (x, y, sample_weight) batches and scalar

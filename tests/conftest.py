@@ -1,0 +1,86 @@
+"""Shared helpers: run TensorFlow workers in subprocesses.
+
+TensorFlow can be initialised once per process (logical devices, collective
+ops), so every test that trains runs its own Python processes; the pytest
+process itself never imports TensorFlow.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(ROOT, "tests", "workers")
+
+# Float32 fidelity bound used throughout: the same global batch summed in a
+# different order differs only by rounding.
+RTOL = 1e-5
+ATOL = 1e-6
+
+
+def env(**extra):
+    e = dict(os.environ)
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    e["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    for k in ("TF_CONFIG", "SMP_CONFIG", "SMP_HOST_MAP", "SLURM_PROCID"):
+        e.pop(k, None)
+    e.update(extra)
+    return e
+
+
+def run_python(args, timeout=240, extra_env=None, check=True):
+    """Runs `python ARGS` with the package importable; returns the result."""
+    proc = subprocess.run(
+        [sys.executable] + list(args), env=env(**(extra_env or {})),
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"python {' '.join(args)} exited {proc.returncode}\n"
+            f"--- stdout ---\n{proc.stdout[-4000:]}\n"
+            f"--- stderr ---\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def launch(n, args, timeout=300, extra_env=None, check=True, launcher_args=()):
+    """Runs `keras-smp launch -n N -- python ARGS` (real worker processes)."""
+    return run_python(
+        ["-m", "keras_smp.launch", "-n", str(n), "--timeout", str(timeout - 20),
+         *launcher_args, "--", sys.executable, *args],
+        timeout=timeout, extra_env=extra_env, check=check)
+
+
+def fit_model(out, *flags):
+    return [os.path.join(WORKERS, "fit_model.py"), "--out", str(out), *flags]
+
+
+def load(out, rank=0):
+    with np.load(os.path.join(str(out), f"rank{rank}.npz")) as f:
+        return {k: f[k] for k in f.files}
+
+
+def assert_same_training(got, ref, rtol=RTOL, atol=ATOL,
+                         keys=("loss", "evaluate", "predict")):
+    """Final weights, losses, evaluate and predict agree within float32."""
+    weights = sorted(k for k in ref if k.startswith("w"))
+    assert weights and weights == sorted(k for k in got if k.startswith("w"))
+    for k in weights + list(keys):
+        np.testing.assert_allclose(got[k], ref[k], rtol=rtol, atol=atol,
+                                   err_msg=k)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """Single-device plain-Keras run, computed once per set of flags."""
+    cache = {}
+
+    def get(*flags):
+        if flags not in cache:
+            out = tmp_path_factory.mktemp("reference")
+            run_python(fit_model(out, "--mode", "reference", *flags))
+            cache[flags] = load(out)
+        return cache[flags]
+
+    return get

@@ -1,0 +1,135 @@
+"""SMPStrategy data parallelism: results equal single-device training.
+
+Every run here is a real Python process (or several, through
+`keras-smp launch`); tolerances are rtol=1e-5, atol=1e-6 (float32 rounding
+of the same global-batch sums taken in another order).
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import assert_same_training
+from conftest import fit_model
+from conftest import launch
+from conftest import load
+from conftest import run_python
+
+
+@pytest.mark.parametrize("fusion_mb", [64, 0])
+def test_two_logical_devices_match_single_device(tmp_path, reference,
+                                                 fusion_mb):
+    cfg = json.dumps({"fusion_threshold_mb": fusion_mb})
+    run_python(fit_model(tmp_path, "--local-devices", "2", "--config", cfg))
+    got = load(tmp_path)
+    assert int(got["replicas"]) == 2
+    assert str(got["algorithm"]) == "ring"
+    assert int(got["buckets_traced"]) > 0, "gradients bypassed GradientAllReduce"
+    assert_same_training(got, reference())
+
+
+def test_adam_two_devices_match_single_device(tmp_path, reference):
+    # Adam divides by sqrt(v)+eps: a gradient that is ~0 with rounding noise
+    # can move a weight by up to lr; this small model has no such gradients,
+    # and the tight bound holds.
+    run_python(fit_model(tmp_path, "--local-devices", "2", "--optimizer",
+                         "adam"))
+    assert_same_training(load(tmp_path), reference("--optimizer", "adam"))
+
+
+def test_training_actually_changes_weights(tmp_path, reference):
+    # Guards the fidelity tests against comparing two untrained models.
+    ref = reference()
+    run_python(fit_model(tmp_path, "--mode", "reference", "--epochs", "1"))
+    one_epoch = load(tmp_path)
+    assert not np.allclose(one_epoch["w0"], ref["w0"], rtol=1e-3)
+    assert ref["loss"][-1] < ref["loss"][0]
+
+
+def test_bad_config_fails_before_tensorflow_starts(tmp_path):
+    proc = run_python(
+        fit_model(tmp_path, "--config", json.dumps({"microbatchs": 2})),
+        check=False)
+    assert proc.returncode != 0
+    assert "microbatchs" in proc.stderr and "microbatches" in proc.stderr
+
+
+def test_malformed_tf_config_is_a_clear_error(tmp_path):
+    proc = run_python(fit_model(tmp_path), check=False,
+                      extra_env={"TF_CONFIG": '{"cluster": {"worker": ['})
+    assert proc.returncode != 0
+    assert "TF_CONFIG" in proc.stderr
+
+
+def test_partitions_not_divisible_by_workers_is_a_clear_error(tmp_path):
+    tf_config = json.dumps({
+        "cluster": {"worker": ["localhost:1", "localhost:2", "localhost:3"]},
+        "task": {"type": "worker", "index": 0}})
+    proc = run_python(
+        fit_model(tmp_path, "--config", json.dumps({"partitions": 2})),
+        check=False, extra_env={"TF_CONFIG": tf_config})
+    assert proc.returncode != 0
+    assert "3" in proc.stderr and "partitions" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [2, 4])
+def test_multi_worker_fit_matches_single_device(tmp_path, reference, workers):
+    proc = launch(workers, fit_model(tmp_path))
+    ref = reference()
+    for r in range(workers):
+        got = load(tmp_path, r)
+        assert int(got["replicas"]) == workers
+        assert int(got["buckets_traced"]) > 0
+        assert_same_training(got, ref)
+    # Progress bars only on the chief.
+    assert "[0] Epoch 1/3" in proc.stdout
+    for r in range(1, workers):
+        assert f"[{r}] Epoch" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_workers_times_local_devices_hierarchical(tmp_path, reference):
+    # 2 processes x 2 logical CPUs on 2 emulated hosts: "auto" picks the
+    # hierarchical all-reduce (sum in host, shards across hosts, share back).
+    launch(2, fit_model(tmp_path, "--local-devices", "2"),
+           launcher_args=("--host-map", "a,b"))
+    for r in range(2):
+        got = load(tmp_path, r)
+        assert int(got["replicas"]) == 4
+        assert str(got["algorithm"]) == "hierarchical"
+        assert_same_training(got, reference())
+
+
+@pytest.mark.slow
+def test_callbacks_across_workers(tmp_path, reference):
+    # ModelCheckpoint, BackupAndRestore, EarlyStopping and TensorBoard on 2
+    # workers: training still matches, files are written once (by the
+    # chief), and a second run restores from the backup without retraining.
+    launch(2, fit_model(tmp_path, "--callbacks"))
+    assert_same_training(load(tmp_path, 1), reference())
+    files = tmp_path / "files"
+    assert (files / "ckpt.keras").is_file()
+    assert (files / "best.weights.h5").is_file()
+    events = list((files / "tb").rglob("events.out.tfevents.*"))
+    assert len({e.parent for e in events}) == len(events) >= 1, events
+    assert not (files / "backup").exists(), "backup not cleaned after fit"
+
+
+@pytest.mark.slow
+def test_backup_and_restore_resumes_after_failure(tmp_path, reference):
+    # Rank 1 fails at epoch 2; the launcher stops the job. The re-run
+    # restores epoch 2's backup on both workers and ends where an
+    # uninterrupted run ends.
+    proc = launch(2, fit_model(tmp_path, "--callbacks", "--fail-at-epoch",
+                               "2"), check=False)
+    assert proc.returncode != 0
+    assert "fails on purpose" in proc.stdout
+    assert (tmp_path / "files" / "backup").exists()
+    proc = launch(2, fit_model(tmp_path, "--callbacks"))
+    assert "Epoch 3/3" in proc.stdout and "Epoch 1/3" not in proc.stdout
+    for r in range(2):
+        assert_same_training(load(tmp_path, r), reference(),
+                             keys=("evaluate", "predict"))

@@ -1,0 +1,114 @@
+"""Trains a small Keras model and dumps its final state (used by tests).
+
+--mode reference: plain Keras on one device, no strategy.
+--mode strategy:  the same under keras_smp.SMPStrategy (one process or one of
+                  the workers started by `keras-smp launch`).
+Writes OUT/rank{R}.npz with weights, history, evaluate and predict results.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--mode", choices=["reference", "strategy"], default="strategy")
+p.add_argument("--local-devices", type=int, default=None)
+p.add_argument("--global-batch", type=int, default=32)
+p.add_argument("--epochs", type=int, default=3)
+p.add_argument("--samples", type=int, default=256)
+p.add_argument("--optimizer", default="sgd")
+p.add_argument("--callbacks", action="store_true")
+p.add_argument("--fail-at-epoch", type=int, default=None,
+               help="rank 1 raises at the start of this epoch")
+p.add_argument("--config", default="{}", help="JSON options for SMPStrategy")
+args = p.parse_args()
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
+
+strategy = None
+if args.mode == "strategy":
+    import keras_smp
+
+    strategy = keras_smp.SMPStrategy(
+        json.loads(args.config), local_devices=args.local_devices)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+rng = np.random.RandomState(0)
+x = rng.randn(args.samples, 8).astype("float32")
+w_true = rng.randn(8, 3).astype("float32")
+y = np.argmax(x @ w_true + 0.1 * rng.randn(args.samples, 3), axis=1)
+sw = rng.uniform(0.5, 1.5, size=args.samples).astype("float32")
+ds = tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(
+    args.global_batch, drop_remainder=True)
+
+
+def build():
+    keras.utils.set_random_seed(1234)
+    model = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(32, activation="tanh"),
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(3),
+    ])
+    if args.optimizer == "sgd":
+        opt = keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+    else:
+        opt = keras.optimizers.Adam(learning_rate=1e-2)
+    model.compile(
+        optimizer=opt,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["sparse_categorical_accuracy"])
+    return model
+
+
+if strategy is not None:
+    with strategy.scope():
+        model = build()
+    rank = strategy.topology.rank
+else:
+    model = build()
+    rank = 0
+
+callbacks = []
+if args.callbacks:
+    d = os.path.join(args.out, "files")
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(os.path.join(d, "ckpt.keras")),
+        keras.callbacks.ModelCheckpoint(
+            os.path.join(d, "best.weights.h5"), save_weights_only=True,
+            monitor="loss", save_best_only=True),
+        keras.callbacks.BackupAndRestore(os.path.join(d, "backup")),
+        keras.callbacks.EarlyStopping(monitor="loss", patience=50),
+        keras.callbacks.TensorBoard(os.path.join(d, "tb")),
+    ]
+if args.fail_at_epoch is not None:
+    class Fail(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == args.fail_at_epoch and rank == 1:
+                raise RuntimeError(f"worker {rank} fails on purpose")
+    callbacks.append(Fail())
+
+history = model.fit(ds, epochs=args.epochs, verbose=2, callbacks=callbacks)
+eval_ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+    args.global_batch, drop_remainder=True)
+evaluation = model.evaluate(eval_ds, verbose=0)
+predictions = model.predict(eval_ds, verbose=0)
+
+result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+result["loss"] = np.array(history.history["loss"])
+result["evaluate"] = np.array(evaluation)
+result["predict"] = predictions
+if strategy is not None:
+    result["replicas"] = np.array(strategy.num_replicas_in_sync)
+    result["buckets_traced"] = np.array(strategy.gradient_sync.buckets_traced)
+    result["algorithm"] = np.array(strategy.allreduce_algorithm)
+os.makedirs(args.out, exist_ok=True)
+np.savez(os.path.join(args.out, f"rank{rank}.npz"), **result)
+print(f"rank {rank} done", flush=True)
+sys.exit(0)
