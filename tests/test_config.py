@@ -382,21 +382,6 @@ def test_config_is_positional_only():
         SMPConfig.build(config={"partitions": 2}, environ={})
 
 
-# ---------------------------------------------------------------------------
-# Module hygiene
-# ---------------------------------------------------------------------------
-
-
-def test_no_tensorflow_import():
-    tree = ast.parse(pathlib.Path(config_module.__file__).read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            names = [node.module or ""]
-        else:
-            continue
-        assert not any(n.split(".")[0] in ("tensorflow", "keras") for n in names), names
 
 
 def _python_examples(obj):

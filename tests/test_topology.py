@@ -545,21 +545,6 @@ def test_topology_bad_arguments(call, message):
         call(topo)
 
 
-# ---------------------------------------------------------------------------
-# Module hygiene
-# ---------------------------------------------------------------------------
-
-
-def test_no_tensorflow_import():
-    tree = ast.parse(pathlib.Path(topology_module.__file__).read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            names = [node.module or ""]
-        else:
-            continue
-        assert not any(n.split(".")[0] in ("tensorflow", "keras") for n in names), names
 
 
 DOCUMENTED = [ClusterInfo, Topology, Topology.from_cluster, Topology.coords, Topology.rank_of,

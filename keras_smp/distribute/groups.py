@@ -82,14 +82,11 @@ class ReplicaLayout:
         position in it agree cluster-wide.
         """
         groups = [self.world_group]
-        for h in sorted(set(self.replica_hosts)):
-            groups.append(self.host_members(h))
+        groups += [self.host_members(h) for h in sorted(set(self.replica_hosts))]
         if self.is_uniform:
-            for r in range(self.size):
-                g = self.for_replica(r).cross_host_group
-                if g not in groups:
-                    groups.append(g)
-        return groups
+            groups += [self.for_replica(r).cross_host_group
+                       for r in range(self.size)]
+        return list(dict.fromkeys(groups))
 
     @property
     def is_uniform(self):

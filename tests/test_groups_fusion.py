@@ -1,0 +1,80 @@
+"""Pure-Python planning of gradient sync: replica groups and fusion buckets."""
+
+import itertools
+
+import pytest
+
+from keras_smp.distribute.fusion import plan_buckets
+from keras_smp.distribute.groups import ReplicaLayout
+from keras_smp.distribute.groups import resolve_algorithm
+
+
+@pytest.mark.parametrize("hosts,per_worker", [
+    ((0, 0, 1, 1), 1), ((0, 1), 2), ((0, 0, 0, 1, 1, 1), 1), ((0, 1, 2), 2),
+    ((0,), 4)])
+def test_hierarchical_groups_cover_every_replica_once(hosts, per_worker):
+    layout = ReplicaLayout.from_workers(hosts, per_worker)
+    n = layout.size
+    assert n == len(hosts) * per_worker
+    intra = {layout.for_replica(r).intra_host_group for r in range(n)}
+    cross = {layout.for_replica(r).cross_host_group for r in range(n)}
+    # Host groups and cross-host groups each partition the replicas.
+    for groups in (intra, cross):
+        flat = sorted(itertools.chain.from_iterable(groups))
+        assert flat == list(range(n))
+    # A cross-host group has one replica per host, all with the same index.
+    for g in cross:
+        assert len({layout.replica_hosts[r] for r in g}) == layout.num_hosts
+        assert len({layout.for_replica(r).local_index for r in g}) == 1
+    # Every replica uses only groups all workers enumerate, in one order.
+    every = layout.all_groups()
+    assert len(every) == len(set(every))
+    for r in range(n):
+        local = layout.for_replica(r)
+        assert local.all_groups() == every
+        assert {local.world_group, local.intra_host_group,
+                local.cross_host_group} <= set(every)
+
+
+@pytest.mark.parametrize("hosts,per_worker,expected", [
+    ((0, 0, 1, 1), 1, "hierarchical"),
+    ((0, 1), 2, "hierarchical"),
+    ((0, 1), 1, "ring"),        # one replica per host: nothing to gain
+    ((0, 0), 1, "ring"),        # one host
+    ((0, 0, 1), 1, "ring"),     # uneven hosts
+])
+def test_auto_algorithm(hosts, per_worker, expected):
+    layout = ReplicaLayout.from_workers(hosts, per_worker)
+    assert resolve_algorithm("auto", layout) == expected
+
+
+def test_hierarchical_on_uneven_hosts_is_an_error():
+    layout = ReplicaLayout.from_workers((0, 0, 1), 1)
+    with pytest.raises(ValueError, match="same number of replicas"):
+        resolve_algorithm("hierarchical", layout)
+
+
+def test_unknown_algorithm_is_an_error():
+    with pytest.raises(ValueError, match="'tree'"):
+        resolve_algorithm("tree", ReplicaLayout((0,)))
+
+
+def test_buckets_respect_threshold_and_dtype_and_order():
+    shapes = [(10,), (300,), (5, 5), (2,), (1000,), (3,)]
+    dtypes = ["float32", "float32", "float16", "float32", "float32", "float16"]
+    sizes = [4 if d == "float32" else 2 for d in dtypes]
+    buckets = plan_buckets(shapes, dtypes, sizes, threshold_bytes=1300)
+    seen = sorted(i for b in buckets for i in b.indices)
+    assert seen == list(range(len(shapes)))
+    for b in buckets:
+        assert {dtypes[i] for i in b.indices} == {b.dtype}
+        assert list(b.indices) == sorted(b.indices)
+        nbytes = sum(sizes[i] * b.sizes[k] for k, i in enumerate(b.indices))
+        assert len(b.indices) == 1 or nbytes <= 1300
+    # The 1000-element tensor (4000 bytes) is alone in its bucket.
+    assert any(b.indices == (4,) for b in buckets)
+
+
+def test_fusion_disabled_gives_one_bucket_per_tensor():
+    buckets = plan_buckets([(2,), (3,)], ["float32"] * 2, [4, 4], 0)
+    assert [b.indices for b in buckets] == [(0,), (1,)]
