@@ -23,6 +23,7 @@ PURE_MODULES = [
     "keras_smp/ranks.py",
     "keras_smp/launch.py",
     "keras_smp/distribute/groups.py",
+    "keras_smp/pipeline/partition.py",
 ]
 
 
