@@ -1,0 +1,423 @@
+"""Pipeline schedules (pure Python): order, transfers, simulation, pictures."""
+
+import ast
+import dataclasses
+import doctest
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from conftest import env
+from keras_smp.config import SMPConfig
+from keras_smp.pipeline import schedule as schedule_module
+from keras_smp.pipeline.schedule import COMM_KINDS
+from keras_smp.pipeline.schedule import KINDS
+from keras_smp.pipeline.schedule import SCHEDULES
+from keras_smp.pipeline.schedule import Action
+from keras_smp.pipeline.schedule import GPipe
+from keras_smp.pipeline.schedule import OneFOneB
+from keras_smp.pipeline.schedule import Schedule
+from keras_smp.pipeline.schedule import get_schedule
+from keras_smp.pipeline.schedule import main
+from keras_smp.pipeline.schedule import simulate
+
+GRID = [(name, p, m) for name in ("gpipe", "1f1b")
+        for p in range(1, 6) for m in range(1, 10)]
+EPS = 1e-9
+
+
+# --------------------------------------------------------------------------
+# Built-in schedules on every (p, m) in 1..5 x 1..9
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,p,m", GRID)
+def test_builtin_schedules_validate_and_simulation_respects_dependencies(name, p, m):
+    sched = get_schedule(name, p, m)
+    sched.validate()
+    t = simulate(sched, forward_cost=1.0, backward_cost=2.0, comm_cost=0.25)
+    span = t.spans
+    assert len(span) == 2 * p * m
+    for s in range(p):
+        # A stage runs one action at a time, in its compute order.
+        entries = t.entries[s]
+        assert [a for _, _, a in entries] == sched.compute_actions(s)
+        for (_, e0, _), (s1, _, _) in zip(entries, entries[1:]):
+            assert s1 >= e0 - EPS
+        for k in range(m):
+            f, b = span[Action(s, "F", k)], span[Action(s, "B", k)]
+            assert f[1] <= b[0] + EPS  # F before B on the same stage
+            if s > 0:
+                assert span[Action(s - 1, "F", k)][1] + 0.25 <= f[0] + EPS
+            if s < p - 1:
+                assert span[Action(s + 1, "B", k)][1] + 0.25 <= b[0] + EPS
+
+
+@pytest.mark.parametrize("name,p,m", GRID)
+def test_peak_in_flight(name, p, m):
+    sched = get_schedule(name, p, m)
+    t = simulate(sched)
+    for s in range(p):
+        expected = m if name == "gpipe" else min(p - s, m)
+        assert sched.peak_in_flight(s) == expected
+        assert t.peak_in_flight(s) == expected
+        assert sched.peak_in_flight(s) <= sched.in_flight_limit(s)
+    if name == "1f1b":
+        assert max(sched.peak_in_flight(s) for s in range(p)) <= p
+
+
+@pytest.mark.parametrize("name,p,m", GRID)
+def test_equal_costs_bubble_is_ideal(name, p, m):
+    # F = B = 1: the last microbatch leaves stage 0's forward at m, reaches
+    # the last stage after p - 1 more steps, and its gradient needs p more
+    # steps back; every stage is busy 2m of the 2(m + p - 1) units.
+    sched = get_schedule(name, p, m)
+    t = simulate(sched, forward_cost=1.0, backward_cost=1.0, comm_cost=0.0)
+    assert t.makespan == pytest.approx(2 * (m + p - 1), abs=EPS)
+    assert abs(t.bubble_fraction() - (p - 1) / (m + p - 1)) < EPS
+    assert abs(sched.ideal_bubble_fraction() - (p - 1) / (m + p - 1)) < EPS
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("f,b", [(1.0, 2.0), (1.0, 3.0), (2.0, 1.0), (0.7, 1.9)])
+def test_unequal_costs_makespan_is_m_plus_p_minus_1_times_f_plus_b(name, f, b):
+    for p in range(1, 6):
+        for m in range(1, 10):
+            sched = get_schedule(name, p, m)
+            t = simulate(sched, forward_cost=f, backward_cost=b)
+            assert t.makespan == pytest.approx((m + p - 1) * (f + b))
+            assert t.bubble_fraction() == pytest.approx(
+                sched.ideal_bubble_fraction())
+
+
+def test_comm_cost_lengthens_the_step():
+    sched = OneFOneB(4, 8)
+    assert simulate(sched, comm_cost=0.5).makespan > simulate(sched).makespan
+    assert simulate(OneFOneB(1, 8), comm_cost=5.0).makespan == 8 * 3.0
+    # GPipe pays the hops of the first forward and the last backward only;
+    # 1F1B also waits for round trips in its steady state.
+    for p, m in [(2, 2), (3, 5), (4, 8)]:
+        gpipe = simulate(GPipe(p, m), comm_cost=0.5).makespan
+        assert gpipe == pytest.approx((m + p - 1) * 3.0 + 2 * (p - 1) * 0.5)
+        assert simulate(OneFOneB(p, m), comm_cost=0.5).makespan >= gpipe
+    assert simulate(GPipe(4, 8), comm_cost=0.5).makespan == 36.0
+    assert simulate(OneFOneB(4, 8), comm_cost=0.5).makespan == 41.0
+
+
+def test_documented_orders():
+    assert [str(a) for a in GPipe(2, 3).compute_actions(1)] == [
+        "1F0", "1F1", "1F2", "1B0", "1B1", "1B2"]
+    assert [str(a) for a in OneFOneB(4, 8).compute_actions(1)] == [
+        "1F0", "1F1", "1F2", "1B0", "1F3", "1B1", "1F4", "1B2", "1F5", "1B3",
+        "1F6", "1B4", "1F7", "1B5", "1B6", "1B7"]
+    # Fewer microbatches than stages: warm-up is capped at m.
+    assert [OneFOneB(5, 2).warmup(s) for s in range(5)] == [2, 2, 2, 1, 0]
+    assert [str(a) for a in OneFOneB(5, 2).compute_actions(0)] == [
+        "0F0", "0F1", "0B0", "0B1"]
+
+
+@pytest.mark.parametrize("name,p,m", [("gpipe", 3, 4), ("1f1b", 4, 5),
+                                      ("1f1b", 1, 3), ("gpipe", 2, 1)])
+def test_actions_wrap_compute_with_transfers(name, p, m):
+    sched = get_schedule(name, p, m)
+    everything = sched.all_actions()
+    assert sorted(everything) == list(range(p))
+    for s, acts in everything.items():
+        assert [a for a in acts if a.is_compute] == sched.compute_actions(s)
+        assert all(a.stage == s for a in acts)
+        expected = []
+        for a in sched.compute_actions(s):
+            k = a.microbatch
+            if a.kind == "F":
+                expected += ([Action(s, "RECV_F", k)] if s > 0 else []) + [a] \
+                    + ([Action(s, "SEND_F", k)] if s < p - 1 else [])
+            else:
+                expected += ([Action(s, "RECV_B", k)] if s < p - 1 else []) \
+                    + [a] + ([Action(s, "SEND_B", k)] if s > 0 else [])
+        assert acts == expected
+    if p == 1:
+        assert not any(a.kind in COMM_KINDS for a in everything[0])
+
+
+def test_str_of_schedule_is_the_simulated_grid():
+    sched = GPipe(2, 2)
+    assert str(sched) == simulate(sched).grid()
+    assert repr(sched) == "GPipe(num_stages=2, num_microbatches=2)"
+
+
+def test_grid_layout():
+    grid = simulate(GPipe(2, 2), forward_cost=1, backward_cost=1).grid()
+    assert grid.splitlines() == [
+        "time     0  1  2  3  4  5",
+        "stage 0  F0 F1 .  .  B0 B1",
+        "stage 1  .  F0 F1 B0 B1 .",
+    ]
+    # Default step is the shortest action: a B of cost 2 fills two cells.
+    row = simulate(OneFOneB(1, 2)).grid().splitlines()[1].split()
+    assert row == ["stage", "0", "F0", "B0", "B0", "F1", "B1", "B1"]
+    half = simulate(OneFOneB(1, 1)).grid(step=0.5).splitlines()[1].split()
+    assert half[2:] == ["F0", "F0", "B0", "B0", "B0", "B0"]
+    with pytest.raises(ValueError, match="received 0"):
+        simulate(GPipe(2, 2)).grid(step=0)
+
+
+# --------------------------------------------------------------------------
+# Actions
+# --------------------------------------------------------------------------
+
+
+def test_action_string_round_trip():
+    assert str(Action(2, "F", 0)) == "2F0"
+    assert str(Action(1, "RECV_F", 3)) == "1RECV_F3"
+    for kind in KINDS:
+        for stage, mb in [(0, 0), (3, 12), (15, 7)]:
+            a = Action(stage, kind, mb)
+            assert Action.parse(str(a)) == a
+    for sched in (GPipe(3, 4), OneFOneB(4, 11)):
+        for acts in sched.all_actions().values():
+            assert [Action.parse(str(a)) for a in acts] == acts
+    assert Action.parse(" 10SEND_B11 ") == Action(10, "SEND_B", 11)
+
+
+def test_action_peer_and_errors():
+    assert Action(2, "SEND_F", 0).peer == 3
+    assert Action(2, "RECV_F", 0).peer == 1
+    assert Action(2, "SEND_B", 0).peer == 1
+    assert Action(2, "RECV_B", 0).peer == 3
+    assert Action(2, "F", 0).peer is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Action(0, "F", 0).stage = 1
+    for bad in ["2X0", "F0", "2F", "", "-1F0", "2f0", "2SEND0"]:
+        with pytest.raises(ValueError, match="Cannot parse action.*expected"):
+            Action.parse(bad)
+    with pytest.raises(ValueError, match="kind: received 'f'.*expected one of"):
+        Action(0, "f", 0)
+    with pytest.raises(ValueError, match="stage: received -1, expected an int >= 0"):
+        Action(-1, "F", 0)
+    with pytest.raises(ValueError, match="microbatch: received 1.5"):
+        Action(0, "F", 1.5)
+
+
+# --------------------------------------------------------------------------
+# get_schedule
+# --------------------------------------------------------------------------
+
+
+def test_get_schedule_names_and_aliases():
+    assert type(get_schedule("gpipe", 2, 4)) is GPipe
+    assert type(get_schedule("simple", 2, 4)) is GPipe
+    assert type(get_schedule("1f1b", 2, 4)) is OneFOneB
+    assert type(get_schedule("interleaved", 2, 4)) is OneFOneB
+    assert type(get_schedule(" GPipe ", 2, 4)) is GPipe
+    assert type(get_schedule("1F1B", 2, 4)) is OneFOneB
+    sched = get_schedule("interleaved", 3, 5)
+    assert (sched.num_stages, sched.num_microbatches, sched.name) == (3, 5, "1f1b")
+    # Every name SMPConfig accepts builds the schedule SMPConfig stores.
+    for name in SCHEDULES:
+        canonical = SMPConfig(pipeline=name).pipeline
+        assert type(get_schedule(name, 2, 2)) is type(get_schedule(canonical, 2, 2))
+
+
+@pytest.mark.parametrize("name,p,m,match", [
+    ("pipedream", 2, 4, "received 'pipedream', expected one of 'gpipe'"),
+    (None, 2, 4, "received None"),
+    ("gpipe", 0, 4, "num_stages .*received 0, expected an int >= 1"),
+    ("1f1b", 2, 0, "num_microbatches .*received 0, expected an int >= 1"),
+    ("1f1b", "4", 8, "num_stages .*received '4'"),
+    ("1f1b", 4, 2.0, "num_microbatches .*received 2.0"),
+    ("gpipe", True, 4, "num_stages .*received True"),
+])
+def test_get_schedule_errors(name, p, m, match):
+    with pytest.raises(ValueError, match=match):
+        get_schedule(name, p, m)
+
+
+def test_bad_stage_and_costs():
+    with pytest.raises(ValueError, match=r"received 4, expected an int in \[0, 3\]"):
+        OneFOneB(4, 8).compute_actions(4)
+    with pytest.raises(ValueError, match="forward_cost.*received 0"):
+        simulate(GPipe(2, 2), forward_cost=0)
+    with pytest.raises(ValueError, match="comm_cost.*received -1"):
+        simulate(GPipe(2, 2), comm_cost=-1)
+
+
+# --------------------------------------------------------------------------
+# Broken schedules are caught with the offending action named
+# --------------------------------------------------------------------------
+
+
+class _Custom(Schedule):
+    """A schedule whose per-stage order is given as compact strings."""
+
+    name = "custom"
+
+    def __init__(self, orders, num_microbatches):
+        super().__init__(len(orders), num_microbatches)
+        self.orders = orders
+
+    def _compute_actions(self, stage):
+        return [Action.parse(x) for x in self.orders[stage].split()]
+
+
+def test_backward_before_forward_is_rejected():
+    sched = _Custom(["0F0 0F1 0B0 0B1", "1B0 1F0 1F1 1B1"], 2)
+    with pytest.raises(ValueError, match="stage 1 runs 1B0 .*before 1F0"):
+        sched.validate()
+    with pytest.raises(ValueError, match="deadlocks.*stage 1 is stuck at 1B0, "
+                                         "waiting for 1F0"):
+        simulate(sched)
+    with pytest.raises(ValueError, match="deadlocks"):
+        str(sched)
+
+
+def test_cross_stage_deadlock_names_stuck_actions():
+    # Each stage is fine on its own, together they wait on each other.
+    sched = _Custom(["0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1"], 2)
+    with pytest.raises(ValueError) as info:
+        simulate(sched)
+    msg = str(info.value)
+    assert "stage 0 is stuck at 0B0, waiting for 1B0" in msg
+    assert "stage 1 is stuck at 1F1, waiting for 0F1" in msg
+    # validate() sees the mismatched link order first.
+    with pytest.raises(ValueError, match=r"microbatch order \[0, 1\].*order \[1, 0\]"):
+        sched.validate()
+
+
+def test_missing_duplicate_and_foreign_actions_are_rejected():
+    with pytest.raises(ValueError, match="stage 0 runs 0B1 0 times, expected exactly once"):
+        _Custom(["0F0 0F1 0B0"], 2).validate()
+    with pytest.raises(ValueError, match="stage 0 runs 0F0 2 times"):
+        _Custom(["0F0 0F0 0F1 0B0 0B1"], 2).validate()
+    with pytest.raises(ValueError, match=r"compute_actions\(1\) returned 0F0"):
+        _Custom(["0F0 0B0", "0F0 1B0"], 1).validate()
+    with pytest.raises(ValueError, match=r"returned 0SEND_F0 .*F or B"):
+        _Custom(["0F0 0SEND_F0 0B0"], 1).validate()
+    with pytest.raises(ValueError, match="runs 0F2, but microbatches are numbered 0..1"):
+        _Custom(["0F0 0F1 0F2 0B0 0B1 0B2"], 2).validate()
+    with pytest.raises(ValueError, match=r"stuck at 1B0, waiting for 2B0 "
+                                         r"\(stage 2 never runs it\)"):
+        simulate(_MissingNextStage())
+
+
+class _MissingNextStage(Schedule):
+    """Stage 1 expects a stage 2 backward that does not exist."""
+
+    def __init__(self):
+        super().__init__(3, 1)
+
+    def _compute_actions(self, stage):
+        if stage == 2:
+            return [Action(2, "F", 0)]
+        return [Action(stage, "F", 0), Action(stage, "B", 0)]
+
+
+def test_in_flight_limit_is_enforced():
+    class GreedyOneFOneB(OneFOneB):
+        def _compute_actions(self, stage):
+            return GPipe(self.num_stages, self.num_microbatches).compute_actions(stage)
+
+    with pytest.raises(ValueError, match="stage 0 holds 8 microbatches in flight, "
+                                         "expected at most 4"):
+        GreedyOneFOneB(4, 8).validate()
+
+
+def test_unpaired_transfers_are_rejected():
+    class DropsARecv(GPipe):
+        def actions(self, stage):
+            acts = super().actions(stage)
+            return [a for a in acts if str(a) != "1RECV_F1"]
+
+    with pytest.raises(ValueError, match="0SEND_F1 has no matching 1RECV_F1"):
+        DropsARecv(2, 2).validate()
+
+    class SendsOffTheEnd(GPipe):
+        def actions(self, stage):
+            acts = super().actions(stage)
+            return acts + [Action(stage, "SEND_F", 0)] if stage == 1 else acts
+
+    with pytest.raises(ValueError, match="1SEND_F0, whose peer stage 2 does not exist"):
+        SendsOffTheEnd(2, 1).validate()
+
+
+# --------------------------------------------------------------------------
+# Pictures, command line, layering
+# --------------------------------------------------------------------------
+
+
+def test_draw_writes_a_png(tmp_path):
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib is not installed: skipping the drawing test")
+        pytest.skip("matplotlib is not installed (pip install matplotlib)")
+    out = tmp_path / "1f1b.png"
+    assert simulate(OneFOneB(3, 4)).draw(str(out), title="t") == str(out)
+    data = out.read_bytes()
+    assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_draw_without_matplotlib_says_how_to_fix(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        simulate(GPipe(2, 2)).draw(str(tmp_path / "x.png"))
+
+
+def test_cli_prints_grid_bubble_and_memory(capsys, tmp_path):
+    out = tmp_path / "g.png"
+    assert main(["--schedule", "simple", "-p", "4", "-m", "8",
+                 "--draw", str(out), "--actions"]) == 0
+    text = capsys.readouterr().out
+    assert "gpipe: p=4 stages, m=8 microbatches" in text
+    assert "stage 3  .  .  .  F0 F1" in text
+    assert "ideal bubble      27.27%  (p-1)/(m+p-1) = 3/11" in text
+    assert "simulated bubble  27.27%  (makespan 33)" in text
+    assert "peak in flight    stage 0: 8, stage 1: 8, stage 2: 8, stage 3: 8" in text
+    assert "stage 1: 1RECV_F0 1F0 1SEND_F0" in text
+    assert out.stat().st_size > 0
+    with pytest.raises(SystemExit):
+        main(["--schedule", "zb", "-p", "2", "-m", "2"])
+    assert "received 'zb'" in capsys.readouterr().err
+
+
+def test_cli_runs_as_module_without_tensorflow():
+    code = ("import sys; from keras_smp.pipeline.schedule import main;"
+            "main(['-p', '2', '-m', '3']);"
+            "print('tensorflow' in sys.modules, 'keras' in sys.modules,"
+            " 'matplotlib' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], env=env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "False False False"
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "keras_smp.pipeline.schedule",
+         "--schedule", "1f1b", "-p", "2", "-m", "3"],
+        env=env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "peak in flight    stage 0: 2, stage 1: 1" in proc.stdout
+
+
+@pytest.mark.parametrize("path", ["keras_smp/pipeline/schedule.py",
+                                  "keras_smp/pipeline/__init__.py"])
+def test_schedule_module_does_not_import_tensorflow_or_keras(path):
+    tree = ast.parse(pathlib.Path(ROOT, path).read_text())
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names.append(node.module or "")
+    assert not [n for n in names if n.split(".")[0] in ("tensorflow", "keras")]
+    # matplotlib only inside Timeline.draw(), never at module level.
+    top = [n for n in ast.iter_child_nodes(tree)
+           if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert not any("matplotlib" in ast.dump(n) for n in top)
+
+
+def test_docstring_examples_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    failed, attempted = doctest.testmod(schedule_module, verbose=False)
+    assert attempted > 20 and failed == 0
