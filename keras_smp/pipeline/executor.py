@@ -1,0 +1,132 @@
+"""In-process pipeline executor: runs a `Schedule` with TensorFlow.
+
+Stage `s` runs on `devices[s]`. For every action of the schedule, in an
+order that respects its dependencies (the schedule's simulated timeline),
+the executor builds graph ops:
+
+- `F` (forward of microbatch m on stage s): copies the previous stage's
+  outputs onto the stage's device (the in-process "receive") and calls the
+  stage function;
+- `B` (backward): `tf.gradients` of the stage's outputs with respect to its
+  inputs and variables, seeded with the next stage's input gradients.
+  `tf.gradients` places every gradient op with its forward op, so a stage's
+  backward runs on the stage's device (`GradientTape` would not).
+
+Every action on a device is made control-dependent on the previous action
+of that device, so each device executes exactly the schedule's order.
+Variable gradients are summed over microbatches.
+
+This module is the TensorFlow layer under the pure-Python schedule; the
+Keras model integration (`DistributedModel`) builds on it.
+"""
+
+import tensorflow as tf
+
+from keras_smp.pipeline.schedule import simulate
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _tf_variable(v):
+    # Keras 3 variables wrap a tf.Variable in `.value`.
+    return getattr(v, "value", v)
+
+
+def run_pipeline(stage_fns, stage_variables, loss_fn, schedule, devices,
+                 microbatch_inputs, microbatch_targets):
+    """Builds one pipelined forward+backward pass over all microbatches.
+
+    Must be called inside a `tf.function` (it uses `tf.gradients`).
+
+    Args:
+        stage_fns: one callable per stage, `list[Tensor] -> list[Tensor]`.
+            Stage s receives stage s-1's outputs (stage 0: the microbatch
+            inputs).
+        stage_variables: trainable variables of each stage (lists).
+        loss_fn: `(last_stage_outputs, targets) -> scalar loss` of one
+            microbatch. The returned per-microbatch losses are summed, so
+            scale them (e.g. by `1 / num_microbatches`) as needed.
+        schedule: a `keras_smp.pipeline.schedule.Schedule`.
+        devices: one device name per stage.
+        microbatch_inputs: list (per microbatch) of lists of input tensors.
+        microbatch_targets: list (per microbatch) of targets for `loss_fn`.
+
+    Returns:
+        `(losses, outputs, grads)`: the list of per-microbatch losses, the
+        list of per-microbatch last-stage outputs, and for each stage the
+        list of variable gradients summed over microbatches.
+
+    Example:
+
+    ```python
+    import tensorflow as tf
+    from keras_smp.pipeline.executor import run_pipeline
+    from keras_smp.pipeline.schedule import get_schedule
+
+    w0, w1 = tf.Variable([[2.0]]), tf.Variable([[3.0]])
+
+    @tf.function
+    def step(x):
+        return run_pipeline(
+            [lambda t: [t[0] @ w0], lambda t: [t[0] @ w1]], [[w0], [w1]],
+            lambda out, y: tf.reduce_sum(out[0]), get_schedule("1f1b", 2, 2),
+            ["CPU:0", "CPU:0"], [[x[:1]], [x[1:]]], [None, None])
+
+    losses, _, grads = step(tf.constant([[1.0], [1.0]]))
+    assert float(grads[1][0][0, 0]) == 4.0  # d(sum x w0 w1)/dw1 = sum(x w0)
+    ```
+    """
+    p, m = schedule.num_stages, schedule.num_microbatches
+    if len(stage_fns) != p or len(devices) != p or len(stage_variables) != p:
+        raise ValueError(
+            f"The schedule has {p} stages but received {len(stage_fns)} "
+            f"stage functions, {len(stage_variables)} variable lists and "
+            f"{len(devices)} devices; pass one of each per stage.")
+    if len(microbatch_inputs) != m or len(microbatch_targets) != m:
+        raise ValueError(
+            f"The schedule has {m} microbatches but received "
+            f"{len(microbatch_inputs)} inputs and {len(microbatch_targets)} "
+            "targets.")
+    timeline = simulate(schedule)
+    order = sorted(
+        (start, action.stage, action)
+        for stage_entries in timeline.entries
+        for start, _, action in stage_entries)
+    tf_vars = [[_tf_variable(v) for v in vs] for vs in stage_variables]
+    stage_in, stage_out, grad_out = {}, {}, {}
+    losses, outputs = [None] * m, [None] * m
+    grads = [[None] * len(vs) for vs in tf_vars]
+    last = {}
+    for _, s, action in order:
+        mb = action.microbatch
+        deps = [last[s]] if s in last else []
+        with tf.device(devices[s]), tf.control_dependencies(deps):
+            if action.kind == "F":
+                src = (microbatch_inputs[mb] if s == 0
+                       else stage_out[(s - 1, mb)])
+                inputs = [tf.identity(t) for t in _as_list(src)]
+                out = _as_list(stage_fns[s](inputs))
+                stage_in[(s, mb)] = inputs
+                stage_out[(s, mb)] = out
+                if s == p - 1:
+                    outputs[mb] = out
+                    losses[mb] = loss_fn(out, microbatch_targets[mb])
+                done = out + ([losses[mb]] if s == p - 1 else [])
+            else:
+                if s == p - 1:
+                    ys, seed = [losses[mb]], None
+                else:
+                    ys = stage_out[(s, mb)]
+                    seed = [tf.identity(g) for g in grad_out[(s + 1, mb)]]
+                xs = ([] if s == 0 else stage_in[(s, mb)]) + tf_vars[s]
+                gs = tf.gradients(ys, xs, grad_ys=seed,
+                                  unconnected_gradients="zero")
+                n_in = 0 if s == 0 else len(stage_in[(s, mb)])
+                grad_out[(s, mb)] = gs[:n_in]
+                for i, g in enumerate(gs[n_in:]):
+                    grads[s][i] = g if grads[s][i] is None else grads[s][i] + g
+                done = gs
+        last[s] = tf.group(*done) if done else tf.no_op()
+    return losses, outputs, grads
