@@ -4,6 +4,8 @@ Public API:
 
 - `SMPStrategy`: a `tf.distribute.Strategy`; build and compile under its
   scope, then `fit` / `evaluate` / `predict` as usual.
+- `DistributedModel`: a `keras.Model` whose steps run a microbatch
+  pipeline over `partitions` stages; `partition(i)` places layers manually.
 - `SMPConfig`: every option, validated.
 - rank helpers with SageMaker smp's names: `rank()`, `size()`,
   `local_rank()`, `local_size()`, `dp_rank()`, `dp_size()`, `pp_rank()`,
@@ -14,6 +16,7 @@ without it, so launch scripts can read ranks before building anything.
 """
 
 from keras_smp.config import SMPConfig
+from keras_smp.pipeline.scope import partition
 from keras_smp.ranks import dp_rank
 from keras_smp.ranks import dp_size
 from keras_smp.ranks import is_chief
@@ -28,7 +31,10 @@ from keras_smp.ranks import size
 
 __version__ = "0.1.0"
 
-_LAZY = {"SMPStrategy": "keras_smp.distribute.strategy"}
+_LAZY = {
+    "SMPStrategy": "keras_smp.distribute.strategy",
+    "DistributedModel": "keras_smp.pipeline.model",
+}
 
 
 def __getattr__(name):
@@ -40,7 +46,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "SMPConfig", "SMPStrategy", "rank", "size", "local_rank", "local_size",
+    "SMPConfig", "SMPStrategy", "DistributedModel", "partition", "rank", "size", "local_rank", "local_size",
     "dp_rank", "dp_size", "pp_rank", "pp_size", "mp_rank", "mp_size",
     "is_chief",
 ]

@@ -24,6 +24,7 @@ PURE_MODULES = [
     "keras_smp/launch.py",
     "keras_smp/distribute/groups.py",
     "keras_smp/pipeline/partition.py",
+    "keras_smp/pipeline/scope.py",
     "keras_smp/pipeline/schedule.py",
     "keras_smp/pipeline/__init__.py",
 ]

@@ -19,6 +19,7 @@ Algorithms (groups described in `groups.py`):
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.distribute import cross_device_utils
+from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import reduce_util
 from tensorflow.python.util import nest
 
@@ -33,6 +34,10 @@ GROUP_KEY_BASE = 100_000
 class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     """Fused ring or hierarchical all-reduce over TF collective ops.
 
+    With pipeline stages in the process (`stage_devices`), each stage's
+    gradients are summed among that stage's data-parallel peers, on the
+    stage's own devices.
+
     Args:
         devices: this worker's local devices (one replica each).
         layout: `ReplicaLayout` of the whole cluster (local device 0's view).
@@ -40,11 +45,13 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         fusion_threshold_bytes: bucket size; 0 disables fusion.
         options: `tf.distribute.experimental.CommunicationOptions`.
         collective_keys: the strategy's `CollectiveKeys`, for the base class.
+        stage_devices: for each local replica, the device of each pipeline
+            stage (default: one stage, on `devices`).
     """
 
     def __init__(self, devices, layout, algorithm="ring",
                  fusion_threshold_bytes=64 * 2**20, options=None,
-                 collective_keys=None):
+                 collective_keys=None, stage_devices=None):
         options = options or tf.distribute.experimental.CommunicationOptions()
         super().__init__(devices=devices, group_size=layout.size,
                          options=options, collective_keys=collective_keys)
@@ -61,53 +68,66 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         first = layout.replica_id
         self._local_layouts = [
             layout.for_replica(first + i) for i in range(len(devices))]
+        if stage_devices is None:
+            stage_devices = [[d] for d in devices]
+        self._stage_devices = [
+            [device_util.canonicalize(d) for d in row] for row in stage_devices]
+        self.num_stages = len(self._stage_devices[0])
         self._keys = cross_device_utils.CollectiveKeys(
             group_key_start=GROUP_KEY_BASE)
         group_keys = {
-            g: self._keys._get_new_group_key(self._devices)
-            for g in layout.all_groups()
+            (s, g): self._keys._get_new_group_key(
+                [row[s] for row in self._stage_devices])
+            for s in range(self.num_stages) for g in layout.all_groups()
         }
         # One ordering token per device shared by all our launchers, so every
         # collective on a device runs in program order on every worker.
-        tokens = [launcher._ordering_token for launcher in self._launchers]
+        tokens = {self._devices[i]: launcher._ordering_token
+                  for i, launcher in enumerate(self._launchers)}
 
-        def launcher(group, i):
+        def launcher(stage, group, i):
+            device = self._stage_devices[i][stage]
             lau = cross_device_utils.CollectiveReplicaLauncher(
-                group_keys[group], len(group), self._keys, self._devices[i],
+                group_keys[(stage, group)], len(group), self._keys, device,
                 options)
-            lau._ordering_token = tokens[i]
+            lau._ordering_token = tokens.setdefault(
+                device, lau._ordering_token)
             return lau
 
-        self._world = []
-        self._intra = []
-        self._cross = []
+        # Launchers indexed [local replica][stage].
+        self._world, self._intra, self._cross = [], [], []
         for i, local in enumerate(self._local_layouts):
-            self._world.append(launcher(local.world_group, i))
+            stages = range(self.num_stages)
+            self._world.append(
+                [launcher(s, local.world_group, i) for s in stages])
             if algorithm == "hierarchical":
-                self._intra.append(launcher(local.intra_host_group, i))
-                self._cross.append(launcher(local.cross_host_group, i))
+                self._intra.append(
+                    [launcher(s, local.intra_host_group, i) for s in stages])
+                self._cross.append(
+                    [launcher(s, local.cross_host_group, i) for s in stages])
 
-    def _reduce_flat(self, flat, replica_id, options):
-        """All-reduces (sums) one flat bucket on local replica `replica_id`."""
+    def _reduce_flat(self, flat, replica_id, stage, options):
+        """All-reduces (sums) one flat bucket of `stage` on a local replica."""
         if self.algorithm == "ring":
-            return self._world[replica_id].all_reduce(flat, options=options)
+            return self._world[replica_id][stage].all_reduce(
+                flat, options=options)
         local = self._local_layouts[replica_id]
         g, idx = local.local_size, local.local_index
         if g > 1:
-            flat = self._intra[replica_id].all_reduce(flat, options=options)
+            flat = self._intra[replica_id][stage].all_reduce(flat, options=options)
         if local.num_hosts == 1:
             return flat
         if g == 1:
-            return self._cross[replica_id].all_reduce(flat, options=options)
+            return self._cross[replica_id][stage].all_reduce(flat, options=options)
         n = tf.size(flat)
         shard = (n + g - 1) // g
         padded = tf.pad(flat, [[0, shard * g - n]])
         mine = padded[idx * shard:(idx + 1) * shard]
-        mine = self._cross[replica_id].all_reduce(mine, options=options)
+        mine = self._cross[replica_id][stage].all_reduce(mine, options=options)
         # Share shards back inside the host: every peer contributes its
         # shard in its own slot and zeros elsewhere; the sum is exact.
         slots = tf.pad(mine, [[idx * shard, (g - 1 - idx) * shard]])
-        full = self._intra[replica_id].all_reduce(slots, options=options)
+        full = self._intra[replica_id][stage].all_reduce(slots, options=options)
         return full[:n]
 
     def _all_reduce(self, reduce_op, value, replica_id, options):
@@ -116,15 +136,20 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             cross_device_utils.split_by_sparsity(flat_values))
         options = self._options.merge(options)
         dense_results = []
-        if dense_values:
-            device = self._devices[replica_id]
-            with tf.device(device):
-                dense_results = self._all_reduce_dense(
-                    dense_values, replica_id, options)
-                if reduce_op == reduce_util.ReduceOp.MEAN:
-                    dense_results = [
-                        v / tf.cast(self._group_size, v.dtype)
-                        for v in dense_results]
+        if dense_values and self.layout.size == 1:
+            dense_results = list(dense_values)  # one replica: nothing to sum
+        elif dense_values:
+            dense_results = [None] * len(dense_values)
+            for stage, idx in self._by_stage(dense_values, replica_id):
+                with tf.device(self._stage_devices[replica_id][stage]):
+                    reduced = self._all_reduce_dense(
+                        [dense_values[k] for k in idx], replica_id, stage,
+                        options)
+                    if reduce_op == reduce_util.ReduceOp.MEAN:
+                        reduced = [v / tf.cast(self._group_size, v.dtype)
+                                   for v in reduced]
+                for k, v in zip(idx, reduced):
+                    dense_results[k] = v
         sparse_results = []
         if sparse_values:
             sparse_results = nest.flatten(super()._all_reduce(
@@ -133,11 +158,36 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             ((dense_results, dense_idx), (sparse_results, sparse_idx)))
         return nest.pack_sequence_as(value, flat_results)
 
-    def _all_reduce_dense(self, values, replica_id, options):
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs,
+                                    options):
+        # Gradients of different pipeline stages live on different devices,
+        # so their destinations differ; TensorFlow would then reduce them one
+        # by one. Each value's destination is its own devices (an
+        # all-reduce): fuse them per stage instead.
+        if all(cross_device_ops_lib._devices_match(v, d, True)
+               for v, d in value_destination_pairs):
+            return self._all_reduce_per_replica_values(
+                reduce_op, [v for v, _ in value_destination_pairs], options)
+        return super().batch_reduce_implementation(
+            reduce_op, value_destination_pairs, options)
+
+    def _by_stage(self, values, replica_id):
+        """Groups value indices by the pipeline stage whose device holds them."""
+        stage_of = {d: s for s, d in enumerate(self._stage_devices[replica_id])}
+        groups = {}
+        for k, v in enumerate(values):
+            device = getattr(v, "device", "") or ""
+            stage = stage_of.get(
+                device_util.canonicalize(device) if device else None, 0)
+            groups.setdefault(stage, []).append(k)
+        return sorted(groups.items())
+
+    def _all_reduce_dense(self, values, replica_id, stage, options):
         values = [tf.convert_to_tensor(v) for v in values]
         shapes = [v.shape for v in values]
         if not all(s.is_fully_defined() for s in shapes):
-            return [self._reduce_flat(v, replica_id, options) for v in values]
+            return [self._reduce_flat(v, replica_id, stage, options)
+                    for v in values]
         shapes = [tuple(s.as_list()) for s in shapes]
         buckets = fusion.plan_buckets(
             shapes, [v.dtype.name for v in values],
@@ -146,7 +196,7 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self.buckets_traced += len(buckets)
         for bucket in buckets:
             flat = fusion.pack(values, bucket)
-            flat = self._reduce_flat(flat, replica_id, options)
+            flat = self._reduce_flat(flat, replica_id, stage, options)
             out.update(fusion.unpack(flat, bucket, shapes))
         return [out[i] for i in range(len(values))]
 

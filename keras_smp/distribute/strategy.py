@@ -25,6 +25,7 @@ from keras_smp.distribute import chief_io
 from keras_smp.distribute.allreduce import GradientAllReduce
 from keras_smp.distribute.groups import ReplicaLayout
 from keras_smp.distribute.groups import resolve_algorithm
+from keras_smp.pipeline import scope
 from keras_smp.topology import Topology
 from keras_smp.topology import resolve_cluster
 
@@ -91,15 +92,19 @@ class SMPStrategy(cars.CollectiveAllReduceStrategy):
     def __init__(self, config=None, /, **kwargs):
         config = SMPConfig.build(config, **kwargs)
         cluster = resolve_cluster()
+        stages = config.partitions
+        local_devices = _pipeline_devices_per_process(config, cluster)
         topology = Topology.from_cluster(
-            cluster, partitions=config.partitions,
+            cluster, partitions=1,
             placement_strategy=config.placement_strategy)
-        if config.partitions > 1:
-            raise NotImplementedError(
-                f"partitions={config.partitions}: pipeline parallelism is not "
-                "available in this version of keras-smp yet. Use "
-                "partitions=1 (data parallelism).")
-        device_type, count = _configure_local_devices(config.local_devices)
+        device_type, count = _configure_local_devices(local_devices)
+        if count % stages:
+            raise ValueError(
+                f"partitions={stages} pipeline stages do not divide the "
+                f"{count} local {device_type} device(s) of this process: "
+                "each model replica needs one device per stage. Use "
+                f"local_devices={stages * max(1, count // stages)} (a multiple "
+                f"of {stages}), or a different number of partitions.")
         options = tf.distribute.experimental.CommunicationOptions(
             timeout_seconds=config.collective_timeout_seconds)
         if cluster.world_size > 1:
@@ -111,13 +116,18 @@ class SMPStrategy(cars.CollectiveAllReduceStrategy):
             resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
                 tf.train.ClusterSpec({}), rpc_layer="grpc")
         extended = _SMPExtended(
-            self, resolver, options, device_type, count, config, topology)
+            self, resolver, options, device_type, count, stages, config,
+            topology)
         distribute_lib.Strategy.__init__(self, extended)
         self.config = config
         self.cluster = cluster
         self.topology = topology
         state.install(config, cluster, topology)
         chief_io.install()
+        if stages > 1:
+            from keras_smp.pipeline.model import install_guard
+
+            install_guard()
         if topology.rank != 0:
             import keras
 
@@ -132,6 +142,16 @@ class SMPStrategy(cars.CollectiveAllReduceStrategy):
     def gradient_sync(self):
         """The `GradientAllReduce` that sums gradients across replicas."""
         return self.extended._cross_device_ops
+
+    @property
+    def num_stages(self):
+        """Pipeline stages per model replica (`partitions`)."""
+        return self.extended._smp_stages
+
+    @property
+    def stage_devices(self):
+        """For each local model replica, the device of each pipeline stage."""
+        return [list(row) for row in self.extended._smp_stage_devices]
 
     @property
     def allreduce_algorithm(self):
@@ -158,9 +178,10 @@ class _SMPExtended(cars.CollectiveAllReduceExtended):
     """TensorFlow's collective extended with our devices and gradient sync."""
 
     def __init__(self, container, resolver, options, device_type, count,
-                 config, topology):
+                 stages, config, topology):
         self._smp_device_type = device_type
         self._smp_device_count = count
+        self._smp_stages = stages
         super().__init__(container, cluster_resolver=resolver,
                          communication_options=options)
         layout = ReplicaLayout.from_workers(
@@ -176,10 +197,56 @@ class _SMPExtended(cars.CollectiveAllReduceExtended):
         self._cross_device_ops = GradientAllReduce(
             devices=self.worker_devices, layout=layout, algorithm=algorithm,
             fusion_threshold_bytes=int(config.fusion_threshold_mb * 2**20),
-            options=options, collective_keys=self._collective_keys)
+            options=options, collective_keys=self._collective_keys,
+            stage_devices=self._smp_stage_devices)
 
     def _initialize_local_devices(self, cluster_resolver, worker_device):
-        devices = tuple(
+        devices = [
             f"{worker_device}/device:{self._smp_device_type}:{i}"
-            for i in range(self._smp_device_count))
-        return devices, self._smp_device_type
+            for i in range(self._smp_device_count)]
+        p = self._smp_stages
+        # Replica r owns devices r*p .. r*p+p-1, one per stage; its stage-0
+        # device is its replica device (where its input batch arrives).
+        self._smp_stage_devices = tuple(
+            tuple(devices[r * p:(r + 1) * p])
+            for r in range(len(devices) // p))
+        return (tuple(row[0] for row in self._smp_stage_devices),
+                self._smp_device_type)
+
+    def _create_variable(self, next_creator, **kwargs):
+        stage = scope.current_placement()
+        if stage is not None and kwargs.get("colocate_with") is None:
+            # Each replica's copy goes on that replica's device for `stage`.
+            kwargs["colocate_with"] = _DeviceSet(tuple(
+                row[stage] for row in self._smp_stage_devices))
+        return super()._create_variable(next_creator, **kwargs)
+
+
+class _DeviceSet:
+    """Stands in for a variable in `colocate_with`: just its devices."""
+
+    def __init__(self, devices):
+        self._devices = devices
+
+
+def _pipeline_devices_per_process(config, cluster):
+    """Local devices to create, given `partitions` (None = default)."""
+    p = config.partitions
+    if p == 1 or config.local_devices is not None:
+        return config.local_devices
+    if tf.config.list_physical_devices("GPU"):
+        return None  # all visible GPUs; checked for divisibility later
+    w = cluster.world_size
+    if w > 1 and w % p:
+        raise ValueError(
+            f"partitions={p} does not divide the number of worker processes "
+            f"world_size={w}. Use a multiple of {p} workers (one pipeline "
+            f"stage per process), or set local_devices={p} to run a whole "
+            "pipeline inside every process.")
+    if w > 1:
+        raise NotImplementedError(
+            f"partitions={p} across {cluster.world_size} worker processes "
+            "(one pipeline stage per process) is not available in this "
+            "version of keras-smp yet. Run the pipeline inside each process "
+            f"instead with local_devices={p} (or a multiple of {p}).")
+    return p

@@ -30,12 +30,20 @@ def _as_list(x):
 
 
 def _tf_variable(v):
-    # Keras 3 variables wrap a tf.Variable in `.value`.
-    return getattr(v, "value", v)
+    """The `tf.Variable` this replica computes with."""
+    # Keras 3 variables wrap a tf.Variable in `.value` (tf.Variable's own
+    # `value` is a method).
+    value = getattr(v, "value", v)
+    if callable(value):
+        value = v
+    if isinstance(value, tf.distribute.DistributedValues):
+        # Inside a replica: this replica's component (on its own device).
+        value = value._get_on_device_or_primary()
+    return value
 
 
 def run_pipeline(stage_fns, stage_variables, loss_fn, schedule, devices,
-                 microbatch_inputs, microbatch_targets):
+                 microbatch_inputs, microbatch_targets, forward_only=False):
     """Builds one pipelined forward+backward pass over all microbatches.
 
     Must be called inside a `tf.function` (it uses `tf.gradients`).
@@ -52,11 +60,14 @@ def run_pipeline(stage_fns, stage_variables, loss_fn, schedule, devices,
         devices: one device name per stage.
         microbatch_inputs: list (per microbatch) of lists of input tensors.
         microbatch_targets: list (per microbatch) of targets for `loss_fn`.
+        forward_only: run only the schedule's forward actions (evaluation
+            and prediction); `loss_fn` may then be `None`.
 
     Returns:
         `(losses, outputs, grads)`: the list of per-microbatch losses, the
         list of per-microbatch last-stage outputs, and for each stage the
-        list of variable gradients summed over microbatches.
+        list of variable gradients summed over microbatches (`None`s when
+        `forward_only`).
 
     Example:
 
@@ -93,7 +104,8 @@ def run_pipeline(stage_fns, stage_variables, loss_fn, schedule, devices,
     order = sorted(
         (start, action.stage, action)
         for stage_entries in timeline.entries
-        for start, _, action in stage_entries)
+        for start, _, action in stage_entries
+        if not (forward_only and action.kind == "B"))
     tf_vars = [[_tf_variable(v) for v in vs] for vs in stage_variables]
     stage_in, stage_out, grad_out = {}, {}, {}
     losses, outputs = [None] * m, [None] * m
@@ -112,8 +124,10 @@ def run_pipeline(stage_fns, stage_variables, loss_fn, schedule, devices,
                 stage_out[(s, mb)] = out
                 if s == p - 1:
                     outputs[mb] = out
-                    losses[mb] = loss_fn(out, microbatch_targets[mb])
-                done = out + ([losses[mb]] if s == p - 1 else [])
+                    if loss_fn is not None:
+                        losses[mb] = loss_fn(out, microbatch_targets[mb])
+                done = out + ([losses[mb]] if losses[mb] is not None
+                              and s == p - 1 else [])
             else:
                 if s == p - 1:
                     ys, seed = [losses[mb]], None

@@ -1,0 +1,261 @@
+"""Keras model -> staged graph: what every pipeline stage computes.
+
+A `StagedGraph` is a Keras operation graph (the nodes of a functional
+model, or of a subclassed model's `call` traced on symbolic inputs) with a
+stage for every node. It turns into one function per stage,
+`list[Tensor] -> list[Tensor]`, the interface of the executor:
+
+- stage 0 receives the model inputs (flattened);
+- stage s returns the tensors that later stages or the model outputs still
+  need (its "carry"): its own outputs and, for skip connections that jump
+  over it, tensors it passes through unchanged;
+- the last stage returns the model outputs (flattened).
+
+Passing skip tensors through intermediate stages keeps every transfer
+between neighbouring stages, as the schedules' send/receive actions (and
+the multi-process executor) assume.
+"""
+
+import contextlib
+import math
+
+from keras.src import tree
+from keras.src.models import functional as functional_lib
+from keras.src.ops import function as function_lib
+from keras.src.ops import node as node_lib
+
+from keras_smp.pipeline import partition as partition_lib
+from keras_smp.pipeline.scope import current_partition
+
+
+def _node_name(node, seen):
+    name = node.operation.name
+    count = seen.get(name, 0)
+    seen[name] = count + 1
+    return name if count == 0 else f"{name}#{count}"
+
+
+def _flops(node, params):
+    """Rough forward FLOPs per sample of one node (for cost="flops")."""
+    out = 0.0
+    for t in tree.flatten(node.outputs):
+        dims = [d for d in t.shape[1:] if d is not None]
+        size = math.prod(dims) if dims else 1
+        spatial = math.prod(dims[:-1]) if len(dims) > 1 else 1
+        out += size + 2.0 * params * spatial
+    return out
+
+
+def _operation_weights(operation):
+    return list(getattr(operation, "weights", None) or [])
+
+
+class StagedGraph:
+    """A Keras operation graph with a pipeline stage for every node.
+
+    Args:
+        inputs: the model's symbolic inputs (a structure of KerasTensors).
+        outputs: the model's symbolic outputs (a structure).
+        stage_of_node: dict `id(node) -> stage`.
+        num_stages: number of stages.
+        names: dict `id(node) -> unique name` (for summaries and errors).
+    """
+
+    def __init__(self, inputs, outputs, stage_of_node, num_stages, names):
+        self.inputs_struct = inputs
+        self.outputs_struct = outputs
+        self.inputs = tree.flatten(inputs)
+        self.outputs = tree.flatten(outputs)
+        self.num_stages = num_stages
+        nodes, _ = function_lib._build_map(self.inputs, self.outputs)
+        self.nodes = [n for n in nodes if n.operation and not n.is_input]
+        self.stage_of = {id(n): stage_of_node[id(n)] for n in self.nodes}
+        self.names = names
+        self._validate()
+        self._compute_carries()
+
+    # -- construction -----------------------------------------------------
+
+    @classmethod
+    def topological_nodes(cls, inputs, outputs):
+        nodes, _ = function_lib._build_map(
+            tree.flatten(inputs), tree.flatten(outputs))
+        return [n for n in nodes if n.operation and not n.is_input]
+
+    @classmethod
+    def auto(cls, inputs, outputs, num_stages, cost="parameters",
+             split_points=None):
+        """Partitions the graph into contiguous stages balancing `cost`."""
+        nodes = cls.topological_nodes(inputs, outputs)
+        seen, names, infos, counted = {}, {}, [], set()
+        for node in nodes:
+            name = _node_name(node, seen)
+            names[id(node)] = name
+            params = 0
+            for w in _operation_weights(node.operation):
+                if id(w) not in counted:
+                    counted.add(id(w))
+                    params += math.prod(w.shape)
+            infos.append(partition_lib.LayerInfo(
+                name, params, _flops(node, params)))
+        if num_stages > len(infos):
+            raise ValueError(
+                f"partitions={num_stages} but the model has only "
+                f"{len(infos)} layers to place; every stage needs at least "
+                f"one layer. Use partitions <= {len(infos)}.")
+        plan = partition_lib.plan_partitions(
+            infos, num_stages, cost=cost, split_points=split_points)
+        stages = {id(n): s for n, s in zip(nodes, plan.stages)}
+        graph = cls(inputs, outputs, stages, num_stages, names)
+        graph.plan = plan
+        return graph
+
+    @classmethod
+    def manual(cls, inputs, outputs, recorded, num_stages, default_partition):
+        """Stages from `partition()` scopes recorded while tracing."""
+        nodes = cls.topological_nodes(inputs, outputs)
+        seen, names, stages = {}, {}, {}
+        for node in nodes:
+            names[id(node)] = _node_name(node, seen)
+            stage = recorded.get(id(node))
+            stages[id(node)] = default_partition if stage is None else stage
+            if stages[id(node)] >= num_stages:
+                raise ValueError(
+                    f"Layer '{names[id(node)]}' is called inside "
+                    f"keras_smp.partition({stages[id(node)]}), but there are "
+                    f"only partitions={num_stages} stages (indices 0 to "
+                    f"{num_stages - 1}). Use a smaller index or raise "
+                    "`partitions`.")
+        return cls(inputs, outputs, stages, num_stages, names)
+
+    def _validate(self):
+        producer = {}
+        for node in self.nodes:
+            for t in tree.flatten(node.outputs):
+                producer[id(t)] = node
+        for node in self.nodes:
+            s = self.stage_of[id(node)]
+            for t in tree.flatten(node.input_tensors):
+                src = producer.get(id(t))
+                if src is not None and self.stage_of[id(src)] > s:
+                    raise ValueError(
+                        f"Layer '{self.names[id(node)]}' (partition {s}) "
+                        f"consumes the output of layer "
+                        f"'{self.names[id(src)]}' (partition "
+                        f"{self.stage_of[id(src)]}): data must flow from "
+                        "lower to higher partitions. Reorder the "
+                        "keras_smp.partition() scopes in `call`.")
+        used = set(self.stage_of.values())
+        empty = [s for s in range(self.num_stages) if s not in used]
+        if empty:
+            raise ValueError(
+                f"Pipeline stage(s) {empty} of partitions={self.num_stages} "
+                "have no layers. Put at least one layer in every "
+                "keras_smp.partition(i) scope, or lower `partitions`.")
+
+    def _compute_carries(self):
+        order = {}
+        for i, t in enumerate(self.inputs):
+            order.setdefault(id(t), (-1, i, t))
+        for k, node in enumerate(self.nodes):
+            for j, t in enumerate(tree.flatten(node.outputs)):
+                order.setdefault(id(t), (k, j, t))
+        produced_at = {id(t): -1 for t in self.inputs}
+        for node in self.nodes:
+            for t in tree.flatten(node.outputs):
+                produced_at[id(t)] = self.stage_of[id(node)]
+        needed_at = {}
+        for node in self.nodes:
+            s = self.stage_of[id(node)]
+            for t in tree.flatten(node.input_tensors):
+                needed_at.setdefault(id(t), set()).add(s)
+        last = self.num_stages - 1
+        self.carries = []
+        for s in range(last):
+            keep = [
+                v for key, v in sorted(order.items(), key=lambda kv: kv[1][:2])
+                if produced_at.get(key, last + 1) <= s
+                and (any(c > s for c in needed_at.get(key, ()))
+                     or any(key == id(o) for o in self.outputs))]
+            self.carries.append([t for _, _, t in keep])
+        self.carries.append(list(self.outputs))
+
+    # -- execution --------------------------------------------------------
+
+    def stage_nodes(self, stage):
+        return [n for n in self.nodes if self.stage_of[id(n)] == stage]
+
+    def stage_fn(self, stage, training=None):
+        """Returns stage `stage`'s function `list[Tensor] -> list[Tensor]`."""
+        carry_in = self.inputs if stage == 0 else self.carries[stage - 1]
+        carry_out = self.carries[stage]
+        nodes = self.stage_nodes(stage)
+
+        def run(tensors):
+            values = {id(t): v for t, v in zip(carry_in, tensors)}
+            for node in nodes:
+                args, kwargs = node.arguments.fill_in(values)
+                op = functional_lib.operation_fn(
+                    node.operation, training=training)
+                outs = op(*args, **kwargs)
+                for x, y in zip(tree.flatten(node.outputs),
+                                tree.flatten(outs)):
+                    values[id(x)] = y
+            return [values[id(t)] for t in carry_out]
+
+        return run
+
+    def pack_outputs(self, flat):
+        return tree.pack_sequence_as(self.outputs_struct, list(flat))
+
+    # -- variables and summaries ------------------------------------------
+
+    def stage_weights(self, stage):
+        """Distinct weights used by the layers of `stage` (model order)."""
+        out, seen = [], set()
+        for node in self.stage_nodes(stage):
+            for w in _operation_weights(node.operation):
+                if id(w) not in seen:
+                    seen.add(id(w))
+                    out.append(w)
+        return out
+
+    def home_stage(self):
+        """`id(weight) -> first stage using it` (where it is placed)."""
+        home = {}
+        for s in range(self.num_stages):
+            for w in self.stage_weights(s):
+                home.setdefault(id(w), s)
+        return home
+
+    def summary(self):
+        """A printable table: stage, parameters, layers."""
+        home = self.home_stage()
+        lines = [f"Partition plan ({self.num_stages} stages)",
+                 f"{'stage':>5}  {'params':>10}  layers"]
+        for s in range(self.num_stages):
+            params = sum(math.prod(w.shape) for w in self.stage_weights(s)
+                         if home[id(w)] == s)
+            names = ", ".join(self.names[id(n)] for n in self.stage_nodes(s))
+            lines.append(f"{s:>5}  {params:>10,}  {names}")
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def record_partitions():
+    """Records the active `partition()` of every Keras node created inside.
+
+    Yields a dict `id(node) -> partition index or None`.
+    """
+    recorded = {}
+    original = node_lib.Node.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        recorded[id(self)] = current_partition()
+
+    node_lib.Node.__init__ = init
+    try:
+        yield recorded
+    finally:
+        node_lib.Node.__init__ = original

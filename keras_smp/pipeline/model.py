@@ -1,0 +1,476 @@
+"""`DistributedModel`: a Keras model whose steps run a microbatch pipeline.
+
+`train_step`, `test_step` and `predict_step` split each (per-replica) batch
+into `microbatches` equal parts and run them through the model's pipeline
+stages with the configured schedule (GPipe or 1F1B), on one device per
+stage (`SMPStrategy` provides them). Gradients are accumulated over the
+microbatches, then synced across data-parallel replicas and applied once.
+"""
+
+import warnings
+
+import keras
+import tensorflow as tf
+from keras.src import tree
+from keras.src.losses import loss as loss_module
+from keras.src.models.model import functional_init_arguments
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_smp import state
+from keras_smp.pipeline import scope
+from keras_smp.pipeline.executor import run_pipeline
+from keras_smp.pipeline.graph import StagedGraph
+from keras_smp.pipeline.graph import record_partitions
+from keras_smp.pipeline.partition import COST_METHODS
+from keras_smp.pipeline.schedule import get_schedule
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+
+class DistributedModel(keras.Model):
+    """A Keras model trained, evaluated and run as a microbatch pipeline.
+
+    Three ways to make one:
+
+    - subclass it and write `call`, placing layers with
+      `with keras_smp.partition(i):` scopes (used when the config sets
+      `auto_partition=False`; otherwise the traced `call` is partitioned
+      automatically, as in SageMaker's library);
+    - `DistributedModel(inputs, outputs)`, like a functional `keras.Model`;
+    - `DistributedModel(model)`, wrapping a built Sequential or functional
+      model (its layers and weights are shared, not copied).
+
+    The number of stages (`partitions`), `microbatches` and `pipeline`
+    schedule come from the `SMPStrategy` in whose scope the model is built
+    (or from `SMP_CONFIG` without a strategy). Automatic partitioning cuts
+    the layers, in topological order, into contiguous stages balancing
+    `partition_cost`; `model.partition_summary()` shows the plan.
+
+    Args:
+        partition_cost: "parameters" (default with `optimize="memory"`),
+            "flops" (default with `optimize="speed"`) or "uniform".
+        split_points: names of the layers that start stages 1, 2, ...
+            (overrides the automatic balance).
+        *args, **kwargs: as for `keras.Model`.
+
+    Example:
+
+    ```python
+    import keras, numpy as np, keras_smp
+
+    strategy = keras_smp.SMPStrategy(partitions=2, microbatches=4)
+    with strategy.scope():
+        model = keras_smp.DistributedModel(keras.Sequential([
+            keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(1)]))
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.ones((16, 4)), np.ones((16, 1)), batch_size=8, verbose=0)
+    print(model.partition_summary())
+    ```
+    """
+
+    def __init__(self, *args, partition_cost=None, split_points=None,
+                 **kwargs):
+        inner = None
+        if len(args) == 1 and isinstance(args[0], keras.Model) and not kwargs:
+            inner, args = args[0], ()
+        elif functional_init_arguments(args, kwargs):
+            inputs = kwargs.pop("inputs") if "inputs" in kwargs else args[0]
+            outputs = (kwargs.pop("outputs") if "outputs" in kwargs
+                       else args[1])
+            name = kwargs.pop("name", None)
+            inner = keras.Model(inputs, outputs)
+            args = ()
+            if name is not None:
+                kwargs["name"] = name
+        super().__init__(*args, **kwargs)
+        if partition_cost is not None and partition_cost not in COST_METHODS:
+            raise ValueError(
+                f"partition_cost={partition_cost!r} is not supported; use "
+                f"one of {COST_METHODS}.")
+        self._smp_cost = partition_cost
+        self._smp_split_points = (
+            None if split_points is None else list(split_points))
+        self._smp_graph = None
+        self._smp_functional = None
+        if inner is not None:
+            functional = getattr(inner, "_functional", None) or inner
+            if not hasattr(functional, "_outputs_struct") or not getattr(
+                    inner, "built", False):
+                raise ValueError(
+                    f"DistributedModel({type(inner).__name__}) needs a built "
+                    "functional or Sequential model. Start a Sequential "
+                    "model with keras.Input(shape), or pass "
+                    "DistributedModel(inputs, outputs).")
+            self.inner_model = inner
+            self._smp_functional = functional
+            self._smp_set_graph(self._smp_plan(
+                functional._inputs_struct, functional._outputs_struct, {}))
+            self.built = True
+
+    # -- configuration ----------------------------------------------------
+
+    def _smp_strategy(self):
+        from keras_smp.distribute.strategy import SMPStrategy
+
+        strategy = self.distribute_strategy
+        return strategy if isinstance(strategy, SMPStrategy) else None
+
+    def _smp_config(self):
+        strategy = self._smp_strategy()
+        return strategy.config if strategy is not None else state.config()
+
+    @property
+    def num_stages(self):
+        """Pipeline stages (the config's `partitions`)."""
+        return self._smp_config().partitions
+
+    @property
+    def num_microbatches(self):
+        """Microbatches per step (the config's `microbatches`)."""
+        return self._smp_config().microbatches
+
+    @property
+    def schedule(self):
+        """The pure-Python `Schedule` the steps run (gpipe or 1f1b)."""
+        config = self._smp_config()
+        return get_schedule(config.pipeline, config.partitions,
+                            config.microbatches)
+
+    @property
+    def staged_graph(self):
+        """The `StagedGraph` (layers per stage); built on first use."""
+        if self._smp_graph is None:
+            raise ValueError(
+                f"{self.name} has not been built yet: call it on data, call "
+                "`model.build(input_shape)`, or start training.")
+        return self._smp_graph
+
+    def partition_summary(self):
+        """Returns the partition plan: stage, parameters, layers."""
+        return self.staged_graph.summary()
+
+    # -- building ---------------------------------------------------------
+
+    def _smp_plan(self, inputs, outputs, recorded):
+        config = self._smp_config()
+        p = config.partitions
+        manual = any(v is not None for v in recorded.values())
+        if manual and not config.auto_partition:
+            return StagedGraph.manual(
+                inputs, outputs, recorded, p, config.default_partition)
+        if manual and p > 1:
+            warnings.warn(
+                "keras_smp.partition() scopes are ignored because "
+                "auto_partition=True; set auto_partition=False in the "
+                "SMPStrategy config to place layers manually.", stacklevel=3)
+        cost = self._smp_cost or (
+            "flops" if config.optimize == "speed" else "parameters")
+        return StagedGraph.auto(inputs, outputs, p, cost=cost,
+                                split_points=self._smp_split_points)
+
+    def _smp_set_graph(self, graph):
+        for node in graph.nodes:
+            layer = node.operation
+            if getattr(layer, "activity_regularizer", None) is not None:
+                raise NotImplementedError(
+                    f"Layer '{layer.name}' has an activity_regularizer; "
+                    "activity regularization is not supported in pipelined "
+                    "models yet. Add the penalty to the loss instead.")
+        self._smp_graph = graph
+        self._smp_place_variables()
+
+    def _smp_place_variables(self):
+        """Puts every weight on the device of the first stage using it."""
+        strategy = self._smp_strategy()
+        if strategy is None or strategy.num_stages != self._smp_graph.num_stages:
+            return
+        from tensorflow.python.distribute import device_util
+
+        rows = strategy.stage_devices
+        home = self._smp_graph.home_stage()
+        with strategy.scope():
+            for stage in range(self._smp_graph.num_stages):
+                want = [device_util.canonicalize(row[stage]) for row in rows]
+                for w in self._smp_graph.stage_weights(stage):
+                    if home[id(w)] != stage:
+                        continue
+                    value = w.value
+                    parts = getattr(value, "values", (value,))
+                    have = [device_util.canonicalize(v.device) for v in parts]
+                    if have == want:
+                        continue
+                    current = w.numpy()
+                    w._value = None
+                    with scope.placing(stage):
+                        w._initialize(current)
+
+    def build(self, input_shape=None):
+        if self._smp_graph is not None:
+            self.built = True
+            return
+        if type(self).call is DistributedModel.call:
+            raise ValueError(
+                "DistributedModel needs a `call` (subclass it), or "
+                "`inputs`/`outputs`, or a model to wrap.")
+
+        def symbolic(shape):
+            return keras.Input(batch_shape=(None,) + tuple(shape)[1:])
+
+        if isinstance(input_shape, (list, tuple)) and input_shape and all(
+                isinstance(d, int) or d is None for d in input_shape):
+            inputs = symbolic(input_shape)
+        else:
+            inputs = tree.map_shape_structure(symbolic, input_shape)
+        self._smp_trace(inputs)
+
+    def _smp_trace(self, inputs):
+        # Keras may build the model inside `compute_output_spec` (a scratch
+        # graph with stateless/symbolic scopes); the weights must be real,
+        # so trace in the outer (eager) context with those scopes lifted.
+        from keras.src.backend.common import global_state
+
+        names = ("stateless_scope", "symbolic_scope")
+        saved = {n: global_state.get_global_attribute(n) for n in names}
+        try:
+            for n in names:
+                global_state.set_global_attribute(n, None)
+            strategy = self._smp_strategy()
+            with tf.init_scope(), (
+                    strategy.scope() if strategy else _null()), (
+                    record_partitions()) as recorded:
+                outputs = self.call(inputs)
+                self._smp_set_graph(
+                    self._smp_plan(inputs, outputs, recorded))
+        finally:
+            for n in names:
+                global_state.set_global_attribute(n, saved[n])
+        self.built = True
+
+    def call(self, inputs, training=None):
+        # Unpipelined forward pass (direct calls); steps use the pipeline.
+        return self.inner_model(inputs, training=training)
+
+    # -- steps -------------------------------------------------------------
+
+    def _smp_devices(self):
+        strategy = self._smp_strategy()
+        p = self.staged_graph.num_stages
+        if strategy is None or strategy.num_stages != p:
+            return [None] * p
+        ctx = tf.distribute.get_replica_context()
+        rows = strategy.stage_devices
+        local = ctx._replica_id_in_sync_group % len(rows) if ctx else 0
+        return rows[local]
+
+    def _smp_flat_inputs(self, x):
+        if self._smp_functional is not None:
+            return list(self._smp_functional._standardize_inputs(x))
+        return tree.flatten(x)
+
+    @staticmethod
+    def _smp_split(structure, m):
+        """Splits every tensor of `structure` into `m` microbatches."""
+        if structure is None:
+            return [None] * m
+        flat = tree.flatten(structure)
+        parts = [None if t is None else tf.split(t, m, axis=0) for t in flat]
+        return [tree.pack_sequence_as(
+            structure, [None if p is None else p[i] for p in parts])
+            for i in range(m)]
+
+    def _smp_check_batch(self, flat_x, m):
+        first = flat_x[0]
+        static = first.shape[0]
+        strategy = self._smp_strategy()
+        replicas = strategy.num_replicas_in_sync if strategy else 1
+        advice = (
+            "Use a batch size that is a multiple of "
+            f"microbatches x replicas = {m * replicas}, and "
+            "`drop_remainder=True` when batching a tf.data dataset (or "
+            "`steps_per_epoch` that avoids a partial last batch).")
+        if static is not None:
+            if static % m:
+                raise ValueError(
+                    f"The per-replica batch of {static} samples does not "
+                    f"divide into microbatches={m}. {advice}")
+            return []
+        batch = tf.shape(first)[0]
+        return [tf.debugging.Assert(
+            tf.equal(tf.math.floormod(batch, m), 0),
+            ["The per-replica batch of", batch, "samples does not divide "
+             f"into microbatches={m}. {advice}"])]
+
+    def _smp_loss_weight(self, m, sample_weight):
+        reductions = set()
+        compile_loss = self._compile_loss
+        for loss in getattr(compile_loss, "_flat_losses", None) or []:
+            fn = getattr(loss, "fn", loss)
+            reductions.add(getattr(fn, "reduction", None)
+                           or getattr(loss, "reduction", None))
+        reductions.discard(None)
+        if reductions <= {"sum"} and reductions:
+            return 1.0
+        if reductions <= set(_MEAN_REDUCTIONS):
+            if "mean_with_sample_weight" in reductions and (
+                    sample_weight is not None):
+                raise ValueError(
+                    "A loss with reduction='mean_with_sample_weight' cannot "
+                    "be split into microbatches exactly (each microbatch "
+                    "divides by its own weight sum). Use "
+                    "reduction='sum_over_batch_size' or microbatches=1.")
+            return 1.0 / m
+        raise ValueError(
+            f"Compiled losses mix reductions {sorted(reductions)}; a "
+            "pipelined model needs all 'sum' or all mean-like "
+            "('sum_over_batch_size') reductions.")
+
+    def _smp_run(self, data, training):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        graph = self.staged_graph
+        m = self.num_microbatches
+        flat_x = self._smp_flat_inputs(x)
+        checks = self._smp_check_batch(flat_x, m)
+        with tf.control_dependencies(checks):
+            flat_x = [tf.identity(t) for t in flat_x]
+        xs = [list(mb) for mb in zip(*[tf.split(t, m, axis=0)
+                                        for t in flat_x])]
+        ys = self._smp_split(y, m)
+        sws = self._smp_split(sample_weight, m)
+        schedule = get_schedule(self._smp_config().pipeline,
+                                graph.num_stages, m)
+        devices = self._smp_devices()
+        fns = [graph.stage_fn(s, training=training)
+               for s in range(graph.num_stages)]
+        stage_vars = [[w for w in graph.stage_weights(s) if w.trainable]
+                      for s in range(graph.num_stages)]
+        loss_fn = None
+        if y is not None and self._compile_loss is not None:
+            weight = self._smp_loss_weight(m, sample_weight)
+
+            def loss_fn(out, mb):
+                loss = self._compile_loss(
+                    ys[mb], graph.pack_outputs(out), sws[mb]) * weight
+                if training and self.optimizer is not None:
+                    loss = self.optimizer.scale_loss(loss)
+                return loss
+
+        targets = list(range(m))
+        losses, outputs, grads = run_pipeline(
+            fns, stage_vars if training else [[]] * graph.num_stages,
+            loss_fn, schedule, devices, xs, targets,
+            forward_only=not training)
+        with tf.device(devices[-1]):
+            flat_pred = [tf.concat([o[i] for o in outputs], axis=0)
+                         for i in range(len(graph.outputs))]
+            y_pred = graph.pack_outputs(flat_pred)
+        return x, y, sample_weight, y_pred, losses, grads, stage_vars
+
+    def _smp_extra_losses(self):
+        own = [loss for layer in self._flatten_layers()
+               for loss in layer._get_own_losses()]
+        if own:
+            raise NotImplementedError(
+                "Losses added with `add_loss()` inside `call` are not "
+                "supported in pipelined models yet; add them to the "
+                "compiled loss instead.")
+        return [self._aggregate_additional_loss(loss)
+                for loss in self._get_regularization_losses()]
+
+    def _smp_total_loss(self, losses, extra):
+        terms = [l for l in losses if l is not None] + list(extra)
+        return tf.add_n(terms) if terms else None
+
+    def train_step(self, data):
+        x, y, sw, y_pred, losses, grads, stage_vars = self._smp_run(
+            data, training=True)
+        if losses[0] is None:
+            raise ValueError(
+                "No loss to compute. Provide `y` and a `loss` argument in "
+                "`compile()`.")
+        extra = self._smp_extra_losses()
+        by_var = {}
+        for vs, gs in zip(stage_vars, grads):
+            for v, g in zip(vs, gs):
+                by_var[id(v)] = g if id(v) not in by_var else by_var[id(v)] + g
+        trainable = self.trainable_weights
+        if extra:
+            reg = tf.add_n(extra)
+            scaled = (self.optimizer.scale_loss(reg)
+                      if self.optimizer is not None else reg)
+            tf_vars = [getattr(v, "value", v) for v in trainable]
+            reg_grads = tf.gradients(scaled, [
+                t._get_on_device_or_primary()
+                if isinstance(t, tf.distribute.DistributedValues) else t
+                for t in tf_vars], unconnected_gradients="zero")
+            for v, g in zip(trainable, reg_grads):
+                if id(v) in by_var:
+                    by_var[id(v)] = by_var[id(v)] + g
+                else:
+                    by_var[id(v)] = g
+        unscaled = [loss_module.unscale_loss_for_distribution(l) for l in losses]
+        total = self._smp_total_loss(
+            unscaled, [loss_module.unscale_loss_for_distribution(e)
+                       for e in extra])
+        batch = tf.shape(self._smp_flat_inputs(x)[0])[0]
+        self._loss_tracker.update_state(total, sample_weight=batch)
+        gradients = [by_var.get(id(v)) for v in trainable]
+        if trainable:
+            self.optimizer.apply_gradients(zip(gradients, trainable))
+        else:
+            warnings.warn("The model does not have any trainable weights.")
+        return self.compute_metrics(x, y, y_pred, sample_weight=sw)
+
+    def test_step(self, data):
+        x, y, sw, y_pred, losses, _, _ = self._smp_run(data, training=False)
+        if losses[0] is not None:
+            extra = self._smp_extra_losses()
+            total = self._smp_total_loss(
+                [loss_module.unscale_loss_for_distribution(l) for l in losses],
+                [loss_module.unscale_loss_for_distribution(e) for e in extra])
+            batch = tf.shape(self._smp_flat_inputs(x)[0])[0]
+            self._loss_tracker.update_state(total, sample_weight=batch)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sw)
+
+    def predict_step(self, data):
+        _, _, _, y_pred, _, _, _ = self._smp_run(data, training=False)
+        return y_pred
+
+
+def check_pipelined(model):
+    """Raises if `model` would train unpipelined under `partitions > 1`."""
+    from keras_smp.distribute.strategy import SMPStrategy
+
+    strategy = model.distribute_strategy
+    if (isinstance(strategy, SMPStrategy) and strategy.num_stages > 1
+            and not isinstance(model, DistributedModel)):
+        raise ValueError(
+            f"Model '{model.name}' is a plain {type(model).__name__} under an "
+            f"SMPStrategy with partitions={strategy.num_stages}; it would "
+            "train without pipelining. Wrap it before compiling: "
+            "`model = keras_smp.DistributedModel(model)` (or subclass "
+            "keras_smp.DistributedModel).")
+
+
+def install_guard():
+    """Makes plain Keras models fail fast under `partitions > 1`."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    for name in ("make_train_function", "make_test_function",
+                 "make_predict_function"):
+        original = getattr(TensorFlowTrainer, name)
+        if getattr(original, "_smp_guarded", False):
+            continue
+
+        def guarded(self, *args, _original=original, **kwargs):
+            check_pipelined(self)
+            return _original(self, *args, **kwargs)
+
+        guarded._smp_guarded = True
+        setattr(TensorFlowTrainer, name, guarded)

@@ -1,0 +1,175 @@
+"""Pipelined Keras training vs plain single-device training (used by tests).
+
+Runs several cases in one process (TensorFlow starts once) and prints one
+JSON line per case with the largest differences from the reference:
+the same model, same initial weights and data, trained by plain Keras on
+one device with the same global batch.
+
+Usage: pipeline_fit.py CASE [CASE ...], CASE = JSON object with keys
+model (mlp|cnn|skip|manual), partitions, microbatches, pipeline,
+optimizer (sgd|adam), devices (logical CPUs, default = partitions).
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
+
+CASES = [json.loads(a) for a in sys.argv[1:]]
+MAX_DEVICES = max(c.get("devices", c["partitions"]) for c in CASES)
+
+import tensorflow as tf  # noqa: E402
+
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * MAX_DEVICES)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_smp  # noqa: E402
+
+GLOBAL_BATCH, STEPS = 32, 3
+rng = np.random.RandomState(0)
+N = GLOBAL_BATCH * STEPS
+X_FLAT = rng.randn(N, 8).astype("float32")
+X_IMG = rng.randn(N, 8, 8, 1).astype("float32")
+Y = rng.randint(0, 3, size=N)
+SW = rng.uniform(0.2, 2.0, size=N).astype("float32")
+
+
+def mlp():
+    return keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(32, activation="tanh"),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(3),
+    ])
+
+
+def cnn():
+    return keras.Sequential([
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(8, 3, activation="relu"),
+        keras.layers.Conv2D(8, 3, activation="tanh"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(3),
+    ])
+
+
+def skip():
+    inputs = keras.Input((8,))
+    h1 = keras.layers.Dense(16, activation="tanh", name="d1")(inputs)
+    h2 = keras.layers.Dense(16, activation="tanh", name="d2")(h1)
+    h3 = keras.layers.Dense(16, activation="tanh", name="d3")(h2)
+    h4 = keras.layers.Dense(16, activation="tanh", name="d4")(h3)
+    merged = keras.layers.Add(name="skip_add")([h1, h4])  # skips d2..d4
+    return keras.Model(inputs, keras.layers.Dense(3, name="out")(merged))
+
+
+class Manual(keras.Model):
+    """Subclassed skip model; partition scopes when pipelined."""
+
+    def __init__(self, partitions=1, **kwargs):
+        super().__init__(**kwargs)
+        self.p = partitions
+        self.d = [keras.layers.Dense(16, activation="tanh") for _ in range(4)]
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        stage = [min(i * self.p // 5, self.p - 1) for i in range(5)]
+        with keras_smp.partition(stage[0]):
+            h1 = self.d[0](x)
+        h = h1
+        for i in range(1, 4):
+            with keras_smp.partition(stage[i]):
+                h = self.d[i](h)
+        with keras_smp.partition(stage[4]):
+            return self.out(h + h1)
+
+
+class ManualPipelined(Manual, keras_smp.DistributedModel):
+    pass
+
+
+def build(case, pipelined):
+    keras.utils.set_random_seed(1234)
+    kind = case["model"]
+    if kind == "manual":
+        model = (ManualPipelined(partitions=case["partitions"]) if pipelined
+                 else Manual())
+        model(np.zeros((1, 8), "float32"))  # builds (pipelined: traces)
+    else:
+        model = {"mlp": mlp, "cnn": cnn, "skip": skip}[kind]()
+        if pipelined:
+            model = keras_smp.DistributedModel(model)
+    opt = (keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+           if case["optimizer"] == "sgd"
+           else keras.optimizers.Adam(learning_rate=1e-3))
+    model.compile(
+        optimizer=opt,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["sparse_categorical_accuracy"])
+    return model
+
+
+def run(case, pipelined):
+    model = build(case, pipelined)
+    x = X_IMG if case["model"] == "cnn" else X_FLAT
+    sw = SW if case["model"] in ("skip", "manual") else None
+    data = (x, Y) if sw is None else (x, Y, sw)
+    ds = tf.data.Dataset.from_tensor_slices(data).batch(GLOBAL_BATCH)
+    initial = [w.numpy() for w in model.weights if "seed" not in w.path]
+    hist = model.fit(ds, epochs=1, verbose=0)
+    ev = model.evaluate(ds, verbose=0, return_dict=True)
+    pred = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
+    return model, {
+        "weights": [w.numpy() for w in model.weights if "seed" not in w.path],
+        "loss": np.array(hist.history["loss"]),
+        "evaluate": np.array([ev["loss"], ev["sparse_categorical_accuracy"]]),
+        "predict": pred,
+        "moved": max(float(np.abs(w.numpy() - w0).max()) for w, w0 in zip(
+            [w for w in model.weights if "seed" not in w.path], initial)),
+    }
+
+
+def diff(a, b):
+    d = np.abs(a - b)
+    # Largest violation of |a - b| <= atol + rtol |b|, reported as the atol
+    # needed with rtol = 1e-5.
+    return float(np.max(d - 1e-5 * np.abs(b))) if d.size else 0.0
+
+
+references = {}
+for case in CASES:
+    key = (case["model"], case["optimizer"])
+    if key not in references:
+        references[key] = run(case, pipelined=False)[1]
+    ref = references[key]
+    config = dict(partitions=case["partitions"],
+                  microbatches=case["microbatches"],
+                  pipeline=case["pipeline"],
+                  auto_partition=case["model"] != "manual",
+                  local_devices=case.get("devices", case["partitions"]))
+    strategy = keras_smp.SMPStrategy(**config)
+    with strategy.scope():
+        model, got = run(case, pipelined=True)
+    graph = model.staged_graph
+    row = dict(case)
+    row.update(
+        weights=max(diff(a, b) for a, b in zip(got["weights"], ref["weights"])),
+        loss=diff(got["loss"], ref["loss"]),
+        evaluate=diff(got["evaluate"], ref["evaluate"]),
+        predict=diff(got["predict"], ref["predict"]),
+        num_weights=[len(got["weights"]), len(ref["weights"])],
+        stage_layers=[len(graph.stage_nodes(s))
+                      for s in range(graph.num_stages)],
+        replicas=strategy.num_replicas_in_sync,
+        moved=got["moved"],
+    )
+    print(json.dumps(row), flush=True)
