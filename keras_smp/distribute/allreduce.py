@@ -16,6 +16,8 @@ Algorithms (groups described in `groups.py`):
   host. Fewer bytes cross the inter-host link.
 """
 
+import itertools
+
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.distribute import cross_device_utils
@@ -29,6 +31,12 @@ from keras_smp.distribute.groups import ReplicaLayout
 # Group keys of our own groups start here; TensorFlow's own start at 1 and
 # grow by one per distinct device set, far below this.
 GROUP_KEY_BASE = 100_000
+# Each GradientAllReduce of a process gets its own range of group keys: the
+# collective runtime caches groups and instances by key for the life of the
+# process, so a second strategy (a notebook, a test) must not reuse them.
+# Every worker creates its strategies in the same order, so keys agree.
+GROUP_KEY_STRIDE = 10_000
+_instances = itertools.count()
 
 
 class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
@@ -74,7 +82,8 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             [device_util.canonicalize(d) for d in row] for row in stage_devices]
         self.num_stages = len(self._stage_devices[0])
         self._keys = cross_device_utils.CollectiveKeys(
-            group_key_start=GROUP_KEY_BASE)
+            group_key_start=GROUP_KEY_BASE
+            + GROUP_KEY_STRIDE * next(_instances))
         group_keys = {
             (s, g): self._keys._get_new_group_key(
                 [row[s] for row in self._stage_devices])

@@ -13,7 +13,9 @@ the executor builds graph ops:
   backward runs on the stage's device (`GradientTape` would not).
 
 Every action on a device is made control-dependent on the previous action
-of that device, so each device executes exactly the schedule's order.
+of that device, so each device executes exactly the schedule's order. Ops
+of an action are named `stage{s}/fwd_mb{m}/...` or `stage{s}/bwd_mb{m}/...`
+(visible in TensorBoard's graph and profiler).
 Variable gradients are summed over microbatches.
 
 This module is the TensorFlow layer under the pure-Python schedule; the
@@ -114,7 +116,9 @@ def run_pipeline(stage_fns, stage_variables, loss_fn, schedule, devices,
     for _, s, action in order:
         mb = action.microbatch
         deps = [last[s]] if s in last else []
-        with tf.device(devices[s]), tf.control_dependencies(deps):
+        scope = f"stage{s}/{'fwd' if action.kind == 'F' else 'bwd'}_mb{mb}"
+        with tf.device(devices[s]), tf.control_dependencies(deps), \
+                tf.name_scope(scope):
             if action.kind == "F":
                 src = (microbatch_inputs[mb] if s == 0
                        else stage_out[(s - 1, mb)])

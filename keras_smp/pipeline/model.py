@@ -338,11 +338,10 @@ class DistributedModel(keras.Model):
         flat_x = self._smp_flat_inputs(x)
         checks = self._smp_check_batch(flat_x, m)
         with tf.control_dependencies(checks):
-            flat_x = [tf.identity(t) for t in flat_x]
-        xs = [list(mb) for mb in zip(*[tf.split(t, m, axis=0)
-                                        for t in flat_x])]
-        ys = self._smp_split(y, m)
-        sws = self._smp_split(sample_weight, m)
+            xs = [list(mb) for mb in zip(*[tf.split(t, m, axis=0)
+                                            for t in flat_x])]
+            ys = self._smp_split(y, m)
+            sws = self._smp_split(sample_weight, m)
         schedule = get_schedule(self._smp_config().pipeline,
                                 graph.num_stages, m)
         devices = self._smp_devices()

@@ -1,0 +1,129 @@
+"""Bad pipeline input, one case per argument; prints the error of each.
+
+Each case prints one JSON line {"case", "type", "message"} ("type" is null
+when no error was raised).
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tensorflow as tf  # noqa: E402
+
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_smp  # noqa: E402
+
+X = np.random.RandomState(0).randn(120, 8).astype("float32")
+Y = np.random.RandomState(1).randn(120, 2).astype("float32")
+
+
+def mlp(n=3):
+    return keras.Sequential(
+        [keras.Input((8,))]
+        + [keras.layers.Dense(8, activation="tanh") for _ in range(n - 1)]
+        + [keras.layers.Dense(2)])
+
+
+class Scoped(keras_smp.DistributedModel):
+    def __init__(self, stages):
+        super().__init__()
+        self.stages = stages
+        self.layers_ = [keras.layers.Dense(8) for _ in stages]
+
+    def call(self, x):
+        for layer, stage in zip(self.layers_, self.stages):
+            with keras_smp.partition(stage):
+                x = layer(x)
+        return x
+
+
+class Backward(keras_smp.DistributedModel):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = keras.layers.Dense(8), keras.layers.Dense(2)
+
+    def call(self, x):
+        with keras_smp.partition(1):
+            h = self.a(x)
+        with keras_smp.partition(0):
+            return self.b(h)
+
+
+def fit(model, batch_size=32, **kwargs):
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(X, Y, batch_size=batch_size, epochs=1, verbose=0, **kwargs)
+
+
+def indivisible_batch():
+    with keras_smp.SMPStrategy(partitions=2, microbatches=4).scope():
+        fit(keras_smp.DistributedModel(mlp()), batch_size=30)
+
+
+def indivisible_static_batch():
+    ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(
+        30, drop_remainder=True)
+    with keras_smp.SMPStrategy(partitions=2, microbatches=4).scope():
+        model = keras_smp.DistributedModel(mlp())
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(ds, epochs=1, verbose=0)
+
+
+def indivisible_dynamic_batch():
+    ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(32)  # shape None
+    with keras_smp.SMPStrategy(partitions=2, microbatches=5).scope():
+        model = keras_smp.DistributedModel(mlp())
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(ds, epochs=1, verbose=0)
+
+
+def partition_index_out_of_range():
+    strategy = keras_smp.SMPStrategy(partitions=2, auto_partition=False)
+    with strategy.scope():
+        Scoped([0, 1, 2]).build((None, 8))
+
+
+def empty_stage():
+    strategy = keras_smp.SMPStrategy(partitions=3, auto_partition=False)
+    with strategy.scope():
+        Scoped([0, 0, 2]).build((None, 8))
+
+
+def more_partitions_than_layers():
+    with keras_smp.SMPStrategy(partitions=4).scope():
+        keras_smp.DistributedModel(mlp(2))
+
+
+def backward_data_flow():
+    strategy = keras_smp.SMPStrategy(partitions=2, auto_partition=False)
+    with strategy.scope():
+        Backward().build((None, 8))
+
+
+def plain_model_under_pipeline():
+    with keras_smp.SMPStrategy(partitions=2).scope():
+        fit(mlp())
+
+
+def unknown_split_point():
+    with keras_smp.SMPStrategy(partitions=2).scope():
+        keras_smp.DistributedModel(mlp(), split_points=["no_such_layer"])
+
+
+def devices_not_divisible():
+    keras_smp.SMPStrategy(partitions=3, local_devices=4)
+
+
+for name in sys.argv[1:]:
+    row = {"case": name, "type": None, "message": ""}
+    try:
+        globals()[name]()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        row.update(type=type(e).__name__, message=str(e))
+    print(json.dumps(row), flush=True)

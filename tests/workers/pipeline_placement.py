@@ -1,0 +1,86 @@
+"""Where a pipelined model's variables and ops live (used by tests).
+
+2 model replicas x 2 stages on 4 logical CPUs (or PARTITIONS stages on
+PARTITIONS CPUs). Fits one step, then inspects the traced train step graph:
+prints one JSON object with the placement of every variable copy and of
+every compute op, grouped by (replica, stage, forward/backward).
+"""
+
+import json
+import os
+import re
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras_smp  # noqa: E402
+
+PARTITIONS = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+DEVICES = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+strategy = keras_smp.SMPStrategy(
+    partitions=PARTITIONS, microbatches=2, local_devices=DEVICES)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+COMPUTE = {"MatMul", "BiasAdd", "BiasAddGrad", "Tanh", "TanhGrad", "Relu",
+           "ReluGrad", "Conv2D", "Conv2DBackpropFilter",
+           "Conv2DBackpropInput"}
+
+with strategy.scope():
+    model = keras_smp.DistributedModel(keras.Sequential([
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(4, 3, activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(2),
+    ]))
+    model.compile(optimizer="adam", loss="mse")
+
+graphs = []
+train_step = model.train_step
+
+
+def recording_train_step(data):
+    graphs.append(tf.compat.v1.get_default_graph())
+    return train_step(data)
+
+
+model.train_step = recording_train_step
+x = np.random.RandomState(0).randn(32, 8, 8, 1).astype("float32")
+y = np.random.RandomState(1).randn(32, 2).astype("float32")
+model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+graph = model.staged_graph
+home = graph.home_stage()
+variables = []
+for stage in range(graph.num_stages):
+    for w in graph.stage_weights(stage):
+        variables.append({
+            "path": w.path, "stage": home[id(w)],
+            "devices": [v.device for v in w.value.values]})
+for w in model.optimizer.variables:
+    parts = getattr(w.value, "values", (w.value,))
+    variables.append({"path": "optimizer/" + w.path, "stage": None,
+                      "devices": [v.device for v in parts]})
+
+ops = {}
+unscoped = []
+pattern = re.compile(r"^(?:replica_(\d+)/)?.*?stage(\d+)/(fwd|bwd)_mb\d+/")
+for op in graphs[0].get_operations():
+    if op.type not in COMPUTE:
+        continue
+    match = pattern.match(op.name)
+    if not match:
+        unscoped.append(op.name)
+        continue
+    replica = int(match.group(1) or 0)
+    key = f"{replica}/{match.group(2)}/{match.group(3)}"
+    ops.setdefault(key, set()).add(op.device)
+print(json.dumps({
+    "stage_devices": strategy.stage_devices,
+    "variables": variables,
+    "ops": {k: sorted(v) for k, v in ops.items()},
+    "unscoped": unscoped,
+}))
