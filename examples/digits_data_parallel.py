@@ -26,23 +26,9 @@ args = parser.parse_args()
 strategy = keras_smp.SMPStrategy()
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
+from digits_data import datasets  # noqa: E402
 
-digits = load_digits()
-x = (digits.data / 16.0).astype("float32")
-y = digits.target.astype("int64")
-x_train, x_test, y_train, y_test = train_test_split(
-    x, y, test_size=0.2, random_state=0, stratify=y)
-
-# Same seed on every worker: every worker sees the same global batches,
-# of which the strategy gives each its own share.
-train = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
-         .shuffle(len(x_train), seed=0)
-         .batch(args.global_batch, drop_remainder=True))
-test = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(40)
+train, test, num_test = datasets(args.global_batch)
 
 with strategy.scope():
     keras.utils.set_random_seed(0)
@@ -67,4 +53,4 @@ model.fit(train, epochs=args.epochs, validation_data=test, verbose=2)
 loss, accuracy = model.evaluate(test, verbose=0)
 if keras_smp.is_chief():
     print(f"held-out accuracy: {accuracy:.4f} (loss {loss:.4f}) on "
-          f"{len(x_test)} test images", flush=True)
+          f"{num_test} test images", flush=True)

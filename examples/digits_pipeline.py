@@ -2,6 +2,8 @@
 
     python examples/digits_pipeline.py                  # 2 stages, 1 replica
     python examples/digits_pipeline.py --replicas 2     # 2 replicas x 2 stages
+    keras-smp launch -n 2 -- python examples/digits_pipeline.py
+                                  # 2 worker processes, each a 2-stage pipeline
 
 The model is split into `--partitions` stages (automatic balanced
 partitioning), each batch into `--microbatches` microbatches run with the
@@ -30,22 +32,10 @@ strategy = keras_smp.SMPStrategy(
     pipeline=args.pipeline, local_devices=args.partitions * args.replicas)
 
 import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
+from digits_data import datasets  # noqa: E402
 
-digits = load_digits()
-x = (digits.data / 16.0).astype("float32")
-y = digits.target.astype("int64")
-x_train, x_test, y_train, y_test = train_test_split(
-    x, y, test_size=0.2, random_state=0, stratify=y)
-
-# Batches must divide into microbatches x replicas: drop the remainder.
-train = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
-         .shuffle(len(x_train), seed=0)
-         .batch(args.global_batch, drop_remainder=True))
-test = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(
-    40, drop_remainder=True)
+# Batches must divide into microbatches x replicas: drop the remainders.
+train, test, num_test = datasets(args.global_batch, drop_test_remainder=True)
 
 with strategy.scope():
     keras.utils.set_random_seed(0)
@@ -61,12 +51,14 @@ with strategy.scope():
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"])
 
-print(model.partition_summary())
-print(f"replicas={strategy.num_replicas_in_sync} stages={model.num_stages} "
-      f"microbatches={model.num_microbatches} schedule={args.pipeline} "
-      f"(ideal bubble {model.schedule.ideal_bubble_fraction():.2f})",
-      flush=True)
+if keras_smp.is_chief():
+    print(model.partition_summary())
+    print(f"workers={keras_smp.size()} replicas={strategy.num_replicas_in_sync} stages={model.num_stages} "
+          f"microbatches={model.num_microbatches} schedule={args.pipeline} "
+          f"(ideal bubble {model.schedule.ideal_bubble_fraction():.2f})",
+          flush=True)
 model.fit(train, epochs=args.epochs, validation_data=test, verbose=2)
 loss, accuracy = model.evaluate(test, verbose=0)
-print(f"held-out accuracy: {accuracy:.4f} (loss {loss:.4f}) on "
-      f"{(len(x_test) // 40) * 40} test images", flush=True)
+if keras_smp.is_chief():
+    print(f"held-out accuracy: {accuracy:.4f} (loss {loss:.4f}) on "
+          f"{num_test} test images", flush=True)

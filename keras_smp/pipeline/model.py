@@ -33,6 +33,7 @@ def _null():
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
 
+@keras.saving.register_keras_serializable(package="keras_smp")
 class DistributedModel(keras.Model):
     """A Keras model trained, evaluated and run as a microbatch pipeline.
 
@@ -78,7 +79,8 @@ class DistributedModel(keras.Model):
     def __init__(self, *args, partition_cost=None, split_points=None,
                  **kwargs):
         inner = None
-        if len(args) == 1 and isinstance(args[0], keras.Model) and not kwargs:
+        if (len(args) == 1 and isinstance(args[0], keras.Model)
+                and set(kwargs) <= {"name"}):
             inner, args = args[0], ()
         elif functional_init_arguments(args, kwargs):
             inputs = kwargs.pop("inputs") if "inputs" in kwargs else args[0]
@@ -113,6 +115,25 @@ class DistributedModel(keras.Model):
             self._smp_set_graph(self._smp_plan(
                 functional._inputs_struct, functional._outputs_struct, {}))
             self.built = True
+
+    def get_config(self):
+        if self._smp_functional is None:
+            return super().get_config()
+        return {
+            "name": self.name,
+            "model": keras.saving.serialize_keras_object(self.inner_model),
+            "partition_cost": self._smp_cost,
+            "split_points": self._smp_split_points,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        if "model" not in config:
+            return super().from_config(config, custom_objects=custom_objects)
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(
+            config.pop("model"), custom_objects=custom_objects)
+        return cls(inner, **config)
 
     # -- configuration ----------------------------------------------------
 

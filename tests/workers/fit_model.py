@@ -23,6 +23,8 @@ p.add_argument("--callbacks", action="store_true")
 p.add_argument("--fail-at-epoch", type=int, default=None,
                help="rank 1 raises at the start of this epoch")
 p.add_argument("--config", default="{}", help="JSON options for SMPStrategy")
+p.add_argument("--pipelined", action="store_true",
+               help="wrap the model in keras_smp.DistributedModel")
 args = p.parse_args()
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -56,6 +58,8 @@ def build():
         keras.layers.Dense(16, activation="relu"),
         keras.layers.Dense(3),
     ])
+    if args.pipelined:
+        model = keras_smp.DistributedModel(model)
     if args.optimizer == "sgd":
         opt = keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
     else:

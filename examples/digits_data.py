@@ -1,0 +1,26 @@
+"""The digits data set (bundled with scikit-learn: no download) as tf.data.
+
+Shared by the examples. Every worker builds the same global batches (same
+shuffle seed); the strategy gives each replica its own share.
+"""
+
+import tensorflow as tf
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+
+def datasets(global_batch, test_batch=40, drop_test_remainder=False):
+    """Returns `(train, test, num_test)`: batched datasets, 80/20 split."""
+    digits = load_digits()
+    x = (digits.data / 16.0).astype("float32")
+    y = digits.target.astype("int64")
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, y, test_size=0.2, random_state=0, stratify=y)
+    train = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
+             .shuffle(len(x_train), seed=0)
+             .batch(global_batch, drop_remainder=True))
+    test = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(
+        test_batch, drop_remainder=drop_test_remainder)
+    num_test = (len(x_test) // test_batch * test_batch
+                if drop_test_remainder else len(x_test))
+    return train, test, num_test
