@@ -1,5 +1,6 @@
 # keras-smp: two entry points for a fresh machine.
-#   make demo   trains a digit classifier on 2 local worker processes
+#   make demo   trains a digit classifier on 2 local worker processes, each
+#               running a 2-stage pipeline (data x pipeline parallel)
 #   make test   runs the whole test suite (including slow multi-process tests)
 PYTHON ?= python3
 VENV   ?= .venv
@@ -18,7 +19,7 @@ $(STAMP): setup.cfg setup.py requirements-dev.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/keras-smp launch -n 2 --timeout 600 -- $(BIN)/python examples/digits_data_parallel.py
+	$(BIN)/keras-smp launch -n 2 --timeout 600 -- $(BIN)/python examples/digits_pipeline.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -v -rs --durations=15 tests
