@@ -55,11 +55,13 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         collective_keys: the strategy's `CollectiveKeys`, for the base class.
         stage_devices: for each local replica, the device of each pipeline
             stage (default: one stage, on `devices`).
+        key_offset: added to our group keys; one stage per process gives
+            each stage's data-parallel group its own keys.
     """
 
     def __init__(self, devices, layout, algorithm="ring",
                  fusion_threshold_bytes=64 * 2**20, options=None,
-                 collective_keys=None, stage_devices=None):
+                 collective_keys=None, stage_devices=None, key_offset=0):
         options = options or tf.distribute.experimental.CommunicationOptions()
         super().__init__(devices=devices, group_size=layout.size,
                          options=options, collective_keys=collective_keys)
@@ -83,7 +85,7 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self.num_stages = len(self._stage_devices[0])
         self._keys = cross_device_utils.CollectiveKeys(
             group_key_start=GROUP_KEY_BASE
-            + GROUP_KEY_STRIDE * next(_instances))
+            + GROUP_KEY_STRIDE * next(_instances) + key_offset)
         group_keys = {
             (s, g): self._keys._get_new_group_key(
                 [row[s] for row in self._stage_devices])

@@ -17,11 +17,13 @@ is ours:
 
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as cars
+from tensorflow.python.distribute import cross_device_utils
 from tensorflow.python.distribute import distribute_lib
 
 from keras_smp import state
 from keras_smp.config import SMPConfig
 from keras_smp.distribute import chief_io
+from keras_smp.distribute.allreduce import GROUP_KEY_STRIDE
 from keras_smp.distribute.allreduce import GradientAllReduce
 from keras_smp.distribute.groups import ReplicaLayout
 from keras_smp.distribute.groups import resolve_algorithm
@@ -92,11 +94,14 @@ class SMPStrategy(cars.CollectiveAllReduceStrategy):
     def __init__(self, config=None, /, **kwargs):
         config = SMPConfig.build(config, **kwargs)
         cluster = resolve_cluster()
-        stages = config.partitions
-        local_devices = _pipeline_devices_per_process(config, cluster)
+        local_devices, mode = _pipeline_mode(config, cluster)
+        # In-process pipelines: every process holds whole model replicas
+        # (P devices each). Multi-process: one stage per process.
         topology = Topology.from_cluster(
-            cluster, partitions=1,
+            cluster,
+            partitions=config.partitions if mode == "multi_process" else 1,
             placement_strategy=config.placement_strategy)
+        stages = config.partitions if mode == "in_process" else 1
         device_type, count = _configure_local_devices(local_devices)
         if count % stages:
             raise ValueError(
@@ -117,7 +122,7 @@ class SMPStrategy(cars.CollectiveAllReduceStrategy):
                 tf.train.ClusterSpec({}), rpc_layer="grpc")
         extended = _SMPExtended(
             self, resolver, options, device_type, count, stages, config,
-            topology)
+            topology, mode)
         distribute_lib.Strategy.__init__(self, extended)
         self.config = config
         self.cluster = cluster
@@ -145,8 +150,13 @@ class SMPStrategy(cars.CollectiveAllReduceStrategy):
 
     @property
     def num_stages(self):
-        """Pipeline stages per model replica (`partitions`)."""
+        """Pipeline stages per model replica held in this process."""
         return self.extended._smp_stages
+
+    @property
+    def pipeline_mode(self):
+        """"none" (partitions=1), "in_process" or "multi_process"."""
+        return self.extended._smp_mode
 
     @property
     def stage_devices(self):
@@ -178,17 +188,22 @@ class _SMPExtended(cars.CollectiveAllReduceExtended):
     """TensorFlow's collective extended with our devices and gradient sync."""
 
     def __init__(self, container, resolver, options, device_type, count,
-                 stages, config, topology):
+                 stages, config, topology, mode):
         self._smp_device_type = device_type
         self._smp_device_count = count
         self._smp_stages = stages
+        self._smp_mode = mode
+        self._smp_topology = topology
         super().__init__(container, cluster_resolver=resolver,
                          communication_options=options)
+        # Gradients are summed among the workers holding the same stage:
+        # all workers, or (one stage per process) this stage's dp group.
+        peers = (topology.dp_group() if mode == "multi_process"
+                 else tuple(range(topology.world_size)))
         layout = ReplicaLayout.from_workers(
-            worker_hosts=tuple(
-                topology.host_of(r) for r in range(topology.world_size)),
+            worker_hosts=tuple(topology.host_of(r) for r in peers),
             devices_per_worker=len(self.worker_devices),
-            worker_rank=topology.rank)
+            worker_rank=peers.index(topology.rank))
         algorithm = resolve_algorithm(config.allreduce, layout)
         if algorithm == "horovod":
             raise NotImplementedError(
@@ -197,8 +212,30 @@ class _SMPExtended(cars.CollectiveAllReduceExtended):
         self._cross_device_ops = GradientAllReduce(
             devices=self.worker_devices, layout=layout, algorithm=algorithm,
             fusion_threshold_bytes=int(config.fusion_threshold_mb * 2**20),
-            options=options, collective_keys=self._collective_keys,
-            stage_devices=self._smp_stage_devices)
+            options=options,
+            collective_keys=(
+                self._collective_keys if mode != "multi_process" else
+                cross_device_utils.CollectiveKeys(
+                    group_key_start=50_000 + 1_000 * topology.pp_rank)),
+            stage_devices=self._smp_stage_devices,
+            key_offset=(GROUP_KEY_STRIDE // 10 * topology.pp_rank
+                        if mode == "multi_process" else 0))
+
+    @property
+    def _num_replicas_in_sync(self):
+        if self._smp_mode == "multi_process":
+            return self._smp_topology.dp_size
+        return super()._num_replicas_in_sync
+
+    def _make_input_context(self):
+        if self._smp_mode != "multi_process":
+            return super()._make_input_context()
+        # Every stage of a replica reads the same shard of each batch.
+        topo = self._smp_topology
+        return distribute_lib.InputContext(
+            num_input_pipelines=topo.dp_size,
+            input_pipeline_id=topo.dp_rank,
+            num_replicas_in_sync=topo.dp_size)
 
     def _initialize_local_devices(self, cluster_resolver, worker_device):
         devices = [
@@ -229,24 +266,23 @@ class _DeviceSet:
         self._devices = devices
 
 
-def _pipeline_devices_per_process(config, cluster):
-    """Local devices to create, given `partitions` (None = default)."""
+def _pipeline_mode(config, cluster):
+    """Returns `(local devices to create or None, pipeline mode)`."""
     p = config.partitions
-    if p == 1 or config.local_devices is not None:
-        return config.local_devices
-    if tf.config.list_physical_devices("GPU"):
-        return None  # all visible GPUs; checked for divisibility later
+    if p == 1:
+        return config.local_devices, "none"
     w = cluster.world_size
-    if w > 1 and w % p:
-        raise ValueError(
-            f"partitions={p} does not divide the number of worker processes "
-            f"world_size={w}. Use a multiple of {p} workers (one pipeline "
-            f"stage per process), or set local_devices={p} to run a whole "
-            "pipeline inside every process.")
-    if w > 1:
-        raise NotImplementedError(
-            f"partitions={p} across {cluster.world_size} worker processes "
-            "(one pipeline stage per process) is not available in this "
-            "version of keras-smp yet. Run the pipeline inside each process "
-            f"instead with local_devices={p} (or a multiple of {p}).")
-    return p
+    gpus = bool(tf.config.list_physical_devices("GPU"))
+    one_device = config.local_devices == 1 or (
+        config.local_devices is None and not gpus)
+    if w > 1 and one_device:
+        if w % p:
+            raise ValueError(
+                f"partitions={p} does not divide the number of worker "
+                f"processes world_size={w}. Use a multiple of {p} workers "
+                f"(one pipeline stage per process), or set local_devices={p} "
+                "to run a whole pipeline inside every process.")
+        return 1, "multi_process"
+    if config.local_devices is None and not gpus:
+        return p, "in_process"
+    return config.local_devices, "in_process"

@@ -21,6 +21,8 @@ from keras_smp.pipeline import scope
 from keras_smp.pipeline.executor import run_pipeline
 from keras_smp.pipeline.graph import StagedGraph
 from keras_smp.pipeline.graph import record_partitions
+from keras_smp.pipeline.p2p import StageLinks
+from keras_smp.pipeline.p2p import run_stage
 from keras_smp.pipeline.partition import COST_METHODS
 from keras_smp.pipeline.schedule import get_schedule
 
@@ -278,6 +280,50 @@ class DistributedModel(keras.Model):
         # Unpipelined forward pass (direct calls); steps use the pipeline.
         return self.inner_model(inputs, training=training)
 
+    # -- weights across stage processes -----------------------------------
+
+    def sync_weights(self):
+        """Copies every stage's weights to all processes of its replica.
+
+        With one pipeline stage per process, each process trains only its
+        stage's weights. `get_weights`, `save` and `save_weights` call this
+        first, so checkpoints hold the whole trained model. It is a
+        collective: every process of the job must call it (Keras callbacks
+        do). No-op otherwise.
+        """
+        if not self._smp_multi_process():
+            return
+        links = self._smp_links()
+        graph = self.staged_graph
+        home = graph.home_stage()
+        count = getattr(self, "_smp_sync_count", 0)
+        self._smp_sync_count = count + 1
+        base = 1_000_000 + (count % 1000) * 10_000
+        index = 0
+        for stage in range(graph.num_stages):
+            for w in graph.stage_weights(stage):
+                if home[id(w)] != stage:
+                    continue
+                key, size = links.pipeline_key(), links.num_stages
+                if links.stage == stage:
+                    links.send(w.value, key, size, base + index)
+                else:
+                    w.assign(links.recv(w.shape, w.dtype, key, size,
+                                        base + index))
+                index += 1
+
+    def get_weights(self):
+        self.sync_weights()
+        return super().get_weights()
+
+    def save(self, *args, **kwargs):
+        self.sync_weights()
+        return super().save(*args, **kwargs)
+
+    def save_weights(self, *args, **kwargs):
+        self.sync_weights()
+        return super().save_weights(*args, **kwargs)
+
     # -- steps -------------------------------------------------------------
 
     def _smp_devices(self):
@@ -352,7 +398,93 @@ class DistributedModel(keras.Model):
             "pipelined model needs all 'sum' or all mean-like "
             "('sum_over_batch_size') reductions.")
 
-    def _smp_run(self, data, training):
+    def _smp_multi_process(self):
+        strategy = self._smp_strategy()
+        return strategy is not None and strategy.pipeline_mode == (
+            "multi_process")
+
+    def _smp_links(self):
+        strategy = self._smp_strategy()
+        topo = strategy.topology
+        if self.staged_graph.num_stages != topo.pp_size:
+            raise ValueError(
+                f"The model has {self.staged_graph.num_stages} stages but "
+                f"the strategy runs {topo.pp_size} stage processes per "
+                "replica.")
+        return StageLinks(topo.pp_size, topo.pp_rank, topo.dp_rank,
+                          strategy.config.collective_timeout_seconds)
+
+    def _smp_run_process(self, data, training, need_loss=True):
+        """One stage of the step in this process (one stage per process)."""
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        graph = self.staged_graph
+        links = self._smp_links()
+        s, p = links.stage, links.num_stages
+        m = self.num_microbatches
+        flat_x = self._smp_flat_inputs(x)
+        checks = self._smp_check_batch(flat_x, m)
+        with tf.control_dependencies(checks):
+            batch = tf.shape(flat_x[0])[0]
+            xs = [list(mb) for mb in zip(*[tf.split(t, m, axis=0)
+                                            for t in flat_x])]
+            ys = self._smp_split(y, m)
+            sws = self._smp_split(sample_weight, m)
+        mb_size = batch // m
+
+        def specs(tensors, rows):
+            out = []
+            for t in tensors:
+                rest = list(t.shape[1:])
+                if any(d is None for d in rest):
+                    raise ValueError(
+                        f"Tensor {t.name} of shape {t.shape} crosses a stage "
+                        "boundary between processes; only its batch "
+                        "dimension may be unknown.")
+                out.append((tf.concat([[rows], tf.constant(rest, tf.int32)],
+                                      axis=0), t.dtype))
+            return out
+
+        in_specs = specs(graph.carries[s - 1], mb_size) if s > 0 else []
+        out_specs = specs(graph.carries[s], mb_size) if s < p - 1 else []
+        has_loss = (need_loss and y is not None
+                    and self._compile_loss is not None)
+        loss_fn = None
+        if has_loss and s == p - 1:
+            weight = self._smp_loss_weight(m, sample_weight)
+
+            def loss_fn(out, mb):
+                loss = self._compile_loss(
+                    ys[mb], graph.pack_outputs(out), sws[mb]) * weight
+                if training and self.optimizer is not None:
+                    loss = self.optimizer.scale_loss(loss)
+                return loss
+
+        schedule = get_schedule(self._smp_config().pipeline, p, m)
+        stage_vars = [w for w in graph.stage_weights(s) if w.trainable]
+        losses, outputs, grads, barrier = run_stage(
+            graph.stage_fn(s, training=training),
+            stage_vars if training else [], loss_fn, schedule, links, xs,
+            in_specs, out_specs, forward_only=not training)
+        # The last stage shares the merged outputs and the loss with the
+        # other stages, so metrics and logs are identical on every rank.
+        pred_specs = specs(graph.outputs, batch)
+        mine = []
+        if s == p - 1:
+            mine = [tf.concat([o[i] for o in outputs], axis=0)
+                    for i in range(len(graph.outputs))]
+            if has_loss:
+                mine.append(tf.add_n(losses))
+        with tf.control_dependencies([barrier]):
+            shared = links.share_from_last(
+                mine, pred_specs + ([((), tf.float32)] if has_loss else []),
+                instance_base=500_000)
+        y_pred = graph.pack_outputs(shared[:len(graph.outputs)])
+        loss = [shared[-1]] if has_loss else [None]
+        return x, y, sample_weight, y_pred, loss, [grads], [stage_vars]
+
+    def _smp_run(self, data, training, need_loss=True):
+        if self._smp_multi_process():
+            return self._smp_run_process(data, training, need_loss)
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         graph = self.staged_graph
         m = self.num_microbatches
@@ -393,6 +525,11 @@ class DistributedModel(keras.Model):
         return x, y, sample_weight, y_pred, losses, grads, stage_vars
 
     def _smp_extra_losses(self):
+        if self._smp_multi_process() and self._get_regularization_losses():
+            raise NotImplementedError(
+                "Weight regularizers are not supported with one pipeline "
+                "stage per process yet; run the pipeline in one process "
+                "(local_devices=partitions) or drop the regularizers.")
         own = [loss for layer in self._flatten_layers()
                for loss in layer._get_own_losses()]
         if own:
@@ -420,6 +557,8 @@ class DistributedModel(keras.Model):
             for v, g in zip(vs, gs):
                 by_var[id(v)] = g if id(v) not in by_var else by_var[id(v)] + g
         trainable = self.trainable_weights
+        if self._smp_multi_process():  # this process trains its stage only
+            trainable = [v for v in trainable if id(v) in by_var]
         if extra:
             reg = tf.add_n(extra)
             scaled = (self.optimizer.scale_loss(reg)
@@ -459,7 +598,8 @@ class DistributedModel(keras.Model):
         return self.compute_metrics(x, y, y_pred, sample_weight=sw)
 
     def predict_step(self, data):
-        _, _, _, y_pred, _, _, _ = self._smp_run(data, training=False)
+        _, _, _, y_pred, _, _, _ = self._smp_run(
+            data, training=False, need_loss=False)
         return y_pred
 
 
