@@ -1,0 +1,136 @@
+"""Pipeline speed on CPU: 2 stages in 2 serial worker processes vs 1.
+
+An 8-layer, 1024-wide ReLU MLP, global batch 1024, SGD. Every process is a
+"serial device": 1 intra-op and 1 inter-op thread (logical CPUs of one
+process share a thread pool and would not measure pipelining, see
+tf-keras-facts.md). Measured side by side in one run:
+
+- baseline: the whole model, plain Keras, in 1 serial process;
+- pipelined: `keras_smp.DistributedModel`, partitions=2, one stage per
+  serial process (`keras-smp launch -n 2`), microbatches 1, 2, 4, 8, 16,
+  schedules gpipe and 1f1b.
+
+Prints ms/step, the speedup over the baseline beside the ideal
+m*p/(m+p-1), and the peak activation memory per stage of each schedule
+(the schedule's peak in-flight microbatches x one microbatch's stored
+activations of that stage). Target: >= 1.6x at m = 8 (ideal 1.78x).
+
+    python benchmarks/pipeline_cpu.py            # ~3 minutes on 2 cores
+    python benchmarks/pipeline_cpu.py --quick    # m = 1, 8 only
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WIDTH, LAYERS, BATCH, STAGES = 1024, 8, 1024, 2
+
+
+def worker(args):
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    strategy = None
+    if args.mode == "pipeline":
+        import keras_smp
+
+        strategy = keras_smp.SMPStrategy(
+            partitions=STAGES, microbatches=args.microbatches,
+            pipeline=args.schedule, collective_timeout_seconds=300)
+    import keras
+    import numpy as np
+
+    x = np.random.RandomState(0).randn(BATCH * 4, WIDTH).astype("float32")
+    y = np.random.RandomState(1).randn(BATCH * 4, WIDTH).astype("float32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        BATCH, drop_remainder=True).repeat()
+
+    def build():
+        model = keras.Sequential(
+            [keras.Input((WIDTH,))]
+            + [keras.layers.Dense(WIDTH, activation="relu")
+               for _ in range(LAYERS)])
+        if strategy is not None:
+            model = keras_smp.DistributedModel(model)
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    if strategy is not None:
+        with strategy.scope():
+            model = build()
+    else:
+        model = build()
+    model.fit(ds, steps_per_epoch=args.warmup, epochs=1, verbose=0)
+    start = time.perf_counter()
+    model.fit(ds, steps_per_epoch=args.steps, epochs=1, verbose=0)
+    ms = (time.perf_counter() - start) * 1000 / args.steps
+    if strategy is None or strategy.is_chief:
+        print("RESULT " + json.dumps({"ms_per_step": ms}), flush=True)
+
+
+def run(cmd, timeout=900):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=timeout)
+    for line in out.stdout.splitlines():
+        if "RESULT " in line:
+            return json.loads(line.split("RESULT ", 1)[1])["ms_per_step"]
+    raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n"
+                       f"{out.stderr[-3000:]}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="single")
+    p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+
+    sys.path.insert(0, ROOT)
+    from keras_smp.pipeline.schedule import get_schedule
+
+    me = [sys.executable, os.path.abspath(__file__), "--worker",
+          "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    base = run(me + ["--mode", "single"])
+    print(f"baseline: whole model in 1 serial process: {base:.0f} ms/step")
+    ms_list = (1, 8) if args.quick else (1, 2, 4, 8, 16)
+    # Stored activations of one stage for one microbatch: each Dense keeps
+    # its input and its ReLU output (float32), LAYERS/STAGES layers a stage.
+    per_sample = (LAYERS // STAGES) * 2 * WIDTH * 4
+    print(f"{'schedule':>8} {'m':>3} {'ms/step':>8} {'speedup':>8} "
+          f"{'ideal':>6}  peak activations per stage (MB)")
+    rows = []
+    for schedule in ("gpipe", "1f1b"):
+        for m in ms_list:
+            ms = run([sys.executable, "-m", "keras_smp.launch", "-n", "2",
+                      "--timeout", "800", "--"] + me
+                     + ["--mode", "pipeline", "--schedule", schedule,
+                        "--microbatches", str(m)])
+            sched = get_schedule(schedule, STAGES, m)
+            ideal = m * STAGES / (m + STAGES - 1)
+            peaks = [sched.peak_in_flight(s) * (BATCH // m) * per_sample / 2**20
+                     for s in range(STAGES)]
+            rows.append((schedule, m, ms, base / ms, ideal, peaks))
+            print(f"{schedule:>8} {m:>3} {ms:>8.0f} {base / ms:>7.2f}x "
+                  f"{ideal:>5.2f}x  "
+                  + ", ".join(f"stage {s}: {v:.0f}" for s, v in
+                              enumerate(peaks)), flush=True)
+    best8 = max((r[3] for r in rows if r[1] == 8), default=0)
+    print(f"best speedup at m=8: {best8:.2f}x (target >= 1.6x, ideal "
+          f"{8 * STAGES / (8 + STAGES - 1):.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
