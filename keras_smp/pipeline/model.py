@@ -398,6 +398,38 @@ class DistributedModel(keras.Model):
             "pipelined model needs all 'sum' or all mean-like "
             "('sum_over_batch_size') reductions.")
 
+    def _smp_microbatches(self, data):
+        """Unpacks a batch and splits x, y, sample_weight into microbatches.
+
+        Returns `(x, y, sample_weight, batch, xs, ys, sws)`: `xs` holds per
+        microbatch the flat model inputs.
+        """
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        m = self.num_microbatches
+        flat_x = self._smp_flat_inputs(x)
+        checks = self._smp_check_batch(flat_x, m)
+        with tf.control_dependencies(checks):
+            batch = tf.shape(flat_x[0])[0]
+            xs = [list(mb) for mb in zip(*[tf.split(t, m, axis=0)
+                                            for t in flat_x])]
+            ys = self._smp_split(y, m)
+            sws = self._smp_split(sample_weight, m)
+        return x, y, sample_weight, batch, xs, ys, sws
+
+    def _smp_loss_fn(self, ys, sws, sample_weight, m, training):
+        """The loss of one microbatch (last stage), weighted for the step."""
+        graph = self.staged_graph
+        weight = self._smp_loss_weight(m, sample_weight)
+
+        def loss_fn(out, mb):
+            loss = self._compile_loss(
+                ys[mb], graph.pack_outputs(out), sws[mb]) * weight
+            if training and self.optimizer is not None:
+                loss = self.optimizer.scale_loss(loss)
+            return loss
+
+        return loss_fn
+
     def _smp_multi_process(self):
         strategy = self._smp_strategy()
         return strategy is not None and strategy.pipeline_mode == (
@@ -416,19 +448,11 @@ class DistributedModel(keras.Model):
 
     def _smp_run_process(self, data, training, need_loss=True):
         """One stage of the step in this process (one stage per process)."""
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight, batch, xs, ys, sws = self._smp_microbatches(data)
         graph = self.staged_graph
         links = self._smp_links()
         s, p = links.stage, links.num_stages
         m = self.num_microbatches
-        flat_x = self._smp_flat_inputs(x)
-        checks = self._smp_check_batch(flat_x, m)
-        with tf.control_dependencies(checks):
-            batch = tf.shape(flat_x[0])[0]
-            xs = [list(mb) for mb in zip(*[tf.split(t, m, axis=0)
-                                            for t in flat_x])]
-            ys = self._smp_split(y, m)
-            sws = self._smp_split(sample_weight, m)
         mb_size = batch // m
 
         def specs(tensors, rows):
@@ -448,16 +472,8 @@ class DistributedModel(keras.Model):
         out_specs = specs(graph.carries[s], mb_size) if s < p - 1 else []
         has_loss = (need_loss and y is not None
                     and self._compile_loss is not None)
-        loss_fn = None
-        if has_loss and s == p - 1:
-            weight = self._smp_loss_weight(m, sample_weight)
-
-            def loss_fn(out, mb):
-                loss = self._compile_loss(
-                    ys[mb], graph.pack_outputs(out), sws[mb]) * weight
-                if training and self.optimizer is not None:
-                    loss = self.optimizer.scale_loss(loss)
-                return loss
+        loss_fn = (self._smp_loss_fn(ys, sws, sample_weight, m, training)
+                   if has_loss and s == p - 1 else None)
 
         schedule = get_schedule(self._smp_config().pipeline, p, m)
         stage_vars = [w for w in graph.stage_weights(s) if w.trainable]
@@ -485,16 +501,9 @@ class DistributedModel(keras.Model):
     def _smp_run(self, data, training, need_loss=True):
         if self._smp_multi_process():
             return self._smp_run_process(data, training, need_loss)
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight, _, xs, ys, sws = self._smp_microbatches(data)
         graph = self.staged_graph
         m = self.num_microbatches
-        flat_x = self._smp_flat_inputs(x)
-        checks = self._smp_check_batch(flat_x, m)
-        with tf.control_dependencies(checks):
-            xs = [list(mb) for mb in zip(*[tf.split(t, m, axis=0)
-                                            for t in flat_x])]
-            ys = self._smp_split(y, m)
-            sws = self._smp_split(sample_weight, m)
         schedule = get_schedule(self._smp_config().pipeline,
                                 graph.num_stages, m)
         devices = self._smp_devices()
@@ -503,15 +512,8 @@ class DistributedModel(keras.Model):
         stage_vars = [[w for w in graph.stage_weights(s) if w.trainable]
                       for s in range(graph.num_stages)]
         loss_fn = None
-        if y is not None and self._compile_loss is not None:
-            weight = self._smp_loss_weight(m, sample_weight)
-
-            def loss_fn(out, mb):
-                loss = self._compile_loss(
-                    ys[mb], graph.pack_outputs(out), sws[mb]) * weight
-                if training and self.optimizer is not None:
-                    loss = self.optimizer.scale_loss(loss)
-                return loss
+        if need_loss and y is not None and self._compile_loss is not None:
+            loss_fn = self._smp_loss_fn(ys, sws, sample_weight, m, training)
 
         targets = list(range(m))
         losses, outputs, grads = run_pipeline(
