@@ -311,6 +311,8 @@ class DistributedModel(keras.Model):
                     w.assign(links.recv(w.shape, w.dtype, key, size,
                                         base + index))
                 index += 1
+        # Every process has its copies before any returns (and may exit).
+        links.barrier(self._smp_strategy().topology.world_size, base + index)
 
     def get_weights(self):
         self.sync_weights()

@@ -89,6 +89,19 @@ class StageLinks:
                           self._instance(1, microbatch, i))
                 for i, (shape, dtype) in enumerate(specs)]
 
+    def barrier(self, world_size, instance_key):
+        """Waits (eagerly) until every worker of the job has arrived.
+
+        TensorFlow resolves collective groups through task 0, so a worker
+        whose collectives finished must not let task 0 exit before the
+        others' have: callers end their collective sequences with this.
+        """
+        return tf.raw_ops.CollectiveReduceV2(
+            input=tf.zeros([1]), group_size=world_size,
+            group_key=P2P_KEY_BASE + 90_000, instance_key=instance_key,
+            ordering_token=[], merge_op="Add", final_op="Id",
+            communication_hint="auto", timeout_seconds=self.timeout)
+
     def share_from_last(self, tensors, specs, instance_base):
         """Broadcasts the last stage's `tensors` to every stage of the replica.
 
