@@ -448,7 +448,13 @@ class DistributedModel(keras.Model):
         return StageLinks(topo.pp_size, topo.pp_rank, topo.dp_rank,
                           strategy.config.collective_timeout_seconds)
 
-    def _smp_run_process(self, data, training, need_loss=True):
+    def _smp_needs_outputs(self):
+        """Whether train/test steps use `y_pred` beyond the loss."""
+        return (self._compile_metrics is not None
+                or type(self).compute_metrics is not keras.Model.compute_metrics)
+
+    def _smp_run_process(self, data, training, need_loss=True,
+                         need_outputs=True):
         """One stage of the step in this process (one stage per process)."""
         x, y, sample_weight, batch, xs, ys, sws = self._smp_microbatches(data)
         graph = self.staged_graph
@@ -485,24 +491,38 @@ class DistributedModel(keras.Model):
             in_specs, out_specs, forward_only=not training)
         # The last stage shares the merged outputs and the loss with the
         # other stages, so metrics and logs are identical on every rank.
-        pred_specs = specs(graph.outputs, batch)
+        # Outputs are only shared when something uses them (metrics,
+        # predict): for a 1024 x 1024 batch that is 4 MB per step.
+        pred_specs = specs(graph.outputs, batch) if need_outputs else []
         mine = []
         if s == p - 1:
-            mine = [tf.concat([o[i] for o in outputs], axis=0)
-                    for i in range(len(graph.outputs))]
+            merged = [tf.concat([o[i] for o in outputs], axis=0)
+                      for i in range(len(graph.outputs))]
+            mine = list(merged) if need_outputs else []
             if has_loss:
                 mine.append(tf.add_n(losses))
         with tf.control_dependencies([barrier]):
             shared = links.share_from_last(
                 mine, pred_specs + ([((), tf.float32)] if has_loss else []),
                 instance_base=500_000)
-        y_pred = graph.pack_outputs(shared[:len(graph.outputs)])
+        # TensorFlow prunes collective ops whose results nobody uses (they
+        # are not control outputs, see auto_control_deps.ASYNC_STATEFUL_OPS):
+        # a receive left unused on one rank leaves its peer's send waiting.
+        # Everything the step uses therefore depends on every shared tensor.
+        with tf.control_dependencies(shared):
+            shared = [tf.identity(t) for t in shared]
+            grads = [None if g is None else tf.identity(g) for g in grads]
+        if need_outputs:
+            y_pred = graph.pack_outputs(shared[:len(graph.outputs)])
+        else:  # unused by the step (no metrics)
+            y_pred = graph.pack_outputs(merged) if s == p - 1 else None
         loss = [shared[-1]] if has_loss else [None]
         return x, y, sample_weight, y_pred, loss, [grads], [stage_vars]
 
-    def _smp_run(self, data, training, need_loss=True):
+    def _smp_run(self, data, training, need_loss=True, need_outputs=True):
         if self._smp_multi_process():
-            return self._smp_run_process(data, training, need_loss)
+            return self._smp_run_process(data, training, need_loss,
+                                         need_outputs)
         x, y, sample_weight, _, xs, ys, sws = self._smp_microbatches(data)
         graph = self.staged_graph
         m = self.num_microbatches
@@ -550,7 +570,7 @@ class DistributedModel(keras.Model):
 
     def train_step(self, data):
         x, y, sw, y_pred, losses, grads, stage_vars = self._smp_run(
-            data, training=True)
+            data, training=True, need_outputs=self._smp_needs_outputs())
         if losses[0] is None:
             raise ValueError(
                 "No loss to compute. Provide `y` and a `loss` argument in "
@@ -591,7 +611,8 @@ class DistributedModel(keras.Model):
         return self.compute_metrics(x, y, y_pred, sample_weight=sw)
 
     def test_step(self, data):
-        x, y, sw, y_pred, losses, _, _ = self._smp_run(data, training=False)
+        x, y, sw, y_pred, losses, _, _ = self._smp_run(
+            data, training=False, need_outputs=self._smp_needs_outputs())
         if losses[0] is not None:
             extra = self._smp_extra_losses()
             total = self._smp_total_loss(

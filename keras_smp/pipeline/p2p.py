@@ -7,13 +7,17 @@ back through TensorFlow collective point-to-point ops
 (`CollectiveBcastSendV2` / `CollectiveBcastRecvV2` on the two-member group
 of neighbouring stages), over TensorFlow's own runtime (gRPC; NCCL on GPUs).
 
-Ordering: the stage's compute actions are chained with control
-dependencies in schedule order; receives are issued without dependencies
-(they wait for their data) and sends hang off the compute that produced
-their data, outside the chain. A blocking send therefore never stalls the
-stage's next action, which is what makes 1F1B deadlock-free (see
-docs/schedules.md). Every op carries `timeout_seconds`, so a dead or hung
-peer turns into a `DeadlineExceededError` instead of a hang.
+Ordering: the stage's actions are chained with control dependencies in
+schedule order, each action including the sends of its results: the next
+action starts once the neighbour has taken the data. Receives are issued
+without dependencies at the start of the step (they wait for their data),
+so every send finds its receive already posted and a blocking send never
+waits on the peer's schedule, which is what makes 1F1B deadlock-free (see
+docs/schedules.md). Chaining the sends matters on a serial device (one
+inter-op thread): a send left outside the chain would only be dispatched
+when the chain stalls, after all forward passes, and the next stage would
+idle until then. Every op carries `timeout_seconds`, so a dead or hung peer
+turns into a `DeadlineExceededError` instead of a hang.
 """
 
 import tensorflow as tf
@@ -172,7 +176,9 @@ def run_stage(stage_fn, variables, loss_fn, schedule, links, inputs,
                     done = out + ([losses[mb]] if losses[mb] is not None
                                   else [])
                 if s < p - 1:
-                    sends += links.send_activations(out, mb)
+                    sent = links.send_activations(out, mb)
+                    sends += sent
+                    done = done + sent
             else:
                 seed = (None if s == p - 1
                         else links.recv_gradients(out_specs, mb))
@@ -186,7 +192,9 @@ def run_stage(stage_fn, variables, loss_fn, schedule, links, inputs,
                         grads[i] = g if grads[i] is None else grads[i] + g
                     done = gs
                 if s > 0:
-                    sends += links.send_gradients(gs[:n_in], mb)
+                    sent = links.send_gradients(gs[:n_in], mb)
+                    sends += sent
+                    done = list(done) + sent
         last = tf.group(*done) if done else tf.no_op()
     # Whatever uses the results also waits for this stage's sends.
     with tf.control_dependencies(sends + ([last] if last is not None else [])):

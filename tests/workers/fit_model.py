@@ -23,6 +23,10 @@ p.add_argument("--callbacks", action="store_true")
 p.add_argument("--fail-at-epoch", type=int, default=None,
                help="rank 1 raises at the start of this epoch")
 p.add_argument("--config", default="{}", help="JSON options for SMPStrategy")
+p.add_argument("--no-metrics", action="store_true",
+               help="compile with the loss only (steps use no y_pred)")
+p.add_argument("--split-fit", action="store_true",
+               help="train with two fit() calls (first epoch, then the rest)")
 p.add_argument("--pipelined", action="store_true",
                help="wrap the model in keras_smp.DistributedModel")
 args = p.parse_args()
@@ -67,7 +71,7 @@ def build():
     model.compile(
         optimizer=opt,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["sparse_categorical_accuracy"])
+        metrics=[] if args.no_metrics else ["sparse_categorical_accuracy"])
     return model
 
 
@@ -98,7 +102,14 @@ if args.fail_at_epoch is not None:
                 raise RuntimeError(f"worker {rank} fails on purpose")
     callbacks.append(Fail())
 
-history = model.fit(ds, epochs=args.epochs, verbose=2, callbacks=callbacks)
+if args.split_fit:
+    first = model.fit(ds, epochs=1, verbose=2, callbacks=callbacks)
+    history = model.fit(ds, epochs=args.epochs, initial_epoch=1, verbose=2,
+                        callbacks=callbacks)
+    history.history["loss"] = first.history["loss"] + history.history["loss"]
+else:
+    history = model.fit(ds, epochs=args.epochs, verbose=2,
+                        callbacks=callbacks)
 eval_ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
     args.global_batch, drop_remainder=True)
 evaluation = model.evaluate(eval_ds, verbose=0)
