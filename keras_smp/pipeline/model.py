@@ -448,6 +448,33 @@ class DistributedModel(keras.Model):
         return StageLinks(topo.pp_size, topo.pp_rank, topo.dp_rank,
                           strategy.config.collective_timeout_seconds)
 
+    def make_train_function(self, force=False):
+        return self._smp_guard_peers(super().make_train_function(force))
+
+    def make_test_function(self, force=False):
+        return self._smp_guard_peers(super().make_test_function(force))
+
+    def make_predict_function(self, force=False):
+        return self._smp_guard_peers(super().make_predict_function(force))
+
+    def _smp_guard_peers(self, result):
+        """Turns a lost stage peer into an error that says so.
+
+        With one stage per process, a peer that dies or hangs surfaces as a
+        collective `DeadlineExceededError` (after `collective_timeout_
+        seconds`) or `UnavailableError` (connection lost) from deep inside
+        TensorFlow. Each step function is wrapped to re-raise it as a
+        `RuntimeError` naming this rank, its stage and the timeout.
+        """
+        if not self._smp_multi_process():
+            return result
+        for attr in ("train_function", "test_function", "predict_function"):
+            fn = getattr(self, attr, None)
+            if fn is None or getattr(fn, "_smp_guarded", False):
+                continue
+            setattr(self, attr, _peer_guard(fn, self._smp_strategy()))
+        return result
+
     def _smp_needs_outputs(self):
         """Whether train/test steps use `y_pred` beyond the loss."""
         return (self._compile_metrics is not None
@@ -626,6 +653,37 @@ class DistributedModel(keras.Model):
         _, _, _, y_pred, _, _, _ = self._smp_run(
             data, training=False, need_loss=False)
         return y_pred
+
+
+def _peer_guard(fn, strategy):
+    topo = strategy.topology
+    timeout = strategy.config.collective_timeout_seconds
+    lost = (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
+            tf.errors.CancelledError, tf.errors.AbortedError)
+
+    def guarded(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except lost as e:
+            lines = [l.strip() for l in (e.message or str(e)).splitlines()
+                     if l.strip()]
+            hints = ("timed out", "socket closed", "connect", "unavailable",
+                     "abort", "cancel", "heartbeat")
+            telling = [l for l in lines if any(h in l.lower() for h in hints)]
+            first = (telling or lines or [""])[0][:240]
+            raise RuntimeError(
+                f"keras-smp: pipeline stage {topo.pp_rank} (rank {topo.rank} "
+                f"of {topo.world_size}, replica {topo.dp_rank}) lost its "
+                f"peers: a collective failed with {type(e).__name__}: "
+                f"{first!r}. Another worker process has probably died or "
+                "hung; look at its log. Every collective waits at most "
+                f"collective_timeout_seconds={timeout}. Restart the job "
+                "(keras.callbacks.BackupAndRestore resumes from the last "
+                "backup).") from e
+
+    guarded._smp_guarded = True
+    guarded.__wrapped__ = fn
+    return guarded
 
 
 def check_pipelined(model):

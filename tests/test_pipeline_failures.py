@@ -1,0 +1,91 @@
+"""A stage process that dies or hangs must not hang the others.
+
+Two worker processes run one pipeline stage each (started directly, not by
+`keras-smp launch`, whose teardown would hide how the survivors behave).
+Once both train, one is killed (SIGKILL) or frozen (SIGSTOP); the other
+must exit non-zero within the collective timeout plus a margin, with an
+error naming its stage and the likely cause.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+from conftest import ROOT, WORKERS, env
+from keras_smp.launch import free_ports, make_tf_config
+
+TIMEOUT = 15  # collective_timeout_seconds of the workers
+MARGIN = 45   # detection, error handling and interpreter exit
+
+
+class Worker:
+    def __init__(self, index, ports):
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.steps = 0
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(WORKERS, "pipeline_train_forever.py"),
+             "--timeout", str(TIMEOUT)],
+            env=env(TF_CONFIG=make_tf_config(ports, index)), cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if line.startswith("STEP"):
+                self.steps += 1
+
+    def stderr(self):
+        self.log.seek(0)
+        return self.log.read()
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim,how", [
+    (1, signal.SIGKILL), (1, signal.SIGSTOP), (0, signal.SIGKILL)])
+def test_lost_stage_fails_the_others_in_bounded_time(victim, how):
+    ports = free_ports(2)
+    workers = [Worker(i, ports) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 180
+        while min(w.steps for w in workers) < 3:
+            for w in workers:
+                assert w.proc.poll() is None, w.stderr()[-3000:]
+            assert time.monotonic() < deadline, "workers did not start training"
+            time.sleep(0.5)
+        os.kill(workers[victim].proc.pid, how)
+        start = time.monotonic()
+        survivor = workers[1 - victim]
+        try:
+            code = survivor.proc.wait(timeout=TIMEOUT + MARGIN)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"stage {1 - victim} still running "
+                        f"{TIMEOUT + MARGIN}s after stage {victim} got "
+                        f"{signal.Signals(how).name}")
+        elapsed = time.monotonic() - start
+        err = survivor.stderr()
+        assert code != 0
+        reason = [l for l in err.splitlines()
+                  if "keras-smp" in l or "heartbeat" in l.lower()]
+        print(f"stage {1 - victim} exited {code} after {elapsed:.1f}s: "
+              f"{reason[-1][:300] if reason else err[-300:]}")
+        # Our error names the rank and stage, unless TensorFlow's
+        # coordination service ended the process first (task 0 lost).
+        assert (f"keras-smp: pipeline stage {1 - victim}" in err
+                or "heartbeat" in err.lower()
+                or "coordination" in err.lower()), err[-3000:]
+    finally:
+        for w in workers:
+            w.kill()

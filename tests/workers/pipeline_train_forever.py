@@ -1,0 +1,42 @@
+"""Trains a 2-stage, one-stage-per-process pipeline until killed (tests).
+
+Prints `STEP <n>` after each batch so the test knows training is under way;
+used to check that a peer that dies or hangs ends this worker with a clear
+error within the collective timeout.
+"""
+
+import argparse
+import os
+
+p = argparse.ArgumentParser()
+p.add_argument("--timeout", type=float, default=15)
+args = p.parse_args()
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras_smp  # noqa: E402
+
+strategy = keras_smp.SMPStrategy(
+    partitions=2, microbatches=2, collective_timeout_seconds=args.timeout)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+x = np.random.RandomState(0).randn(64, 8).astype("float32")
+y = np.random.RandomState(1).randn(64, 2).astype("float32")
+ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+    16, drop_remainder=True).repeat()
+
+
+class Report(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        print(f"STEP {batch}", flush=True)
+
+
+with strategy.scope():
+    model = keras_smp.DistributedModel(keras.Sequential([
+        keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(2)]))
+    model.compile(optimizer="sgd", loss="mse")
+model.fit(ds, steps_per_epoch=10**6, epochs=1, verbose=0,
+          callbacks=[Report()])
