@@ -251,6 +251,9 @@ class _SMPExtended(cars.CollectiveAllReduceExtended):
                 self._smp_device_type)
 
     def _create_variable(self, next_creator, **kwargs):
+        if scope.creating_local():
+            kwargs.pop("colocate_with", None)
+            return next_creator(**kwargs)
         stage = scope.current_placement()
         if stage is not None and kwargs.get("colocate_with") is None:
             # Each replica's copy goes on that replica's device for `stage`.

@@ -7,12 +7,15 @@ stage (`SMPStrategy` provides them). Gradients are accumulated over the
 microbatches, then synced across data-parallel replicas and applied once.
 """
 
+import contextlib
 import warnings
+import weakref
 
 import keras
 import tensorflow as tf
 from keras.src import tree
 from keras.src.losses import loss as loss_module
+from keras.src.optimizers import base_optimizer
 from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters import data_adapter_utils
 
@@ -31,6 +34,9 @@ def _null():
 
     return contextlib.nullcontext()
 
+
+# optimizer -> {id(slot variable): model variable it was made for}
+_SLOT_REFS = weakref.WeakKeyDictionary()
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
@@ -285,9 +291,11 @@ class DistributedModel(keras.Model):
     def sync_weights(self):
         """Copies every stage's weights to all processes of its replica.
 
-        With one pipeline stage per process, each process trains only its
-        stage's weights. `get_weights`, `save` and `save_weights` call this
-        first, so checkpoints hold the whole trained model. It is a
+        With one pipeline stage per process, each process holds and trains
+        only its stage's weights and optimizer slots; its copies of the
+        other stages' are empty. `get_weights`, `save` and `save_weights`
+        gather the whole model (weights and slots) for the duration of the
+        call, so checkpoints hold the whole trained model. It is a
         collective: every process of the job must call it (Keras callbacks
         do). No-op otherwise.
         """
@@ -296,6 +304,8 @@ class DistributedModel(keras.Model):
         links = self._smp_links()
         graph = self.staged_graph
         home = graph.home_stage()
+        slots = self._smp_slots_by_weight()
+        foreign = self._smp_foreign_ids()
         count = getattr(self, "_smp_sync_count", 0)
         self._smp_sync_count = count + 1
         base = 1_000_000 + (count % 1000) * 10_000
@@ -304,27 +314,102 @@ class DistributedModel(keras.Model):
             for w in graph.stage_weights(stage):
                 if home[id(w)] != stage:
                     continue
-                key, size = links.pipeline_key(), links.num_stages
-                if links.stage == stage:
-                    links.send(w.value, key, size, base + index)
-                else:
-                    w.assign(links.recv(w.shape, w.dtype, key, size,
-                                        base + index))
-                index += 1
+                for v in [w] + slots.get(id(w), []):
+                    key, size = links.pipeline_key(), links.num_stages
+                    if links.stage == stage:
+                        links.send(v.value, key, size, base + index)
+                    elif id(v) in foreign:
+                        _set_local(v, links.recv(v.shape, v.dtype, key,
+                                                 size, base + index))
+                    else:  # tied: this stage holds its own trained copy
+                        links.recv(v.shape, v.dtype, key, size, base + index)
+                    index += 1
         # Every process has its copies before any returns (and may exit).
         links.barrier(self._smp_strategy().topology.world_size, base + index)
 
-    def get_weights(self):
+    # -- one stage per process: hold only this stage's variables ----------
+
+    def _smp_slots_by_weight(self):
+        refs = _SLOT_REFS.get(self.optimizer, {}) if self.optimizer else {}
+        by_weight = {}
+        for v in (self.optimizer.variables if self.optimizer else []):
+            ref = refs.get(id(v))
+            if ref is not None:
+                by_weight.setdefault(id(ref), []).append(v)
+        return by_weight
+
+    def _smp_foreign(self):
+        """Weights and optimizer slots this stage process does not use."""
+        if not self._smp_multi_process() or self._smp_graph is None:
+            return []
+        graph = self.staged_graph
+        mine = {id(w) for w in graph.stage_weights(self._smp_links().stage)}
+        home = graph.home_stage()
+        slots = self._smp_slots_by_weight()
+        foreign = []
+        for w in self.weights:
+            if id(w) in home and id(w) not in mine:
+                foreign += [w] + slots.get(id(w), [])
+        return foreign
+
+    def _smp_foreign_ids(self):
+        return {id(v) for v in self._smp_foreign()}
+
+    def _smp_release(self):
+        """Frees this process's copies of other stages' variables."""
+        for v in self._smp_foreign():
+            if v._value is not None and v._value.shape.num_elements() == 0:
+                continue
+            _set_local(v, tf.zeros([0], v.dtype))
+
+    @contextlib.contextmanager
+    def _smp_shaped(self):
+        """Full-size (zero) local copies of other stages' variables."""
+        foreign = self._smp_foreign()
+        for v in foreign:
+            _set_local(v, tf.zeros(v.shape, v.dtype))
+        try:
+            yield
+        finally:
+            self._smp_release()
+
+    @contextlib.contextmanager
+    def _smp_gathered(self):
+        """The whole trained model in this process, for the `with` body."""
         self.sync_weights()
-        return super().get_weights()
+        try:
+            yield
+        finally:
+            self._smp_release()
+
+    def compile(self, *args, **kwargs):
+        super().compile(*args, **kwargs)
+        _track_slots(self.optimizer)
+
+    def _symbolic_build(self, *args, **kwargs):
+        # Keras may trace the whole model here (shapes only).
+        with self._smp_shaped():
+            super()._symbolic_build(*args, **kwargs)
+
+    def get_weights(self):
+        with self._smp_gathered():
+            return super().get_weights()
 
     def save(self, *args, **kwargs):
-        self.sync_weights()
-        return super().save(*args, **kwargs)
+        with self._smp_gathered():
+            return super().save(*args, **kwargs)
 
     def save_weights(self, *args, **kwargs):
-        self.sync_weights()
-        return super().save_weights(*args, **kwargs)
+        with self._smp_gathered():
+            return super().save_weights(*args, **kwargs)
+
+    def set_weights(self, weights):
+        with self._smp_shaped():
+            return super().set_weights(weights)
+
+    def load_weights(self, *args, **kwargs):
+        with self._smp_shaped():
+            return super().load_weights(*args, **kwargs)
 
     # -- steps -------------------------------------------------------------
 
@@ -653,6 +738,36 @@ class DistributedModel(keras.Model):
         _, _, _, y_pred, _, _, _ = self._smp_run(
             data, training=False, need_loss=False)
         return y_pred
+
+
+def _set_local(variable, value):
+    """Replaces a Keras variable's storage with a process-local variable."""
+    variable._value = None
+    with scope.local_variables(), tf.init_scope():
+        variable._initialize(value)
+
+
+def _track_slots(optimizer):
+    """Records which model variable each optimizer slot is made for."""
+    if optimizer is None or optimizer in _SLOT_REFS:
+        return
+    refs = _SLOT_REFS[optimizer] = {}
+    original = optimizer.add_variable_from_reference
+
+    def add_variable_from_reference(reference_variable, *args, **kwargs):
+        value = getattr(reference_variable, "_value", None)
+        if isinstance(value, tf.Variable) and not hasattr(value, "_devices"):
+            # Another stage's process-local copy: TensorFlow's optimizer
+            # would colocate the slot with it, outside the strategy.
+            slot = base_optimizer.BaseOptimizer.add_variable_from_reference(
+                optimizer, reference_variable, *args, **kwargs)
+        else:
+            slot = original(reference_variable, *args, **kwargs)
+        refs[id(slot)] = reference_variable
+        return slot
+
+    object.__setattr__(optimizer, "add_variable_from_reference",
+                       add_variable_from_reference)
 
 
 def _peer_guard(fn, strategy):

@@ -86,3 +86,24 @@ def placing(stage):
 def current_placement():
     """Internal: the stage set by `placing`, or `None`."""
     return getattr(_state, "placement", None)
+
+
+@contextlib.contextmanager
+def local_variables():
+    """Internal: variables created inside are plain, process-local ones.
+
+    With one stage per process, the copies a process keeps of other stages'
+    weights (empty while training, full while a checkpoint is written) must
+    not be mirrored or broadcast: the other processes do not create them.
+    """
+    previous = getattr(_state, "local", False)
+    _state.local = True
+    try:
+        yield
+    finally:
+        _state.local = previous
+
+
+def creating_local():
+    """Internal: whether `local_variables` is active."""
+    return getattr(_state, "local", False)

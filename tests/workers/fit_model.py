@@ -119,6 +119,12 @@ result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
 result["loss"] = np.array(history.history["loss"])
 result["evaluate"] = np.array(evaluation)
 result["predict"] = predictions
+# Elements this process holds in memory (model weights and optimizer
+# variables) vs the whole model's: one stage per process keeps only its own.
+held = [v for v in model.weights + model.optimizer.variables]
+result["held_elements"] = np.array(
+    sum(int(np.prod(v.value.shape)) for v in held))
+result["full_elements"] = np.array(sum(int(np.prod(v.shape)) for v in held))
 if strategy is not None:
     result["replicas"] = np.array(strategy.num_replicas_in_sync)
     result["buckets_traced"] = np.array(strategy.gradient_sync.buckets_traced)
