@@ -138,8 +138,12 @@ def run_pipeline(stage_fns, stage_variables, loss_fn, schedule, devices,
                 else:
                     ys = stage_out[(s, mb)]
                     seed = [tf.identity(g) for g in grad_out[(s + 1, mb)]]
-                xs = ([] if s == 0 else stage_in[(s, mb)]) + tf_vars[s]
-                gs = tf.gradients(ys, xs, grad_ys=seed,
+                ins = [] if s == 0 else stage_in[(s, mb)]
+                # Stop at the stage's inputs: a weight also used by an
+                # earlier stage (tied) would otherwise get that stage's part
+                # of its gradient here too, on top of the earlier stage's.
+                gs = tf.gradients(ys, ins + tf_vars[s], grad_ys=seed,
+                                  stop_gradients=ins,
                                   unconnected_gradients="zero")
                 n_in = 0 if s == 0 else len(stage_in[(s, mb)])
                 grad_out[(s, mb)] = gs[:n_in]

@@ -617,6 +617,8 @@ class DistributedModel(keras.Model):
             shared = links.share_from_last(
                 mine, pred_specs + ([((), tf.float32)] if has_loss else []),
                 instance_base=500_000)
+        if training:
+            grads = self._smp_sum_tied(links, stage_vars, grads)
         # TensorFlow prunes collective ops whose results nobody uses (they
         # are not control outputs, see auto_control_deps.ASYNC_STATEFUL_OPS):
         # a receive left unused on one rank leaves its peer's send waiting.
@@ -630,6 +632,34 @@ class DistributedModel(keras.Model):
             y_pred = graph.pack_outputs(merged) if s == p - 1 else None
         loss = [shared[-1]] if has_loss else [None]
         return x, y, sample_weight, y_pred, loss, [grads], [stage_vars]
+
+    def _smp_sum_tied(self, links, stage_vars, grads):
+        """Sums the gradients of weights used by several stages (tied).
+
+        Every stage process using a tied weight holds a copy, computes its
+        part of the gradient and receives the sum over the stages using it,
+        so all copies take the same optimizer step.
+        """
+        graph = self.staged_graph
+        users = {}
+        for stage in range(graph.num_stages):
+            for w in graph.stage_weights(stage):
+                users.setdefault(id(w), []).append(stage)
+        out = list(grads)
+        tied_index = 0
+        for i, v in enumerate(stage_vars):
+            stages = users.get(id(v), [])
+            if len(stages) < 2 or out[i] is None:
+                continue
+            mask = sum(1 << st for st in stages)
+            out[i] = tf.raw_ops.CollectiveReduceV2(
+                input=out[i], group_size=len(stages),
+                group_key=links.tied_key(mask),
+                instance_key=700_000 + tied_index, ordering_token=[],
+                merge_op="Add", final_op="Id", communication_hint="auto",
+                timeout_seconds=links.timeout)
+            tied_index += 1
+        return out
 
     def _smp_run(self, data, training, need_loss=True, need_outputs=True):
         if self._smp_multi_process():

@@ -53,6 +53,14 @@ class StageLinks:
         """Group of all stages of this replica (losses, outputs, weights)."""
         return P2P_KEY_BASE + 50_000 + self.replica
 
+    def tied_key(self, stage_mask):
+        """Group of this replica's stages in `stage_mask` (tied weights)."""
+        if stage_mask >= 1 << 12:
+            raise ValueError(
+                "Weights tied across more than the first 12 pipeline stages "
+                "are not supported.")
+        return P2P_KEY_BASE + 100_000 + self.replica * 4096 + stage_mask
+
     def send(self, tensor, group_key, group_size, instance_key):
         return tf.raw_ops.CollectiveBcastSendV2(
             input=tensor, group_size=group_size, group_key=group_key,

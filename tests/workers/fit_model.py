@@ -23,6 +23,7 @@ p.add_argument("--callbacks", action="store_true")
 p.add_argument("--fail-at-epoch", type=int, default=None,
                help="rank 1 raises at the start of this epoch")
 p.add_argument("--config", default="{}", help="JSON options for SMPStrategy")
+p.add_argument("--model", choices=["mlp", "tied"], default="mlp")
 p.add_argument("--no-metrics", action="store_true",
                help="compile with the loss only (steps use no y_pred)")
 p.add_argument("--split-fit", action="store_true",
@@ -56,14 +57,25 @@ ds = tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(
 
 def build():
     keras.utils.set_random_seed(1234)
-    model = keras.Sequential([
-        keras.Input((8,)),
-        keras.layers.Dense(32, activation="tanh"),
-        keras.layers.Dense(16, activation="relu"),
-        keras.layers.Dense(3),
-    ])
+    split = None
+    if args.model == "tied":
+        # One Dense layer applied at both ends: with 2 stages its weights
+        # are used (tied) by both.
+        tied = keras.layers.Dense(8, activation="tanh", name="tied")
+        inputs = keras.Input((8,))
+        h = keras.layers.Dense(32, activation="tanh", name="d1")(tied(inputs))
+        h = tied(keras.layers.Dense(8, activation="tanh", name="d2")(h))
+        model = keras.Model(inputs, keras.layers.Dense(3, name="out")(h))
+        split = ["d2"]
+    else:
+        model = keras.Sequential([
+            keras.Input((8,)),
+            keras.layers.Dense(32, activation="tanh"),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(3),
+        ])
     if args.pipelined:
-        model = keras_smp.DistributedModel(model)
+        model = keras_smp.DistributedModel(model, split_points=split)
     if args.optimizer == "sgd":
         opt = keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
     else:
