@@ -244,7 +244,7 @@ def test_saved_pipelined_model_loads_back_pipelined(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("workers,pipeline,variant", [
     (2, "1f1b", "callbacks"), (2, "gpipe", "callbacks"), (4, "1f1b", ""),
-    (4, "gpipe", ""), (2, "gpipe", "loss-only")])
+    (4, "gpipe", ""), (2, "gpipe", "loss-only"), (2, "1f1b", "manual")])
 def test_one_stage_per_process_matches_single_device(
         tmp_path, reference, workers, pipeline, variant):
     # partitions=2 over 2 or 4 worker processes (1 or 2 replicas x 2
@@ -266,6 +266,10 @@ def test_one_stage_per_process_matches_single_device(
         # stage's send waiting and hung the job at the next fit() call.
         ref_flags = ("--no-metrics", "--split-fit")
         flags += ref_flags
+    if variant == "manual":
+        # Subclassed DistributedModel placed with partition scopes.
+        flags = ["--pipelined", "--model", "manual", "--config", json.dumps(
+            dict(json.loads(config), auto_partition=False))]
     proc = launch(workers, fit_model(tmp_path, *flags))
     ref = reference(*ref_flags)
     for r in range(workers):

@@ -330,9 +330,10 @@ class DistributedModel(keras.Model):
     # -- one stage per process: hold only this stage's variables ----------
 
     def _smp_slots_by_weight(self):
-        refs = _SLOT_REFS.get(self.optimizer, {}) if self.optimizer else {}
+        optimizer = getattr(self, "optimizer", None)
+        refs = _SLOT_REFS.get(optimizer, {}) if optimizer else {}
         by_weight = {}
-        for v in (self.optimizer.variables if self.optimizer else []):
+        for v in (optimizer.variables if optimizer else []):
             ref = refs.get(id(v))
             if ref is not None:
                 by_weight.setdefault(id(ref), []).append(v)

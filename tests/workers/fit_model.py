@@ -23,7 +23,9 @@ p.add_argument("--callbacks", action="store_true")
 p.add_argument("--fail-at-epoch", type=int, default=None,
                help="rank 1 raises at the start of this epoch")
 p.add_argument("--config", default="{}", help="JSON options for SMPStrategy")
-p.add_argument("--model", choices=["mlp", "tied"], default="mlp")
+p.add_argument("--model", choices=["mlp", "tied", "manual"], default="mlp",
+               help="manual: the mlp as a subclassed DistributedModel with "
+               "partition scopes when pipelined (plain mlp otherwise)")
 p.add_argument("--no-metrics", action="store_true",
                help="compile with the loss only (steps use no y_pred)")
 p.add_argument("--split-fit", action="store_true",
@@ -55,6 +57,23 @@ ds = tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(
     args.global_batch, drop_remainder=True)
 
 
+if args.pipelined:
+    class Manual(keras_smp.DistributedModel):
+        """The mlp, placed by hand (needs auto_partition=False)."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.d1 = keras.layers.Dense(32, activation="tanh")
+            self.d2 = keras.layers.Dense(16, activation="relu")
+            self.d3 = keras.layers.Dense(3)
+
+        def call(self, x):
+            with keras_smp.partition(0):
+                h = self.d1(x)
+            with keras_smp.partition(1):
+                return self.d3(self.d2(h))
+
+
 def build():
     keras.utils.set_random_seed(1234)
     split = None
@@ -74,7 +93,12 @@ def build():
             keras.layers.Dense(16, activation="relu"),
             keras.layers.Dense(3),
         ])
-    if args.pipelined:
+    if args.pipelined and args.model == "manual":
+        initial = model.get_weights()  # the seeded mlp's
+        model = Manual()
+        model.build((None, 8))
+        model.set_weights(initial)
+    elif args.pipelined:
         model = keras_smp.DistributedModel(model, split_points=split)
     if args.optimizer == "sgd":
         opt = keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
