@@ -10,12 +10,15 @@ tf-keras-facts.md). Measured side by side in one run:
   serial process (`keras-smp launch -n 2`), microbatches 1, 2, 4, 8, 16,
   schedules gpipe and 1f1b.
 
-Prints ms/step, the speedup over the baseline beside the ideal
-m*p/(m+p-1), and the peak activation memory per stage of each schedule
-(the schedule's peak in-flight microbatches x one microbatch's stored
-activations of that stage). Target: >= 1.6x at m = 8 (ideal 1.78x).
+Prints the median ms/step, the speedup over the baseline beside the ideal
+m*p/(m+p-1) and beside the bound of this CPU (the same pipelined step run
+serially in 1 process, ideally overlapped: small microbatches make slower
+matmuls), and the peak activation memory per stage of each schedule (the
+schedule's peak in-flight microbatches x one microbatch's stored activations
+of that stage). Target: >= 1.6x at m = 8 (ideal 1.78x). Results of the last
+run on the CI machine: benchmarks/results_pipeline_cpu.txt.
 
-    python benchmarks/pipeline_cpu.py            # ~3 minutes on 2 cores
+    python benchmarks/pipeline_cpu.py            # ~12 minutes on 2 cores
     python benchmarks/pipeline_cpu.py --quick    # m = 1, 8 only
 """
 

@@ -54,7 +54,8 @@ class Worker:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("victim,how", [
-    (1, signal.SIGKILL), (1, signal.SIGSTOP), (0, signal.SIGKILL)])
+    (1, signal.SIGKILL), (1, signal.SIGSTOP), (0, signal.SIGKILL)],
+    ids=["stage1-killed", "stage1-frozen", "stage0-killed"])
 def test_lost_stage_fails_the_others_in_bounded_time(victim, how):
     ports = free_ports(2)
     workers = [Worker(i, ports) for i in range(2)]

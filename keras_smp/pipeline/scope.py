@@ -69,18 +69,25 @@ def partition(index):
 
 
 @contextlib.contextmanager
+def _setting(name, value):
+    """Sets a thread-local attribute for the `with` body."""
+    previous = getattr(_state, name, None)
+    setattr(_state, name, value)
+    try:
+        yield
+    finally:
+        setattr(_state, name, previous)
+
+
+@contextlib.contextmanager
 def placing(stage):
     """Internal: variables created inside go to pipeline stage `stage`.
 
     `SMPStrategy` reads it when it creates a variable, and places the
     variable's copy of each model replica on that replica's stage device.
     """
-    previous = getattr(_state, "placement", None)
-    _state.placement = stage
-    try:
+    with _setting("placement", stage):
         yield
-    finally:
-        _state.placement = previous
 
 
 def current_placement():
@@ -96,14 +103,10 @@ def local_variables():
     weights (empty while training, full while a checkpoint is written) must
     not be mirrored or broadcast: the other processes do not create them.
     """
-    previous = getattr(_state, "local", False)
-    _state.local = True
-    try:
+    with _setting("local", True):
         yield
-    finally:
-        _state.local = previous
 
 
 def creating_local():
     """Internal: whether `local_variables` is active."""
-    return getattr(_state, "local", False)
+    return bool(getattr(_state, "local", False))
