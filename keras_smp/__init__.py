@@ -7,6 +7,8 @@ Public API:
 - `DistributedModel`: a `keras.Model` whose steps run a microbatch
   pipeline over `partitions` stages; `partition(i)` places layers manually.
 - `SMPConfig`: every option, validated.
+- SageMaker smp's custom-loop API: `init(config)`, `@step`, `StepOutput`
+  (see `keras_smp.custom_loop`).
 - rank helpers with SageMaker smp's names: `rank()`, `size()`,
   `local_rank()`, `local_size()`, `dp_rank()`, `dp_size()`, `pp_rank()`,
   `pp_size()`, `mp_rank()`, `mp_size()`.
@@ -34,6 +36,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "SMPStrategy": "keras_smp.distribute.strategy",
     "DistributedModel": "keras_smp.pipeline.model",
+    "init": "keras_smp.custom_loop",
+    "step": "keras_smp.custom_loop",
+    "StepOutput": "keras_smp.custom_loop",
 }
 
 
@@ -48,5 +53,5 @@ def __getattr__(name):
 __all__ = [
     "SMPConfig", "SMPStrategy", "DistributedModel", "partition", "rank", "size", "local_rank", "local_size",
     "dp_rank", "dp_size", "pp_rank", "pp_size", "mp_rank", "mp_size",
-    "is_chief",
+    "is_chief", "init", "step", "StepOutput",
 ]

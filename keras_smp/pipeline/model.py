@@ -282,6 +282,23 @@ class DistributedModel(keras.Model):
                 global_state.set_global_attribute(n, saved[n])
         self.built = True
 
+    def __call__(self, *args, **kwargs):
+        from keras_smp.custom_loop import in_step
+
+        if in_step() and self._smp_graph is not None and args:
+            return self._smp_call_staged(args[0], kwargs.get("training"))
+        return super().__call__(*args, **kwargs)
+
+    def _smp_call_staged(self, inputs, training):
+        """Forward pass stage by stage, each on its device (`@smp.step`)."""
+        graph = self.staged_graph
+        devices = self._smp_devices()
+        tensors = self._smp_flat_inputs(inputs)
+        for s in range(graph.num_stages):
+            with tf.device(devices[s]), tf.name_scope(f"stage{s}"):
+                tensors = graph.stage_fn(s, training=training)(tensors)
+        return graph.pack_outputs(tensors)
+
     def call(self, inputs, training=None):
         # Unpipelined forward pass (direct calls); steps use the pipeline.
         return self.inner_model(inputs, training=training)

@@ -1,0 +1,307 @@
+"""SageMaker smp's custom-loop API: `init`, `@step`, `StepOutput`.
+
+Scripts written for `smdistributed.modelparallel.tensorflow` run with
+`import keras_smp as smp`:
+
+```python
+import keras, numpy as np, tensorflow as tf
+import keras_smp as smp
+
+smp.init({"partitions": 2, "microbatches": 4})
+
+class Model(smp.DistributedModel):
+    def __init__(self):
+        super().__init__()
+        self.d1 = keras.layers.Dense(16, activation="relu")
+        self.d2 = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.d2(self.d1(x))
+
+model = Model()
+optimizer = keras.optimizers.SGD(0.1)
+loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+@smp.step
+def get_grads(x, y):
+    logits = model(x, training=True)
+    loss = loss_fn(y, logits)
+    return optimizer.get_gradients(loss, model.trainable_variables), loss
+
+@tf.function
+def train_step(x, y):
+    grads, loss = get_grads(x, y)
+    grads = [g.accumulate() for g in grads]
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss.reduce_mean()
+
+x = np.random.randn(32, 8).astype("float32")
+y = np.random.randint(0, 3, 32)
+print(float(train_step(x, y)))
+```
+
+Inside a step, `model(x)` runs the model stage by stage, each stage on its
+device, and TensorFlow's executor overlaps the microbatches' stages.
+"""
+
+import functools
+import inspect
+
+import tensorflow as tf
+
+from keras_smp import state
+
+_step_depth = [0]
+
+
+def in_step():
+    """Whether code runs inside an `@smp.step` function."""
+    return _step_depth[0] > 0
+
+
+def init(config=None):
+    """Initialises keras-smp for a custom training loop (SMP's `smp.init`).
+
+    Validates `config` (a dict with SMP's keys; the `SMP_CONFIG`
+    environment variable overrides it), resolves the cluster and installs
+    both for the rank helpers, `DistributedModel` and `@smp.step`. Also
+    gives Keras optimizers SMP's `optimizer.get_gradients(loss, params)`.
+    For `model.fit` use `SMPStrategy` instead.
+
+    This version runs a custom loop in one process; its stages run on the
+    default device (use `SMPStrategy` with `fit` for stage devices and for
+    several processes).
+
+    Returns:
+        The validated `SMPConfig`.
+
+    Example:
+
+    ```python
+    import keras_smp as smp
+    config = smp.init({"partitions": 2, "microbatches": 2})
+    assert config.partitions == 2 and smp.rank() == 0
+    ```
+    """
+    from keras_smp.config import SMPConfig
+    from keras_smp.topology import Topology
+    from keras_smp.topology import resolve_cluster
+
+    config = SMPConfig.build(config)
+    cluster = resolve_cluster()
+    # One process runs whole model replicas (as SMPStrategy in process).
+    topology = Topology.from_cluster(
+        cluster, partitions=1, placement_strategy=config.placement_strategy)
+    state.install(config, cluster, topology)
+    install_get_gradients()
+    return config
+
+
+def install_get_gradients():
+    """Adds `get_gradients(loss, params)` to Keras optimizers.
+
+    Keras 3 optimizers lack this Keras 2 method, which SMP scripts call
+    inside their step. Inside `@smp.step` (a graph) it returns
+    `tf.gradients(loss, params)`; called eagerly it raises an error
+    naming the alternatives.
+    """
+    import keras
+
+    base = keras.optimizers.Optimizer
+    if getattr(base, "get_gradients", None) is not None:
+        return
+
+    def get_gradients(self, loss, params):
+        if tf.executing_eagerly():
+            raise RuntimeError(
+                "optimizer.get_gradients(loss, params) only works inside an "
+                "@smp.step function (or another tf.function). In eager code "
+                "use tf.GradientTape: `with tf.GradientTape() as tape: ...; "
+                "grads = tape.gradient(loss, params)`.")
+        tensors = [getattr(p, "value", p) for p in params]
+        tensors = [t._get_on_device_or_primary()
+                   if isinstance(t, tf.distribute.DistributedValues) else t
+                   for t in tensors]
+        return tf.gradients(loss, tensors, unconnected_gradients="zero")
+
+    base.get_gradients = get_gradients
+
+
+class StepOutput:
+    """One value returned by an `@smp.step` function, per microbatch.
+
+    Args:
+        outputs: the value of each microbatch, in microbatch order.
+        axis: the axis the step's inputs were split along (for `merge`).
+
+    Example:
+
+    ```python
+    import tensorflow as tf
+    from keras_smp import StepOutput
+    out = StepOutput([tf.constant([1.0, 2.0]), tf.constant([3.0, 4.0])])
+    assert out.merge().numpy().tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert out.reduce_mean().numpy().tolist() == [2.0, 3.0]
+    ```
+    """
+
+    def __init__(self, outputs, axis=0):
+        self.outputs = list(outputs)
+        self.axis = axis
+
+    def __repr__(self):
+        return f"StepOutput({len(self.outputs)} microbatches)"
+
+    def _tensors(self):
+        if any(o is None for o in self.outputs):
+            return None
+        return [tf.convert_to_tensor(o) for o in self.outputs]
+
+    def reduce_sum(self):
+        """Elementwise sum over microbatches."""
+        ts = self._tensors()
+        return None if ts is None else tf.add_n(ts)
+
+    def reduce_mean(self):
+        """Elementwise mean over microbatches (e.g. of per-microbatch losses)."""
+        ts = self._tensors()
+        return None if ts is None else tf.add_n(ts) / len(ts)
+
+    def concat(self, axis=0):
+        """The microbatches' values concatenated along `axis`."""
+        ts = self._tensors()
+        return None if ts is None else tf.concat(ts, axis=axis)
+
+    def stack(self, axis=0):
+        """The microbatches' values stacked along a new `axis`."""
+        ts = self._tensors()
+        return None if ts is None else tf.stack(ts, axis=axis)
+
+    def merge(self, axis=None):
+        """Per-sample values in the original order of the batch.
+
+        keras-smp splits a batch into contiguous microbatches, so merging
+        concatenates them along the split axis.
+        """
+        return self.concat(self.axis if axis is None else axis)
+
+    def accumulate(self, method="variable", var=None):
+        """The mean over microbatches, for gradients.
+
+        Args:
+            method: "variable" (a running sum, one microbatch's value alive
+                at a time), "add_n" or "accumulate_n" (one sum of all).
+            var: accepted for SMP compatibility; unused.
+        """
+        if method not in ("variable", "add_n", "accumulate_n"):
+            raise ValueError(
+                f"StepOutput.accumulate: unknown method={method!r}; use "
+                "'variable', 'add_n' or 'accumulate_n'.")
+        ts = self._tensors()
+        if ts is None:
+            return None
+        if method == "variable":
+            total = ts[0]
+            for t in ts[1:]:
+                total = total + t
+        else:
+            total = tf.add_n(ts)
+        return total / len(ts)
+
+
+def _split(value, m, axis, name):
+    if value is None or isinstance(value, (int, float, bool, str)):
+        return [value] * m
+    t = tf.convert_to_tensor(value)
+    size = t.shape[axis] if t.shape.rank is not None else None
+    if size is not None:
+        if size % m:
+            raise ValueError(
+                f"@smp.step: argument '{name}' has {size} rows along axis "
+                f"{axis}, which does not divide into microbatches={m}. Use a "
+                f"batch size divisible by {m} (e.g. dataset.batch(..., "
+                "drop_remainder=True)), or list the argument in "
+                "non_split_inputs.")
+    else:
+        tf.debugging.assert_equal(
+            tf.shape(t)[axis] % m, 0,
+            message=f"@smp.step: argument '{name}' does not divide into "
+                    f"microbatches={m}; use drop_remainder=True.")
+    return tf.split(t, m, axis=axis)
+
+
+def step(func=None, *, input_signature=None, non_split_inputs=None,
+         input_split_axes=None):
+    """Runs a forward/backward function once per microbatch (SMP's `smp.step`).
+
+    Tensor arguments are split along their batch axis into the config's
+    `microbatches`; every value the function returns becomes a
+    `StepOutput` holding one value per microbatch. The function is a
+    `tf.function`; inside it `model(x)` of a `DistributedModel` runs stage
+    by stage on the stages' devices, and gradients come from
+    `optimizer.get_gradients(loss, params)` or a `tf.GradientTape`.
+
+    Args:
+        func: the function (also usable as `@step(...)`).
+        input_signature: passed to `tf.function`.
+        non_split_inputs: names of arguments passed whole to every
+            microbatch.
+        input_split_axes: `{argument name: batch axis}` (default 0).
+
+    Example: see `keras_smp.custom_loop`.
+    """
+    if func is None:
+        return functools.partial(
+            step, input_signature=input_signature,
+            non_split_inputs=non_split_inputs,
+            input_split_axes=input_split_axes)
+    whole = set(non_split_inputs or ())
+    axes = dict(input_split_axes or {})
+    signature = inspect.signature(func)
+    unknown = (whole | set(axes)) - set(signature.parameters)
+    if unknown:
+        raise ValueError(
+            f"@smp.step: {sorted(unknown)} in non_split_inputs / "
+            f"input_split_axes are not arguments of {func.__name__}"
+            f"{signature}.")
+
+    def run(*args, **kwargs):
+        m = state.config().microbatches
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        per_arg = {}
+        for name, value in bound.arguments.items():
+            if name in whole:
+                per_arg[name] = [value] * m
+            else:
+                axis = axes.get(name, 0)
+                flat = tf.nest.flatten(value)
+                parts = [_split(v, m, axis, name) for v in flat]
+                per_arg[name] = [
+                    tf.nest.pack_sequence_as(value, [p[i] for p in parts])
+                    for i in range(m)]
+        results = []
+        _step_depth[0] += 1
+        try:
+            for i in range(m):
+                with tf.name_scope(f"microbatch{i}"):
+                    call = bound.signature.bind_partial()
+                    call.arguments.update(
+                        {n: per_arg[n][i] for n in bound.arguments})
+                    results.append(func(*call.args, **call.kwargs))
+        finally:
+            _step_depth[0] -= 1
+        return results
+
+    compiled = tf.function(run, input_signature=input_signature)
+    axis = 0 if not axes else next(iter(axes.values()))
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        # A tf.function returns tensors only: wrap them afterwards.
+        results = compiled(*args, **kwargs)
+        return tf.nest.map_structure(
+            lambda *values: StepOutput(values, axis=axis), *results)
+
+    wrapper.python_function = func
+    return wrapper
