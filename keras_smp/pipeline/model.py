@@ -791,6 +791,7 @@ class DistributedModel(keras.Model):
 def _set_local(variable, value):
     """Replaces a Keras variable's storage with a process-local variable."""
     variable._value = None
+    variable._smp_local = True
     with scope.local_variables(), tf.init_scope():
         variable._initialize(value)
 
@@ -803,8 +804,7 @@ def _track_slots(optimizer):
     original = optimizer.add_variable_from_reference
 
     def add_variable_from_reference(reference_variable, *args, **kwargs):
-        value = getattr(reference_variable, "_value", None)
-        if isinstance(value, tf.Variable) and not hasattr(value, "_devices"):
+        if getattr(reference_variable, "_smp_local", False):
             # Another stage's process-local copy: TensorFlow's optimizer
             # would colocate the slot with it, outside the strategy.
             slot = base_optimizer.BaseOptimizer.add_variable_from_reference(
