@@ -8,7 +8,9 @@ Public API:
   pipeline over `partitions` stages; `partition(i)` places layers manually.
 - `SMPConfig`: every option, validated.
 - SageMaker smp's custom-loop API: `init(config)`, `@step`, `StepOutput`
-  (see `keras_smp.custom_loop`).
+  (see `keras_smp.custom_loop`), `CheckpointManager`, and the
+  communication helpers `broadcast`, `allgather`, `send`, `recv_from`,
+  `barrier` with `CommGroup` / `RankType` (see `keras_smp.comms`).
 - rank helpers with SageMaker smp's names: `rank()`, `size()`,
   `local_rank()`, `local_size()`, `dp_rank()`, `dp_size()`, `pp_rank()`,
   `pp_size()`, `mp_rank()`, `mp_size()`.
@@ -39,6 +41,24 @@ _LAZY = {
     "init": "keras_smp.custom_loop",
     "step": "keras_smp.custom_loop",
     "StepOutput": "keras_smp.custom_loop",
+    "CheckpointManager": "keras_smp.checkpoint",
+    "broadcast": "keras_smp.comms",
+    "allgather": "keras_smp.comms",
+    "send": "keras_smp.comms",
+    "recv_from": "keras_smp.comms",
+    "barrier": "keras_smp.comms",
+    "dp_barrier": "keras_smp.comms",
+    "mp_barrier": "keras_smp.comms",
+    "pp_barrier": "keras_smp.comms",
+    "CommGroup": "keras_smp.comms",
+    "RankType": "keras_smp.comms",
+    "WORLD": "keras_smp.comms",
+    "MP_GROUP": "keras_smp.comms",
+    "DP_GROUP": "keras_smp.comms",
+    "PP_GROUP": "keras_smp.comms",
+    "WORLD_RANK": "keras_smp.comms",
+    "MP_RANK": "keras_smp.comms",
+    "DP_RANK": "keras_smp.comms",
 }
 
 
@@ -53,5 +73,8 @@ def __getattr__(name):
 __all__ = [
     "SMPConfig", "SMPStrategy", "DistributedModel", "partition", "rank", "size", "local_rank", "local_size",
     "dp_rank", "dp_size", "pp_rank", "pp_size", "mp_rank", "mp_size",
-    "is_chief", "init", "step", "StepOutput",
+    "is_chief", "init", "step", "StepOutput", "CheckpointManager",
+    "broadcast", "allgather", "send", "recv_from", "barrier", "dp_barrier",
+    "mp_barrier", "pp_barrier", "CommGroup", "RankType", "WORLD", "MP_GROUP",
+    "DP_GROUP", "PP_GROUP", "WORLD_RANK", "MP_RANK", "DP_RANK",
 ]

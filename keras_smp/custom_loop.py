@@ -64,13 +64,21 @@ def init(config=None):
 
     Validates `config` (a dict with SMP's keys; the `SMP_CONFIG`
     environment variable overrides it), resolves the cluster and installs
-    both for the rank helpers, `DistributedModel` and `@smp.step`. Also
-    gives Keras optimizers SMP's `optimizer.get_gradients(loss, params)`.
-    For `model.fit` use `SMPStrategy` instead.
+    both for the rank helpers, `DistributedModel`, `@smp.step` and the
+    communication helpers. Also gives Keras optimizers SMP's
+    `optimizer.get_gradients(loss, params)`. For `model.fit` use
+    `SMPStrategy` instead.
 
-    This version runs a custom loop in one process; its stages run on the
-    default device (use `SMPStrategy` with `fit` for stage devices and for
-    several processes).
+    Every process runs whole model replicas: a step runs stage `s` on local
+    device `s` (GPU `s`, or logical CPU `s` when `init` comes before other
+    TensorFlow calls). With several worker processes (`keras-smp launch`,
+    `TF_CONFIG`, SLURM) each process is a data-parallel replica: `init`
+    starts TensorFlow's distributed runtime, the first step copies rank 0's
+    initial weights to every replica, and `StepOutput.accumulate()` averages
+    gradients over the replicas. With `horovod=True` (SMP's hybrid mode,
+    launched with `keras-smp launch --horovod`) `init` initialises Horovod
+    over the replicas instead and the script averages gradients with
+    `hvd.allreduce` as in SMP; do not call `hvd.init()` yourself.
 
     Returns:
         The validated `SMPConfig`.
@@ -92,9 +100,126 @@ def init(config=None):
     # One process runs whole model replicas (as SMPStrategy in process).
     topology = Topology.from_cluster(
         cluster, partitions=1, placement_strategy=config.placement_strategy)
+    _runtime["devices"] = _stage_devices(config.partitions)
+    if cluster.world_size > 1 and _runtime.get("strategy") is None:
+        from keras_smp.distribute.strategy import cluster_resolver
+
+        # Starts the gRPC server, the collective runtime and the
+        # coordination service (communication helpers) of TensorFlow.
+        _runtime["strategy"] = tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=cluster_resolver(cluster),
+            communication_options=tf.distribute.experimental.CommunicationOptions(
+                timeout_seconds=config.collective_timeout_seconds))
     state.install(config, cluster, topology)
+    if config.horovod:
+        _init_horovod(topology)
     install_get_gradients()
     return config
+
+
+# What `init` started: stage devices, TensorFlow's runtime, Horovod.
+_runtime = {}
+
+
+def stage_devices(num_stages):
+    """Device of each stage inside a step (`None`: the default device)."""
+    devices = _runtime.get("devices") or []
+    if len(devices) < num_stages:
+        return [None] * num_stages
+    return devices[:num_stages]
+
+
+def _stage_devices(p):
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        return [f"/device:GPU:{s % len(gpus)}" for s in range(p)]
+    if p == 1:
+        return []
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    existing = tf.config.get_logical_device_configuration(cpu) or []
+    if len(existing) < p:
+        try:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration()] * p)
+        except RuntimeError:
+            # TensorFlow already started with fewer CPU devices: the stages
+            # share the default device (the same numbers, no placement).
+            tf.get_logger().info(
+                "keras-smp: TensorFlow already initialised; the %d stages "
+                "of a step share the default CPU device.", p)
+            return []
+    return [f"/device:CPU:{s}" for s in range(p)]
+
+
+def _init_horovod(topology):
+    try:
+        import horovod.tensorflow as hvd
+    except ImportError as e:
+        raise ImportError(
+            "smp.init: horovod=True needs Horovod (horovod.tensorflow), which "
+            "is not installed. Build it with `bash scripts/horovod-env.sh` "
+            "(TensorFlow 2.15.1), or set horovod=False: keras-smp then "
+            "averages gradients over replicas in StepOutput.accumulate().") from e
+    hvd.init()
+    if hvd.size() != topology.dp_size or hvd.rank() != topology.dp_rank:
+        raise RuntimeError(
+            f"smp.init: Horovod sees rank {hvd.rank()} of {hvd.size()}, but "
+            f"keras-smp's cluster has data-parallel rank {topology.dp_rank} "
+            f"of {topology.dp_size}. Start the job with `keras-smp launch "
+            "--horovod -n N`, which sets up both consistently.")
+    _runtime["horovod"] = hvd
+
+
+def _replica_sync():
+    """(group size, timeout) when `accumulate` must average over replicas."""
+    config = state.config()
+    size = state.topology().dp_size
+    if size == 1 or config.horovod or _runtime.get("strategy") is None:
+        return None
+    return size, config.collective_timeout_seconds
+
+
+# Collective keys of `accumulate`'s replica average: one group, and one
+# instance per traced call (every replica traces the same calls in order).
+_GROUP_KEY = 300_000
+_instance_keys = iter(range(300_000, 10**9))
+_last_collective = {}
+
+
+def _average_over_replicas(t):
+    size, timeout = _replica_sync()
+    graph = tf.compat.v1.get_default_graph()
+    # Chain the collectives of one graph so every replica runs them in the
+    # same order.
+    previous = _last_collective.get(id(graph))
+    with tf.control_dependencies([previous] if previous is not None else []):
+        out = tf.raw_ops.CollectiveReduceV2(
+            input=t, group_size=size, group_key=_GROUP_KEY,
+            instance_key=next(_instance_keys), ordering_token=[],
+            merge_op="Add", final_op="Div", timeout_seconds=timeout)
+    _last_collective[id(graph)] = out
+    return out
+
+
+def after_first_call(model):
+    """Runs once a `DistributedModel`'s weights exist inside a step.
+
+    Restores a checkpoint whose `CheckpointManager.restore()` came before
+    the model was built, then copies rank 0's weights to every replica
+    (SMP scripts call restore before the first step).
+    """
+    with tf.init_scope():
+        from keras_smp.checkpoint import restore_pending
+
+        restore_pending(model)
+        if state.topology().world_size > 1:
+            from keras_smp import comms
+
+            values = comms.broadcast(
+                [v.numpy() for v in model.variables]
+                if state.topology().rank == 0 else None)
+            for v, value in zip(model.variables, values):
+                v.assign(value)
 
 
 def install_get_gradients():
@@ -188,6 +313,10 @@ class StepOutput:
     def accumulate(self, method="variable", var=None):
         """The mean over microbatches, for gradients.
 
+        With several data-parallel replicas (processes) and `horovod=False`
+        it is also averaged over the replicas (a collective all-reduce);
+        with `horovod=True` average it with `hvd.allreduce` as in SMP.
+
         Args:
             method: "variable" (a running sum, one microbatch's value alive
                 at a time), "add_n" or "accumulate_n" (one sum of all).
@@ -206,7 +335,10 @@ class StepOutput:
                 total = total + t
         else:
             total = tf.add_n(ts)
-        return total / len(ts)
+        mean = total / len(ts)
+        if _replica_sync() is not None:
+            mean = _average_over_replicas(mean)
+        return mean
 
 
 def _split(value, m, axis, name):

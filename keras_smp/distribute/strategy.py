@@ -112,14 +112,7 @@ class SMPStrategy(cars.CollectiveAllReduceStrategy):
                 f"of {stages}), or a different number of partitions.")
         options = tf.distribute.experimental.CommunicationOptions(
             timeout_seconds=config.collective_timeout_seconds)
-        if cluster.world_size > 1:
-            resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-                tf.train.ClusterSpec(cluster.cluster_spec),
-                task_type=cluster.task_type, task_id=cluster.task_index,
-                rpc_layer="grpc")
-        else:
-            resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-                tf.train.ClusterSpec({}), rpc_layer="grpc")
+        resolver = cluster_resolver(cluster)
         extended = _SMPExtended(
             self, resolver, options, device_type, count, stages, config,
             topology, mode)
@@ -260,6 +253,17 @@ class _SMPExtended(cars.CollectiveAllReduceExtended):
             kwargs["colocate_with"] = _DeviceSet(tuple(
                 row[stage] for row in self._smp_stage_devices))
         return super()._create_variable(next_creator, **kwargs)
+
+
+def cluster_resolver(cluster):
+    """A TensorFlow cluster resolver for a `ClusterInfo`."""
+    if cluster.world_size > 1:
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(cluster.cluster_spec),
+            task_type=cluster.task_type, task_id=cluster.task_index,
+            rpc_layer="grpc")
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({}), rpc_layer="grpc")
 
 
 class _DeviceSet:

@@ -285,9 +285,18 @@ class DistributedModel(keras.Model):
     def __call__(self, *args, **kwargs):
         from keras_smp.custom_loop import in_step
 
-        if in_step() and self._smp_graph is not None and args:
-            return self._smp_call_staged(args[0], kwargs.get("training"))
-        return super().__call__(*args, **kwargs)
+        if not in_step():
+            return super().__call__(*args, **kwargs)
+        if self._smp_graph is not None and args:
+            result = self._smp_call_staged(args[0], kwargs.get("training"))
+        else:
+            result = super().__call__(*args, **kwargs)
+        if not getattr(self, "_smp_step_ready", False):
+            from keras_smp.custom_loop import after_first_call
+
+            self._smp_step_ready = True
+            after_first_call(self)
+        return result
 
     def _smp_call_staged(self, inputs, training):
         """Forward pass stage by stage, each on its device (`@smp.step`)."""
@@ -421,6 +430,49 @@ class DistributedModel(keras.Model):
         with self._smp_gathered():
             return super().save_weights(*args, **kwargs)
 
+    def save_model(self, save_path="/opt/ml/model"):
+        """Writes the whole model as one unpartitioned SavedModel (SMP's).
+
+        Every process must call it (with one stage per process it gathers
+        the stages' weights); rank 0 writes `save_path`, the others wait.
+        The SavedModel's `serve` signature runs the plain, unpipelined
+        forward pass: load it with `tf.saved_model.load` or
+        `keras.layers.TFSMLayer` anywhere, without keras-smp.
+
+        Example:
+
+        ```python
+        import tempfile
+        import keras, numpy as np, tensorflow as tf
+        import keras_smp as smp
+        model = smp.DistributedModel(keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(2)]))
+        x = np.ones((3, 4), "float32")
+        expected = model.predict(x, verbose=0)
+        path = tempfile.mkdtemp()
+        model.save_model(path)
+        loaded = tf.saved_model.load(path)
+        served = loaded.serve(x)
+        np.testing.assert_allclose(served, expected, rtol=1e-6)
+        ```
+        """
+        from keras_smp import comms
+        from keras_smp import ranks
+
+        if not self.built or not self.variables:
+            raise ValueError(
+                "save_model: the model has no weights yet. Train it (fit, "
+                "or one @smp.step) or call it on data before saving.")
+        with self._smp_gathered():
+            if ranks.rank() == 0:
+                spec = tree.map_structure(
+                    lambda t: tf.TensorSpec((None,) + tuple(t.shape[1:]),
+                                            t.dtype),
+                    self.staged_graph.inputs_struct)
+                self.export(str(save_path), format="tf_saved_model",
+                            verbose=False, input_signature=[spec])
+        comms.barrier()
+
     def set_weights(self, weights):
         with self._smp_shaped():
             return super().set_weights(weights)
@@ -434,7 +486,11 @@ class DistributedModel(keras.Model):
     def _smp_devices(self):
         strategy = self._smp_strategy()
         p = self.staged_graph.num_stages
-        if strategy is None or strategy.num_stages != p:
+        if strategy is None:
+            from keras_smp.custom_loop import stage_devices
+
+            return stage_devices(p)
+        if strategy.num_stages != p:
             return [None] * p
         ctx = tf.distribute.get_replica_context()
         rows = strategy.stage_devices
