@@ -1,11 +1,14 @@
 # keras-smp: two entry points for a fresh machine.
 #   make demo   trains a digit classifier on 2 local worker processes, each
 #               running a 2-stage pipeline (data x pipeline parallel)
-#   make test   runs the whole test suite (including slow multi-process tests)
+#   make test   runs the whole test suite (including slow multi-process tests
+#               and the Horovod lane, whose environment it builds first)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# The Horovod lane: a second environment (TF 2.15.1 + horovod 0.28.1, Gloo).
+HVD_STAMP := .venv-hvd/.installed
 
 .PHONY: demo test test-fast install clean
 
@@ -21,11 +24,14 @@ $(STAMP): setup.cfg setup.py requirements-dev.txt
 demo: $(STAMP)
 	$(BIN)/keras-smp launch -n 2 --timeout 600 -- $(BIN)/python examples/digits_pipeline.py
 
-test: $(STAMP)
+$(HVD_STAMP): scripts/horovod-env.sh requirements-hvd.txt
+	PYTHON=$(PYTHON) bash scripts/horovod-env.sh
+
+test: $(STAMP) $(HVD_STAMP)
 	$(BIN)/python -m pytest -v -rs --durations=15 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-hvd build *.egg-info

@@ -24,3 +24,22 @@ def datasets(global_batch, test_batch=40, drop_test_remainder=False):
     num_test = (len(x_test) // test_batch * test_batch
                 if drop_test_remainder else len(x_test))
     return train, test, num_test
+
+
+def smp_datasets(batch, dp_rank=0, dp_size=1):
+    """SMP-style per-replica data: `(train, x_test, y_test)` as in SMP's docs.
+
+    Replica `dp_rank` reads its own shard of the training split, shuffled
+    with `seed=dp_rank`, in batches of `batch` with `drop_remainder=True`
+    (the batch must divide into microbatches).
+    """
+    digits = load_digits()
+    x = (digits.data / 16.0).astype("float32")
+    y = digits.target.astype("int64")
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, y, test_size=0.2, random_state=0, stratify=y)
+    train = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
+             .shard(dp_size, dp_rank)
+             .shuffle(10000, seed=dp_rank)
+             .batch(batch, drop_remainder=True))
+    return train, x_test, y_test

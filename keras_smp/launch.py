@@ -252,8 +252,49 @@ def _message(text: str) -> None:
         pass
 
 
+def horovod_rendezvous(num_workers: int):
+    """Starts Horovod's Gloo rendezvous for `num_workers` local workers.
+
+    Does what `horovodrun --gloo` does for one host: Horovod's own
+    rendezvous server (`horovod.runner`), and the `HOROVOD_*` variables of
+    each worker. Returns `(server, [env of worker i])`; stop the server
+    with `server.stop()`.
+    """
+    try:
+        from horovod.runner.common.util.hosts import get_host_assignments
+        from horovod.runner.common.util.hosts import parse_hosts
+        from horovod.runner.gloo_run import create_slot_env_vars
+        from horovod.runner.http.http_server import RendezvousServer
+    except ImportError as e:
+        raise RuntimeError(
+            f"{_PROG} --horovod needs Horovod in this Python environment "
+            "(build it with `bash scripts/horovod-env.sh`, then use "
+            ".venv-hvd/bin/keras-smp).") from e
+    plan = get_host_assignments(parse_hosts(f"localhost:{num_workers}"), num_workers)
+    server = RendezvousServer(verbose=0)
+    port = server.start()
+    server.init(plan)
+    common = {
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_GLOO_IFACE": "lo",
+    }
+    envs = []
+    for slot in plan:
+        env = dict(common)
+        env.update({k: str(v) for k, v in create_slot_env_vars(slot).items()})
+        env["HOROVOD_HOSTNAME"] = "localhost"
+        envs.append(env)
+    return server, envs
+
+
 class _Launcher:
-    def __init__(self, command, num_workers, host_map, grace_seconds, timeout, prefix):
+    def __init__(self, command, num_workers, host_map, grace_seconds, timeout, prefix,
+                 horovod=False):
+        self.horovod = horovod
+        self.rendezvous = None
         self.command = list(command)
         self.num_workers = num_workers
         self.host_map = host_map
@@ -293,10 +334,14 @@ class _Launcher:
 
     def _spawn(self) -> Optional[int]:
         ports = free_ports(self.num_workers)
+        hvd_envs = [{}] * self.num_workers
+        if self.horovod:
+            self.rendezvous, hvd_envs = horovod_rendezvous(self.num_workers)
         for i in range(self.num_workers):
             if self.signals:
                 return None
             env = worker_env(ports, i, self.host_map)
+            env.update(hvd_envs[i])
             try:
                 proc = subprocess.Popen(
                     self.command,
@@ -405,6 +450,8 @@ class _Launcher:
                 self._join_readers()
             finally:
                 self._restore_handlers(old)
+                if self.rendezvous is not None:
+                    self.rendezvous.stop()
 
 
 def run(
@@ -415,6 +462,7 @@ def run(
     grace_seconds: float = 5.0,
     timeout: Optional[float] = None,
     prefix: bool = True,
+    horovod: bool = False,
 ) -> int:
     """Runs `num_workers` local copies of `command` and supervises them.
 
@@ -432,6 +480,9 @@ def run(
         grace_seconds: Time between SIGTERM and SIGKILL during teardown.
         timeout: Optional overall time limit in seconds.
         prefix: Whether to prefix output lines with `"[i] "`.
+        horovod: Also start Horovod's Gloo rendezvous and give each worker
+            its `HOROVOD_*` variables (as `horovodrun --gloo` would), for
+            `horovod=True` configs; keras-smp calls `hvd.init()` itself.
 
     Returns:
         The exit status (see the module docstring): `0` on success.
@@ -459,7 +510,8 @@ def run(
         raise ValueError(f"`grace_seconds` must be >= 0, got {grace_seconds}.")
     if timeout is not None and timeout <= 0:
         raise ValueError(f"`timeout` must be > 0, got {timeout}.")
-    launcher = _Launcher(command, int(num_workers), host_map, grace_seconds, timeout, prefix)
+    launcher = _Launcher(command, int(num_workers), host_map, grace_seconds, timeout, prefix,
+                         horovod=horovod)
     return launcher.run()
 
 
@@ -519,6 +571,11 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout", type=_positive_float, default=None, metavar="S",
         help=f"overall time limit; on expiry stop all workers and exit {EXIT_TIMEOUT}",
+    )
+    parser.add_argument(
+        "--horovod", action="store_true",
+        help="also start Horovod's Gloo rendezvous (like horovodrun --gloo) "
+        "for scripts with horovod=True; needs Horovod installed",
     )
     parser.add_argument(
         "--no-prefix", action="store_true",
@@ -588,6 +645,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         grace_seconds=args.grace_seconds,
         timeout=args.timeout,
         prefix=not args.no_prefix,
+        horovod=args.horovod,
     )
 
 

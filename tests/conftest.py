@@ -31,10 +31,10 @@ def env(**extra):
     return e
 
 
-def run_python(args, timeout=240, extra_env=None, check=True):
+def run_python(args, timeout=240, extra_env=None, check=True, python=None):
     """Runs `python ARGS` with the package importable; returns the result."""
     proc = subprocess.run(
-        [sys.executable] + list(args), env=env(**(extra_env or {})),
+        [python or sys.executable] + list(args), env=env(**(extra_env or {})),
         cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
@@ -44,12 +44,14 @@ def run_python(args, timeout=240, extra_env=None, check=True):
     return proc
 
 
-def launch(n, args, timeout=300, extra_env=None, check=True, launcher_args=()):
+def launch(n, args, timeout=300, extra_env=None, check=True, launcher_args=(),
+           python=None):
     """Runs `keras-smp launch -n N -- python ARGS` (real worker processes)."""
+    python = python or sys.executable
     return run_python(
         ["-m", "keras_smp.launch", "-n", str(n), "--timeout", str(timeout - 20),
-         *launcher_args, "--", sys.executable, *args],
-        timeout=timeout, extra_env=extra_env, check=check)
+         *launcher_args, "--", python, *args],
+        timeout=timeout, extra_env=extra_env, check=check, python=python)
 
 
 def fit_model(out, *flags):

@@ -1,0 +1,91 @@
+"""The SMP usage patterns in examples/, and the SMP-API docstring examples.
+
+Each example runs to completion with 2 pipeline stages, in one process and
+with `keras-smp launch -n 2` (2 data-parallel replicas), and its loss must
+go down. The Horovod example runs in the Horovod environment (.venv-hvd,
+built by `make test` through scripts/horovod-env.sh).
+"""
+
+import inspect
+import os
+import re
+import sys
+
+import pytest
+
+from conftest import ROOT
+from conftest import launch
+from conftest import run_python
+
+HVD_PYTHON = os.path.join(ROOT, ".venv-hvd", "bin", "python")
+
+
+def _losses(stdout):
+    m = re.search(r"LOSS ([0-9.]+) -> ([0-9.]+)", stdout)
+    assert m, stdout[-3000:]
+    return float(m.group(1)), float(m.group(2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("script", ["smp_custom_loop.py", "smp_manual_split.py"])
+def test_smp_example_trains(script, workers, tmp_path):
+    path = os.path.join(ROOT, "examples", script)
+    extra = {"EPOCHS": "3", "CKPT_DIR": str(tmp_path)}
+    if workers == 1:
+        out = run_python([path], extra_env=extra).stdout
+    else:
+        out = launch(2, [path], timeout=240, extra_env=extra).stdout
+        assert "replicas 2" in out or "[0]" in out
+    first, last = _losses(out)
+    assert last < 0.7 * first, out[-2000:]
+    if script == "smp_custom_loop.py":
+        # CheckpointManager kept the last 2 of 3 saves.
+        assert sorted(p for p in os.listdir(tmp_path) if p.endswith(".index")) \
+            == ["ckpt-2.index", "ckpt-3.index"]
+
+
+def _hvd_env_or_skip():
+    if os.path.exists(HVD_PYTHON):
+        return
+    message = ("the Horovod environment .venv-hvd is missing; `make test` "
+               "builds it (bash scripts/horovod-env.sh)")
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_smp_hybrid_horovod_example_trains(workers):
+    _hvd_env_or_skip()
+    path = os.path.join(ROOT, "examples", "smp_hybrid_horovod.py")
+    extra = {"EPOCHS": "3"}
+    if workers == 1:
+        out = run_python([path], extra_env=extra, python=HVD_PYTHON).stdout
+        assert "horovod size 1" in out
+    else:
+        out = launch(2, [path], timeout=240, extra_env=extra,
+                     python=HVD_PYTHON, launcher_args=("--horovod",)).stdout
+        assert "horovod size 2" in out
+    assert "max weight difference to rank 0 0\n" in out, out[-2000:]
+    first, last = _losses(out)
+    assert last < 0.7 * first, out[-2000:]
+
+
+
+
+@pytest.mark.parametrize("name", ["keras_smp.custom_loop", "keras_smp.comms",
+                                  "keras_smp.checkpoint", "save_model"])
+def test_smp_api_docstring_examples_run(name):
+    # Imported here by source text only: the pytest process stays TF-free.
+    if name == "save_model":
+        src = open(os.path.join(ROOT, "keras_smp", "pipeline", "model.py")).read()
+        doc = src.split("def save_model", 1)[1].split('"""')[1]
+    else:
+        path = os.path.join(ROOT, *name.split(".")) + ".py"
+        doc = open(path).read().split('"""')[1]
+    blocks = re.findall(r"```python\n(.*?)```", inspect.cleandoc(doc), flags=re.S)
+    assert blocks, name
+    for code in blocks:
+        run_python(["-c", code])
