@@ -9,13 +9,17 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 
-def datasets(global_batch, test_batch=40, drop_test_remainder=False):
-    """Returns `(train, test, num_test)`: batched datasets, 80/20 split."""
+def _split():
+    """`(x_train, x_test, y_train, y_test)`: pixels in [0, 1], 80/20 split."""
     digits = load_digits()
     x = (digits.data / 16.0).astype("float32")
     y = digits.target.astype("int64")
-    x_train, x_test, y_train, y_test = train_test_split(
-        x, y, test_size=0.2, random_state=0, stratify=y)
+    return train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+
+
+def datasets(global_batch, test_batch=40, drop_test_remainder=False):
+    """Returns `(train, test, num_test)`: batched datasets, 80/20 split."""
+    x_train, x_test, y_train, y_test = _split()
     train = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
              .shuffle(len(x_train), seed=0)
              .batch(global_batch, drop_remainder=True))
@@ -33,11 +37,7 @@ def smp_datasets(batch, dp_rank=0, dp_size=1):
     with `seed=dp_rank`, in batches of `batch` with `drop_remainder=True`
     (the batch must divide into microbatches).
     """
-    digits = load_digits()
-    x = (digits.data / 16.0).astype("float32")
-    y = digits.target.astype("int64")
-    x_train, x_test, y_train, y_test = train_test_split(
-        x, y, test_size=0.2, random_state=0, stratify=y)
+    x_train, x_test, y_train, y_test = _split()
     train = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
              .shard(dp_size, dp_rank)
              .shuffle(10000, seed=dp_rank)

@@ -130,25 +130,21 @@ def stage_devices(num_stages):
 
 
 def _stage_devices(p):
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        return [f"/device:GPU:{s % len(gpus)}" for s in range(p)]
+    from keras_smp.distribute.strategy import configure_local_devices
+
     if p == 1:
         return []
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    existing = tf.config.get_logical_device_configuration(cpu) or []
-    if len(existing) < p:
-        try:
-            tf.config.set_logical_device_configuration(
-                cpu, [tf.config.LogicalDeviceConfiguration()] * p)
-        except RuntimeError:
-            # TensorFlow already started with fewer CPU devices: the stages
-            # share the default device (the same numbers, no placement).
-            tf.get_logger().info(
-                "keras-smp: TensorFlow already initialised; the %d stages "
-                "of a step share the default CPU device.", p)
-            return []
-    return [f"/device:CPU:{s}" for s in range(p)]
+    try:
+        device_type, count = configure_local_devices(
+            None if tf.config.list_physical_devices("GPU") else p)
+    except RuntimeError:
+        # TensorFlow already started with fewer CPU devices: the stages
+        # share the default device (the same numbers, no placement).
+        tf.get_logger().info(
+            "keras-smp: TensorFlow already initialised; the %d stages "
+            "of a step share the default CPU device.", p)
+        return []
+    return [f"/device:{device_type}:{s % count}" for s in range(p)]
 
 
 def _init_horovod(topology):

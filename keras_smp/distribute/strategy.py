@@ -32,7 +32,7 @@ from keras_smp.topology import Topology
 from keras_smp.topology import resolve_cluster
 
 
-def _configure_local_devices(requested):
+def configure_local_devices(requested):
     """Returns `(device_type, count)`, creating logical CPUs if asked."""
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
@@ -102,7 +102,7 @@ class SMPStrategy(cars.CollectiveAllReduceStrategy):
             partitions=config.partitions if mode == "multi_process" else 1,
             placement_strategy=config.placement_strategy)
         stages = config.partitions if mode == "in_process" else 1
-        device_type, count = _configure_local_devices(local_devices)
+        device_type, count = configure_local_devices(local_devices)
         if count % stages:
             raise ValueError(
                 f"partitions={stages} pipeline stages do not divide the "
