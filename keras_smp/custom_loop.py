@@ -103,9 +103,11 @@ def init(config=None):
     _runtime["devices"] = _stage_devices(config.partitions)
     if cluster.world_size > 1 and _runtime.get("strategy") is None:
         from keras_smp.distribute.strategy import cluster_resolver
+        from keras_smp.distribute.strategy import configure_coordination
 
         # Starts the gRPC server, the collective runtime and the
         # coordination service (communication helpers) of TensorFlow.
+        configure_coordination(cluster, config)
         _runtime["strategy"] = tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=cluster_resolver(cluster),
             communication_options=tf.distribute.experimental.CommunicationOptions(

@@ -1,5 +1,10 @@
 """Chief-only file writes for Keras models trained with `SMPStrategy`.
 
+The chief's (and a single process's) `save` / `save_weights` of models
+under `SMPStrategy` (and of every `DistributedModel`) write to a temporary
+name in the target folder and rename it into place, so a process killed
+mid-save leaves the previous checkpoint loadable.
+
 Every worker runs the same callbacks. Left alone, `ModelCheckpoint` and
 `BackupAndRestore` on several workers write the same files at once (HDF5
 then fails with "unable to lock file") and delete each other's backups.
@@ -34,19 +39,51 @@ def _non_chief_strategy(model):
     return None
 
 
+def _smp_model(model):
+    from keras_smp.distribute.strategy import SMPStrategy
+    from keras_smp.pipeline.model import DistributedModel
+
+    return (isinstance(getattr(model, "_distribute_strategy", None), SMPStrategy)
+            or isinstance(model, DistributedModel))
+
+
 def _redirect_save(method):
     @functools.wraps(method)
     def wrapper(self, filepath, *args, **kwargs):
-        if _non_chief_strategy(self) is None:
+        if _non_chief_strategy(self) is not None:
+            scratch = tempfile.mkdtemp(prefix="keras_smp_scratch_")
+            try:
+                target = os.path.join(scratch, os.path.basename(str(filepath)))
+                return method(self, target, *args, **kwargs)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+        if not (_smp_model(self) and isinstance(filepath, (str, os.PathLike))):
             return method(self, filepath, *args, **kwargs)
-        scratch = tempfile.mkdtemp(prefix="keras_smp_scratch_")
-        try:
-            target = os.path.join(scratch, os.path.basename(str(filepath)))
-            return method(self, target, *args, **kwargs)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        return _atomic(method, self, os.fspath(filepath), *args, **kwargs)
 
     return wrapper
+
+
+def _atomic(method, model, filepath, *args, **kwargs):
+    """Saves to a temporary name in the same folder, then renames.
+
+    A process killed during the save leaves the previous file intact (and
+    a stray `.tmp-<pid>-<name>` behind); the rename is atomic on POSIX.
+    """
+    overwrite = kwargs.get("overwrite", args[0] if args else True)
+    if not overwrite and os.path.exists(filepath):
+        return method(model, filepath, *args, **kwargs)  # Keras asks first
+    folder, name = os.path.split(os.path.abspath(filepath))
+    os.makedirs(folder, exist_ok=True)
+    # Keras checks the suffix (.keras, .weights.h5): keep the name's end.
+    tmp = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
+    try:
+        result = method(model, tmp, *args, **kwargs)
+        os.replace(tmp, filepath)
+        return result
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def install():

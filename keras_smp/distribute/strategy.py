@@ -23,6 +23,7 @@ from tensorflow.python.distribute import distribute_lib
 from keras_smp import state
 from keras_smp.config import SMPConfig
 from keras_smp.distribute import chief_io
+from keras_smp.distribute import failures
 from keras_smp.distribute.allreduce import GROUP_KEY_STRIDE
 from keras_smp.distribute.allreduce import GradientAllReduce
 from keras_smp.distribute.groups import ReplicaLayout
@@ -113,15 +114,22 @@ class SMPStrategy(cars.CollectiveAllReduceStrategy):
         options = tf.distribute.experimental.CommunicationOptions(
             timeout_seconds=config.collective_timeout_seconds)
         resolver = cluster_resolver(cluster)
-        extended = _SMPExtended(
-            self, resolver, options, device_type, count, stages, config,
-            topology, mode)
+        configure_coordination(cluster, config)
+        try:
+            extended = _SMPExtended(
+                self, resolver, options, device_type, count, stages, config,
+                topology, mode)
+        except failures.LOST as e:
+            raise RuntimeError(
+                failures.startup_error(e, cluster, config)) from e
         distribute_lib.Strategy.__init__(self, extended)
         self.config = config
         self.cluster = cluster
         self.topology = topology
         state.install(config, cluster, topology)
         chief_io.install()
+        if cluster.world_size > 1:
+            failures.install()
         if stages > 1:
             from keras_smp.pipeline.model import install_guard
 
@@ -253,6 +261,39 @@ class _SMPExtended(cars.CollectiveAllReduceExtended):
             kwargs["colocate_with"] = _DeviceSet(tuple(
                 row[stage] for row in self._smp_stage_devices))
         return super()._create_variable(next_creator, **kwargs)
+
+
+def configure_coordination(cluster, config):
+    """Starts TensorFlow's coordination service with bounded waits.
+
+    TensorFlow's default lets a worker wait an hour for a peer that never
+    starts. Here registration waits at most `collective_timeout_seconds`
+    and then fails naming the missing tasks. Call before the strategy (or
+    any other TensorFlow runtime use); no-op for one process or when a
+    coordination service is already configured.
+    """
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+
+    if cluster.world_size == 1 or context.context().coordination_service:
+        return
+    # The proto module moved between TensorFlow versions; TensorFlow's own
+    # strategy module imports it from wherever it lives.
+    coordination_config_pb2 = cars.coordination_config_pb2
+    spec = tf.train.ClusterSpec(cluster.cluster_spec)
+    jobs = [coordination_config_pb2.CoordinatedJob(
+        name=job, num_tasks=spec.num_tasks(job))
+        for job in ("chief", "worker") if job in spec.jobs]
+    timeout_ms = int(config.collective_timeout_seconds * 1000)
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(spec),
+        coordinated_jobs=jobs,
+        cluster_register_timeout_in_ms=timeout_ms)
+    service = context.context().coordination_service
+    if "cluster_register_with_barrier" in service.DESCRIPTOR.fields_by_name:
+        # Every task waits (at most the timeout) for all to register.
+        service.cluster_register_with_barrier = True
 
 
 def cluster_resolver(cluster):

@@ -90,6 +90,13 @@ class DistributedModel(keras.Model):
         if (len(args) == 1 and isinstance(args[0], keras.Model)
                 and set(kwargs) <= {"name"}):
             inner, args = args[0], ()
+        elif len(args) == 1 and not functional_init_arguments(args, kwargs):
+            raise TypeError(
+                "DistributedModel(model) expects a keras.Model (Sequential "
+                "or functional) to pipeline; received "
+                f"{type(args[0]).__name__} {args[0]!r:.80}. Or subclass "
+                "DistributedModel and write `call`, or pass "
+                "DistributedModel(inputs=..., outputs=...).")
         elif functional_init_arguments(args, kwargs):
             inputs = kwargs.pop("inputs") if "inputs" in kwargs else args[0]
             outputs = (kwargs.pop("outputs") if "outputs" in kwargs
@@ -191,6 +198,12 @@ class DistributedModel(keras.Model):
         config = self._smp_config()
         p = config.partitions
         manual = any(v is not None for v in recorded.values())
+        bad = sorted({v for v in recorded.values() if v is not None and v >= p})
+        if bad:
+            raise ValueError(
+                f"keras_smp.partition({bad[0]}) is used in `call`, but there "
+                f"are only partitions={p} stages (indices 0 to {p - 1}). Use "
+                "a smaller index or raise `partitions`.")
         if manual and not config.auto_partition:
             return StagedGraph.manual(
                 inputs, outputs, recorded, p, config.default_partition)
@@ -608,30 +621,25 @@ class DistributedModel(keras.Model):
                           strategy.config.collective_timeout_seconds)
 
     def make_train_function(self, force=False):
-        return self._smp_guard_peers(super().make_train_function(force))
+        return self._smp_clear_errors(super().make_train_function(force))
 
     def make_test_function(self, force=False):
-        return self._smp_guard_peers(super().make_test_function(force))
+        return self._smp_clear_errors(super().make_test_function(force))
 
     def make_predict_function(self, force=False):
-        return self._smp_guard_peers(super().make_predict_function(force))
+        return self._smp_clear_errors(super().make_predict_function(force))
 
-    def _smp_guard_peers(self, result):
-        """Turns a lost stage peer into an error that says so.
+    def _smp_clear_errors(self, result):
+        """A partial batch (no drop_remainder) fails with our words only.
 
-        With one stage per process, a peer that dies or hangs surfaces as a
-        collective `DeadlineExceededError` (after `collective_timeout_
-        seconds`) or `UnavailableError` (connection lost) from deep inside
-        TensorFlow. Each step function is wrapped to re-raise it as a
-        `RuntimeError` naming this rank, its stage and the timeout.
+        Batches of unknown size are checked inside the step (an Assert);
+        TensorFlow wraps its message in a graph traceback. Re-raise it as
+        the `ValueError` it is.
         """
-        if not self._smp_multi_process():
-            return result
         for attr in ("train_function", "test_function", "predict_function"):
             fn = getattr(self, attr, None)
-            if fn is None or getattr(fn, "_smp_guarded", False):
-                continue
-            setattr(self, attr, _peer_guard(fn, self._smp_strategy()))
+            if fn is not None and not getattr(fn, "_smp_clear", False):
+                setattr(self, attr, _clear_batch_errors(fn))
         return result
 
     def _smp_needs_outputs(self):
@@ -844,6 +852,27 @@ class DistributedModel(keras.Model):
         return y_pred
 
 
+_BATCH_ERROR = "does not divide into microbatches"
+
+
+def _clear_batch_errors(fn):
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except tf.errors.InvalidArgumentError as e:
+            text = e.message or str(e)
+            if _BATCH_ERROR not in text:
+                raise
+            # TensorFlow prints the Assert's parts as "[a] [b] [c]".
+            start = text.rfind("The per-replica batch of")
+            message = " ".join(text[start:].split()).split(" [[")[0]
+            raise ValueError(message.replace("] [", " ").rstrip("]")) from e
+
+    run._smp_clear = True
+    run.__wrapped__ = fn
+    return run
+
+
 def _set_local(variable, value):
     """Replaces a Keras variable's storage with a process-local variable."""
     variable._value = None
@@ -872,37 +901,6 @@ def _track_slots(optimizer):
 
     object.__setattr__(optimizer, "add_variable_from_reference",
                        add_variable_from_reference)
-
-
-def _peer_guard(fn, strategy):
-    topo = strategy.topology
-    timeout = strategy.config.collective_timeout_seconds
-    lost = (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
-            tf.errors.CancelledError, tf.errors.AbortedError)
-
-    def guarded(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except lost as e:
-            lines = [l.strip() for l in (e.message or str(e)).splitlines()
-                     if l.strip()]
-            hints = ("timed out", "socket closed", "connect", "unavailable",
-                     "abort", "cancel", "heartbeat")
-            telling = [l for l in lines if any(h in l.lower() for h in hints)]
-            first = (telling or lines or [""])[0][:240]
-            raise RuntimeError(
-                f"keras-smp: pipeline stage {topo.pp_rank} (rank {topo.rank} "
-                f"of {topo.world_size}, replica {topo.dp_rank}) lost its "
-                f"peers: a collective failed with {type(e).__name__}: "
-                f"{first!r}. Another worker process has probably died or "
-                "hung; look at its log. Every collective waits at most "
-                f"collective_timeout_seconds={timeout}. Restart the job "
-                "(keras.callbacks.BackupAndRestore resumes from the last "
-                "backup).") from e
-
-    guarded._smp_guarded = True
-    guarded.__wrapped__ = fn
-    return guarded
 
 
 def check_pipelined(model):

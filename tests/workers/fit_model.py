@@ -22,8 +22,14 @@ p.add_argument("--optimizer", default="sgd")
 p.add_argument("--callbacks", action="store_true")
 p.add_argument("--fail-at-epoch", type=int, default=None,
                help="rank 1 raises at the start of this epoch")
+p.add_argument("--kill-at-epoch", type=int, default=None,
+               help="rank 1 SIGKILLs itself in the middle of this epoch")
 p.add_argument("--config", default="{}", help="JSON options for SMPStrategy")
-p.add_argument("--model", choices=["mlp", "tied", "manual"], default="mlp",
+p.add_argument("--save-weights", default=None,
+               help="model.save_weights(PATH) after training")
+p.add_argument("--load-weights", default=None,
+               help="model.load_weights(PATH) instead of training")
+p.add_argument("--model", choices=["mlp", "tied", "manual", "deep"], default="mlp",
                help="manual: the mlp as a subclassed DistributedModel with "
                "partition scopes when pipelined (plain mlp otherwise)")
 p.add_argument("--no-metrics", action="store_true",
@@ -86,6 +92,10 @@ def build():
         h = tied(keras.layers.Dense(8, activation="tanh", name="d2")(h))
         model = keras.Model(inputs, keras.layers.Dense(3, name="out")(h))
         split = ["d2"]
+    elif args.model == "deep":
+        model = keras.Sequential([keras.Input((8,))] + [
+            keras.layers.Dense(n, activation="tanh") for n in (32, 32, 16, 16)
+        ] + [keras.layers.Dense(3)])
     else:
         model = keras.Sequential([
             keras.Input((8,)),
@@ -138,7 +148,24 @@ if args.fail_at_epoch is not None:
                 raise RuntimeError(f"worker {rank} fails on purpose")
     callbacks.append(Fail())
 
-if args.split_fit:
+if args.kill_at_epoch is not None:
+    import signal
+
+    class Kill(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.epoch == args.kill_at_epoch and batch == 2 and rank == 1:
+                print(f"rank {rank}: SIGKILL in epoch {self.epoch}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+    callbacks.append(Kill())
+
+if args.load_weights:
+    model.load_weights(args.load_weights)
+    history = keras.callbacks.History()
+    history.history = {"loss": []}
+elif args.split_fit:
     first = model.fit(ds, epochs=1, verbose=2, callbacks=callbacks)
     history = model.fit(ds, epochs=args.epochs, initial_epoch=1, verbose=2,
                         callbacks=callbacks)
@@ -146,6 +173,8 @@ if args.split_fit:
 else:
     history = model.fit(ds, epochs=args.epochs, verbose=2,
                         callbacks=callbacks)
+if args.save_weights:
+    model.save_weights(args.save_weights)
 eval_ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
     args.global_batch, drop_remainder=True)
 evaluation = model.evaluate(eval_ds, verbose=0)

@@ -1,4 +1,5 @@
-"""Trains a 2-stage, one-stage-per-process pipeline until killed (tests).
+"""Trains on 2 workers until killed (tests): a 2-stage, one-stage-per-process
+pipeline, or (`--partitions 1`) plain data parallelism.
 
 Prints `STEP <n>` after each batch so the test knows training is under way;
 used to check that a peer that dies or hangs ends this worker with a clear
@@ -10,13 +11,16 @@ import os
 
 p = argparse.ArgumentParser()
 p.add_argument("--timeout", type=float, default=15)
+p.add_argument("--partitions", type=int, default=2,
+               help="1: plain data parallelism over the 2 workers")
 args = p.parse_args()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras_smp  # noqa: E402
 
 strategy = keras_smp.SMPStrategy(
-    partitions=2, microbatches=2, collective_timeout_seconds=args.timeout)
+    partitions=args.partitions, microbatches=2,
+    collective_timeout_seconds=args.timeout)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -34,9 +38,11 @@ class Report(keras.callbacks.Callback):
 
 
 with strategy.scope():
-    model = keras_smp.DistributedModel(keras.Sequential([
+    model = keras.Sequential([
         keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
-        keras.layers.Dense(2)]))
+        keras.layers.Dense(2)])
+    if args.partitions > 1:
+        model = keras_smp.DistributedModel(model)
     model.compile(optimizer="sgd", loss="mse")
 model.fit(ds, steps_per_epoch=10**6, epochs=1, verbose=0,
           callbacks=[Report()])

@@ -1,0 +1,158 @@
+"""Turning a lost worker into an error that names it.
+
+A worker process that dies or hangs surfaces in the others as a collective
+`DeadlineExceededError` (after `collective_timeout_seconds`), or as
+`UnavailableError` / `CancelledError` / `AbortedError` (connection lost,
+coordination service heartbeat) from deep inside TensorFlow. `guard(fn,
+strategy)` wraps a Keras step function so those become one `RuntimeError`
+that names this worker, the worker that was lost (when TensorFlow's message
+tells: a task name or an address of the cluster), the timeout, and what to
+do.
+"""
+
+import re
+
+import tensorflow as tf
+
+LOST = (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
+        tf.errors.CancelledError, tf.errors.AbortedError)
+_HINTS = ("timed out", "socket closed", "connect", "unavailable", "abort",
+          "cancel", "heartbeat", "deadline")
+
+
+def lost_ranks(message, cluster, me):
+    """World ranks other than `me` that TensorFlow's `message` mentions.
+
+    Looks for task names (`/job:worker/replica:0/task:3`) and the cluster's
+    `host:port` addresses.
+
+    >>> from keras_smp.topology import resolve_cluster
+    >>> import json
+    >>> c = resolve_cluster({"TF_CONFIG": json.dumps({"cluster": {"worker": [
+    ...     "localhost:1000", "localhost:1001"]}, "task": {"type": "worker",
+    ...     "index": 0}})})
+    >>> lost_ranks("Socket closed ipv4:127.0.0.1:1001", c, 0)
+    [1]
+    """
+    found = set()
+    for job, task in re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", message):
+        rank = _rank_of_task(cluster, job, int(task))
+        if rank is not None:
+            found.add(rank)
+    addresses = _addresses(cluster)
+    for rank, address in enumerate(addresses):
+        port = address.rsplit(":", 1)[-1]
+        if address in message or re.search(rf"[:/]{re.escape(port)}\b", message):
+            found.add(rank)
+    found.discard(me)
+    return sorted(found)
+
+
+def _addresses(cluster):
+    return list(cluster.workers)
+
+
+def _rank_of_task(cluster, job, index):
+    spec = cluster.cluster_spec or {}
+    chiefs = len(spec.get("chief", []))
+    if job == "chief":
+        return index
+    if job == "worker":
+        return chiefs + index
+    return None
+
+
+def describe(error, strategy):
+    """The `RuntimeError` message for a lost peer."""
+    topo = strategy.topology
+    timeout = strategy.config.collective_timeout_seconds
+    text = error.message or str(error)
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    telling = [l for l in lines if any(h in l.lower() for h in _HINTS)]
+    first = (telling or lines or [""])[0][:240]
+    where = (f"pipeline stage {topo.pp_rank} (rank {topo.rank} of "
+             f"{topo.world_size}, replica {topo.dp_rank})"
+             if topo.pp_size > 1 else
+             f"worker rank {topo.rank} of {topo.world_size}")
+    ranks = lost_ranks(text, strategy.cluster, topo.rank)
+    if ranks:
+        who = ("lost rank " + ", ".join(map(str, ranks)) +
+               f" ({', '.join(_addresses(strategy.cluster)[r] for r in ranks)})")
+    else:
+        peers = [r for r in range(topo.world_size) if r != topo.rank]
+        who = ("lost a peer (TensorFlow did not say which; peers: ranks "
+               f"{peers})")
+    return (
+        f"keras-smp: {where} {who}: a collective failed with "
+        f"{type(error).__name__}: {first!r}. That worker process has "
+        "probably died or hung; look at its log. Every collective waits at "
+        f"most collective_timeout_seconds={timeout:g}. Restart the job "
+        "(keras.callbacks.BackupAndRestore resumes from the last backup).")
+
+
+def startup_error(error, cluster, config):
+    """The `RuntimeError` for workers that never joined the cluster."""
+    text = error.message or str(error)
+    ranks = lost_ranks(text, cluster, cluster.rank)
+    addresses = _addresses(cluster)
+    who = (", ".join(f"rank {r} ({addresses[r]})" for r in ranks)
+           if ranks else "some of its peers")
+    return (
+        f"keras-smp: worker rank {cluster.rank} of "
+        f"{cluster.world_size} could not start: {who} did not join within "
+        f"collective_timeout_seconds={config.collective_timeout_seconds:g} "
+        f"({type(error).__name__}). Start every worker listed in TF_CONFIG "
+        "(or the SLURM job), check the addresses, ports and firewalls, or "
+        "raise collective_timeout_seconds if workers start slowly.")
+
+
+def guard(fn, strategy):
+    """Wraps a step function: lost peers raise a `RuntimeError` naming them."""
+    if getattr(fn, "_smp_guarded", False):
+        return fn
+
+    def guarded(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LOST as e:
+            raise RuntimeError(describe(e, strategy)) from e
+
+    guarded._smp_guarded = True
+    guarded.__wrapped__ = fn
+    return guarded
+
+
+def _multi_worker_strategy(model):
+    from keras_smp.distribute.strategy import SMPStrategy
+
+    strategy = getattr(model, "_distribute_strategy", None)
+    if isinstance(strategy, SMPStrategy) and strategy.cluster.world_size > 1:
+        return strategy
+    return None
+
+
+_installed = []
+
+
+def install():
+    """Guards the step functions of every model under a multi-worker
+    `SMPStrategy` (idempotent)."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    if _installed:
+        return
+    _installed.append(True)
+    for name, attr in (("make_train_function", "train_function"),
+                       ("make_test_function", "test_function"),
+                       ("make_predict_function", "predict_function")):
+        original = getattr(TensorFlowTrainer, name)
+
+        def patched(self, *args, _original=original, _attr=attr, **kwargs):
+            result = _original(self, *args, **kwargs)
+            strategy = _multi_worker_strategy(self)
+            fn = getattr(self, _attr, None)
+            if strategy is not None and fn is not None:
+                setattr(self, _attr, guard(fn, strategy))
+            return result
+
+        setattr(TensorFlowTrainer, name, patched)

@@ -1,0 +1,206 @@
+"""The bad-input catalogue: every kind of bad input fails early and says why.
+
+Each case feeds one bad value and checks the exception names the problem
+(the bad value or setting, and the fix where there is one). Pure-Python
+inputs (config, TF_CONFIG, SLURM, launcher arguments, schedules) run here;
+TensorFlow-side inputs (batches, dtypes, shapes, partition indices, steps,
+checkpoints) run in one worker process (tests/workers/bad_inputs.py);
+cluster-level mistakes start real worker processes and check none is left
+running.
+"""
+
+import json
+import re
+import time
+
+import pytest
+
+from conftest import WORKERS
+from conftest import launch
+from conftest import run_python
+
+TF_CONFIG_2 = ('{"cluster": {"worker": ["a:1", "b:2"]}, '
+               '"task": {"type": "worker", "index": %s}}')
+
+# (case, callable building the bad input, exception type, regex on message)
+PURE_CASES = {
+    "unknown config key": (
+        lambda c: c.SMPConfig.build({"partitons": 2}), ValueError,
+        r"Unknown keras-smp config key 'partitons'.*Did you mean 'partitions'"),
+    "partitions zero": (
+        lambda c: c.SMPConfig.build({"partitions": 0}), ValueError,
+        r"'partitions'.*received 0, expected an integer >= 1"),
+    "microbatches as a string": (
+        lambda c: c.SMPConfig.build({"microbatches": "4"}), ValueError,
+        r"'microbatches'.*received '4'.*not a string"),
+    "unknown pipeline schedule": (
+        lambda c: c.SMPConfig.build({"pipeline": "zigzag"}), ValueError,
+        r"'pipeline'.*received 'zigzag', expected one of"),
+    "horovod with another allreduce": (
+        lambda c: c.SMPConfig.build({"horovod": True, "allreduce": "ring"}),
+        ValueError, r"horovod=True.*requires allreduce='horovod'.*'ring'"),
+    "negative fusion threshold": (
+        lambda c: c.SMPConfig.build({"fusion_threshold_mb": -1}), ValueError,
+        r"'fusion_threshold_mb'.*received -1.0, expected a finite number >= 0"),
+    "zero collective timeout": (
+        lambda c: c.SMPConfig.build({"collective_timeout_seconds": 0}),
+        ValueError, r"'collective_timeout_seconds'.*received 0.0.*> 0"),
+    "config of the wrong type": (
+        lambda c: c.SMPConfig.build([1, 2]), TypeError,
+        r"config must be None, a dict or an SMPConfig; received list"),
+    "SMP_CONFIG not JSON": (
+        lambda c: c.SMPConfig.build(environ={"SMP_CONFIG": "{bad"}),
+        ValueError, r"SMP_CONFIG is not valid JSON.*received '\{bad'"),
+    "TF_CONFIG not JSON": (
+        lambda c: c.resolve_cluster({"TF_CONFIG": "{bad"}), ValueError,
+        r"Invalid TF_CONFIG: it is not valid JSON.*'\{bad'"),
+    "TF_CONFIG task index out of range": (
+        lambda c: c.resolve_cluster({"TF_CONFIG": TF_CONFIG_2 % 5}),
+        ValueError, r'task\["index"\] is 5, out of range.*0\.\.1'),
+    "TF_CONFIG address without port": (
+        lambda c: c.resolve_cluster({"TF_CONFIG": TF_CONFIG_2.replace(
+            '"a:1"', '"a"') % 0}),
+        ValueError, r"cluster\[\"worker\"\]\[0\] is 'a'.*\"host:port\""),
+    "TF_CONFIG without cluster": (
+        lambda c: c.resolve_cluster(
+            {"TF_CONFIG": '{"task": {"type": "worker", "index": 0}}'}),
+        ValueError, r'missing "cluster"'),
+    "SLURM rank beyond task count": (
+        lambda c: c.resolve_cluster({
+            "SLURM_PROCID": "3", "SLURM_NTASKS": "2",
+            "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "1(x2)"}),
+        ValueError, r"SLURM_PROCID=3 with SLURM_NTASKS=2"),
+    "partitions not dividing the workers": (
+        lambda c: c.Topology.from_cluster(c.resolve_cluster(
+            {"TF_CONFIG": '{"cluster": {"worker": ["a:1", "b:2", "c:3"]}, '
+                          '"task": {"type": "worker", "index": 0}}'}),
+            partitions=2),
+        ValueError, r"partitions=2 does not divide.*world_size=3"),
+    "unknown schedule name": (
+        lambda c: c.get_schedule("zigzag", 2, 4), ValueError,
+        r"Unknown pipeline schedule: received 'zigzag'"),
+}
+
+
+class _Api:
+    from keras_smp.config import SMPConfig
+    from keras_smp.pipeline.schedule import get_schedule
+    from keras_smp.topology import Topology
+    from keras_smp.topology import resolve_cluster
+
+
+@pytest.mark.parametrize("case", sorted(PURE_CASES))
+def test_pure_bad_input_is_named(case):
+    build, error, pattern = PURE_CASES[case]
+    with pytest.raises(error) as info:
+        build(_Api)
+    assert re.search(pattern, str(info.value), flags=re.S), str(info.value)
+
+
+LAUNCHER_CASES = {
+    "no workers": (["-n", "0", "--", "python"], r"must be >= 1, got 0"),
+    "no command": (["-n", "2"], r"missing command after '--'"),
+    "host map of the wrong length": (
+        ["-n", "2", "--host-map", "a", "--", "python"],
+        r"--host-map has 1 entries but -n is 2"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAUNCHER_CASES))
+def test_bad_launcher_arguments_are_named(case, capsys):
+    from keras_smp.launch import main
+
+    argv, pattern = LAUNCHER_CASES[case]
+    assert main(argv) == 2
+    assert re.search(pattern, capsys.readouterr().err)
+
+
+# TensorFlow side: case -> (exception type, regex on the message)
+TF_CASES = {
+    "batch_not_divisible": (
+        "ValueError", r"per-replica batch of 10 samples does not divide into "
+                      r"microbatches=4.*multiple of"),
+    "dataset_without_drop_remainder": (
+        "ValueError", r"^The per-replica batch of 6 samples does not divide "
+                      r"into microbatches=4.*drop_remainder=True"),
+    "feature_shape_mismatch": (
+        "ValueError", r"expected.*8.*(7|found)|incompatible.*shape.*7"),
+    "label_shape_mismatch": (
+        "ValueError", r"Dimensions must be equal, but are 3 and 2.*"
+                      r"\[16,3\], \[16,2\]"),
+    "string_features": ("ValueError", r"Invalid dtype: str"),
+    "partition_index_out_of_range": (
+        "ValueError", r"keras_smp.partition\(3\).*only partitions=2 stages"),
+    "microbatches_more_than_batch": (
+        "ValueError", r"batch of 2 samples does not divide into microbatches=4"),
+    "step_batch_not_divisible": (
+        "ValueError", r"'a' has 10 rows along axis 0.*microbatches=4"),
+    "get_gradients_eagerly": (
+        "RuntimeError", r"only works inside an @smp.step.*tf.GradientTape"),
+    "checkpoint_of_wrong_type": (
+        "TypeError", r"expects a tf.train.Checkpoint.*received dict"),
+    "save_model_before_build": (
+        "ValueError", r"save_model: the model has no weights yet"),
+    "wrap_a_non_model": (
+        "TypeError", r"expects a keras.Model.*received str 'not a model'"),
+    "wrap_an_unbuilt_sequential": (
+        "ValueError", r"needs a built functional or Sequential model.*"
+                      r"keras.Input"),
+}
+
+
+@pytest.fixture(scope="module")
+def tf_results():
+    out = run_python([f"{WORKERS}/bad_inputs.py"], timeout=300).stdout
+    return json.loads(out.split("RESULT ", 1)[1])
+
+
+@pytest.mark.parametrize("case", sorted(TF_CASES))
+def test_tensorflow_side_bad_input_is_named_early(case, tf_results):
+    error, pattern = TF_CASES[case]
+    got_type, message, seconds = tf_results[case]
+    assert got_type and re.fullmatch(error, got_type), (got_type, message)
+    assert re.search(pattern, message, flags=re.S), message
+    assert seconds < 30, f"{case} took {seconds:.0f} s to fail"
+
+
+def test_every_tensorflow_case_is_checked(tf_results):
+    assert sorted(tf_results) == sorted(TF_CASES)
+
+
+@pytest.mark.slow
+def test_partitions_not_dividing_the_launched_workers_stop_everyone():
+    # 3 workers, partitions=2: every worker fails at SMPStrategy creation,
+    # the launcher exits non-zero and nobody is left running.
+    start = time.monotonic()
+    proc = launch(3, ["-c", "import keras_smp; keras_smp.SMPStrategy(partitions=2)"],
+                  timeout=120, check=False)
+    assert proc.returncode != 0
+    assert "partitions=2 does not divide" in proc.stdout
+    assert time.monotonic() - start < 90
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("present", [0, 1], ids=["only-rank0", "only-rank1"])
+def test_a_peer_that_never_starts_is_named_within_the_timeout(present):
+    # TF_CONFIG lists 2 workers; only one starts. It must fail within the
+    # collective timeout (10 s here) naming the missing task, not wait for
+    # TensorFlow's default hour.
+    from keras_smp.launch import free_ports
+    from keras_smp.launch import make_tf_config
+
+    missing = 1 - present
+    start = time.monotonic()
+    proc = run_python(
+        ["-c", "import keras_smp; "
+               "keras_smp.SMPStrategy(collective_timeout_seconds=10); "
+               "print('STARTED')"],
+        extra_env={"TF_CONFIG": make_tf_config(free_ports(2), present)},
+        timeout=120, check=False)
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "STARTED" not in output, output[-2000:]
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    assert re.search(rf"keras-smp: worker rank {present} of 2 could not "
+                     rf"start: rank {missing} \(localhost:\d+\) did not join",
+                     output), output[-3000:]
