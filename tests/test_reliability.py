@@ -10,6 +10,7 @@
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +32,8 @@ SAVER = os.path.join(WORKERS, "save_forever.py")
 
 
 def _kill_during_save(path, delay):
+    """SIGKILLs the saver `delay` s after it starts save 3; returns the
+    number of the last save it had started."""
     proc = subprocess.Popen(
         [sys.executable, SAVER, "save", str(path)], env=env(), cwd=ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -42,8 +45,12 @@ def _kill_during_save(path, delay):
                 proc.kill()
                 break
             assert time.monotonic() < deadline
+        rest = proc.stdout.read()
         proc.wait(timeout=30)
-        return proc.returncode
+        assert proc.returncode == -signal.SIGKILL
+        started = [int(l.split()[1]) for l in ("SAVING 3\n" + rest).splitlines()
+                   if l.startswith("SAVING")]
+        return max(started)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -51,15 +58,16 @@ def _kill_during_save(path, delay):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("delay", [0.0, 0.05, 0.15])
+@pytest.mark.parametrize("delay", [0.0, 0.03, 0.08])
 def test_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, delay):
     path = tmp_path / "model.weights.h5"
-    assert _kill_during_save(path, delay) == -signal.SIGKILL
+    last = _kill_during_save(path, delay)
     out = run_python([SAVER, "load", str(path)]).stdout
-    value = float(out.split("VALUE ", 1)[1].split()[0])
-    # Save 2 finished; save 3 was cut short (or had just finished).
-    assert value in (2.0, 3.0), out
-    assert len(out.split("VALUE ", 1)[1].split()) == 1, "mixed checkpoint"
+    values = out.split("VALUE ", 1)[1].split()
+    # One whole checkpoint: the save in progress (if it finished) or the
+    # one before; never a truncated or mixed file.
+    assert len(values) == 1, f"mixed checkpoint: {values}"
+    assert float(values[0]) in (last - 1, last), (values, last)
 
 
 DEEP = ("--model", "deep", "--pipelined", "--epochs", "2")
@@ -118,12 +126,17 @@ def test_sigkill_mid_epoch_then_restart_resumes_exactly(
                   check=False)
     assert proc.returncode != 0
     assert "rank 1: SIGKILL in epoch 2" in proc.stdout
-    assert "worker 1 (pid" in proc.stdout and "killed by SIGKILL" in proc.stdout
+    assert re.search(r"worker 1 \(pid \d+\) was killed by SIGKILL", proc.stderr)
     assert time.monotonic() - start < 240
     assert (tmp_path / "files" / "backup").exists()
     proc = launch(2, fit_model(tmp_path, *flags))
     assert "Epoch 3/4" in proc.stdout and "Epoch 1/4" not in proc.stdout
-    ref = reference("--epochs", "4")
+    # Same final state as an uninterrupted run of the same job (the same
+    # reduction order: equal to float32 rounding of a few ulps) ...
+    whole = tmp_path / "uninterrupted"
+    launch(2, fit_model(whole, *flags))
     for r in range(2):
-        assert_same_training(load(tmp_path, r), ref,
-                             keys=("evaluate", "predict"))
+        assert_same_training(load(tmp_path, r), load(whole, r), rtol=1e-6,
+                             atol=1e-7, keys=("evaluate", "predict"))
+    # ... whose weights equal single-device training's (fidelity bound).
+    assert_same_training(load(tmp_path), reference("--epochs", "4"), keys=())

@@ -1,4 +1,4 @@
-"""Saves a ~32 MB model again and again (tests kill it mid-save).
+"""Saves a ~100 MB model again and again (tests kill it mid-save).
 
     save_forever.py save PATH   before save i every weight is set to i;
                                 prints "SAVING i" before, "SAVED i" after
@@ -19,8 +19,8 @@ import numpy as np  # noqa: E402
 
 what, path = sys.argv[1], sys.argv[2]
 with strategy.scope():
-    model = keras.Sequential([keras.Input((2048,)),
-                              keras.layers.Dense(2048), keras.layers.Dense(2048)])
+    model = keras.Sequential([keras.Input((4096,))] + [
+        keras.layers.Dense(2048) for _ in range(3)])
 if what == "load":
     model.load_weights(path)
     values = np.unique(np.concatenate([w.ravel() for w in model.get_weights()]))
