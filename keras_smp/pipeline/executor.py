@@ -45,7 +45,8 @@ def _tf_variable(v):
 
 
 def run_pipeline(stage_fns, stage_variables, loss_fn, schedule, devices,
-                 microbatch_inputs, microbatch_targets, forward_only=False):
+                 microbatch_inputs, microbatch_targets, forward_only=False,
+                 times=None):
     """Builds one pipelined forward+backward pass over all microbatches.
 
     Must be called inside a `tf.function` (it uses `tf.gradients`).
@@ -64,6 +65,10 @@ def run_pipeline(stage_fns, stage_variables, loss_fn, schedule, devices,
         microbatch_targets: list (per microbatch) of targets for `loss_fn`.
         forward_only: run only the schedule's forward actions (evaluation
             and prediction); `loss_fn` may then be `None`.
+        times: optional list; each action appends `(action, start, end)`,
+            `tf.timestamp()` tensors taken when the action's inputs are
+            ready and its device is free, and when its results exist (the
+            executed timeline).
 
     Returns:
         `(losses, outputs, grads)`: the list of per-microbatch losses, the
@@ -119,36 +124,50 @@ def run_pipeline(stage_fns, stage_variables, loss_fn, schedule, devices,
         scope = f"stage{s}/{'fwd' if action.kind == 'F' else 'bwd'}_mb{mb}"
         with tf.device(devices[s]), tf.control_dependencies(deps), \
                 tf.name_scope(scope):
-            if action.kind == "F":
-                src = (microbatch_inputs[mb] if s == 0
-                       else stage_out[(s - 1, mb)])
-                inputs = [tf.identity(t) for t in _as_list(src)]
-                out = _as_list(stage_fns[s](inputs))
-                stage_in[(s, mb)] = inputs
-                stage_out[(s, mb)] = out
-                if s == p - 1:
-                    outputs[mb] = out
-                    if loss_fn is not None:
-                        losses[mb] = loss_fn(out, microbatch_targets[mb])
-                done = out + ([losses[mb]] if losses[mb] is not None
-                              and s == p - 1 else [])
-            else:
-                if s == p - 1:
-                    ys, seed = [losses[mb]], None
+            start = None
+            if times is not None:
+                ready = (_as_list(microbatch_inputs[mb] if s == 0 else
+                                  stage_out[(s - 1, mb)])
+                         if action.kind == "F" else
+                         ([] if s == p - 1 else grad_out[(s + 1, mb)]))
+                with tf.control_dependencies(ready):
+                    start = tf.timestamp()
+            # The action starts after its start timestamp.
+            with tf.control_dependencies([start] if start is not None else []):
+                if action.kind == "F":
+                    src = (microbatch_inputs[mb] if s == 0
+                           else stage_out[(s - 1, mb)])
+                    inputs = [tf.identity(t) for t in _as_list(src)]
+                    out = _as_list(stage_fns[s](inputs))
+                    stage_in[(s, mb)] = inputs
+                    stage_out[(s, mb)] = out
+                    if s == p - 1:
+                        outputs[mb] = out
+                        if loss_fn is not None:
+                            losses[mb] = loss_fn(out, microbatch_targets[mb])
+                    done = out + ([losses[mb]] if losses[mb] is not None
+                                  and s == p - 1 else [])
                 else:
-                    ys = stage_out[(s, mb)]
-                    seed = [tf.identity(g) for g in grad_out[(s + 1, mb)]]
-                ins = [] if s == 0 else stage_in[(s, mb)]
-                # Stop at the stage's inputs: a weight also used by an
-                # earlier stage (tied) would otherwise get that stage's part
-                # of its gradient here too, on top of the earlier stage's.
-                gs = tf.gradients(ys, ins + tf_vars[s], grad_ys=seed,
-                                  stop_gradients=ins,
-                                  unconnected_gradients="zero")
-                n_in = 0 if s == 0 else len(stage_in[(s, mb)])
-                grad_out[(s, mb)] = gs[:n_in]
-                for i, g in enumerate(gs[n_in:]):
-                    grads[s][i] = g if grads[s][i] is None else grads[s][i] + g
-                done = gs
+                    if s == p - 1:
+                        ys, seed = [losses[mb]], None
+                    else:
+                        ys = stage_out[(s, mb)]
+                        seed = [tf.identity(g) for g in grad_out[(s + 1, mb)]]
+                    ins = [] if s == 0 else stage_in[(s, mb)]
+                    # Stop at the stage's inputs: a weight also used by an
+                    # earlier stage (tied) would otherwise get that stage's part
+                    # of its gradient here too, on top of the earlier stage's.
+                    gs = tf.gradients(ys, ins + tf_vars[s], grad_ys=seed,
+                                      stop_gradients=ins,
+                                      unconnected_gradients="zero")
+                    n_in = 0 if s == 0 else len(stage_in[(s, mb)])
+                    grad_out[(s, mb)] = gs[:n_in]
+                    for i, g in enumerate(gs[n_in:]):
+                        grads[s][i] = g if grads[s][i] is None else grads[s][i] + g
+                    done = gs
         last[s] = tf.group(*done) if done else tf.no_op()
+        if times is not None:
+            with tf.device(devices[s]), tf.control_dependencies([last[s]]):
+                end = tf.timestamp()
+            times.append((action, start, end))
     return losses, outputs, grads

@@ -743,7 +743,8 @@ class DistributedModel(keras.Model):
             tied_index += 1
         return out
 
-    def _smp_run(self, data, training, need_loss=True, need_outputs=True):
+    def _smp_run(self, data, training, need_loss=True, need_outputs=True,
+                 times=None):
         if self._smp_multi_process():
             return self._smp_run_process(data, training, need_loss,
                                          need_outputs)
@@ -765,12 +766,90 @@ class DistributedModel(keras.Model):
         losses, outputs, grads = run_pipeline(
             fns, stage_vars if training else [[]] * graph.num_stages,
             loss_fn, schedule, devices, xs, targets,
-            forward_only=not training)
+            forward_only=not training, times=times)
         with tf.device(devices[-1]):
             flat_pred = [tf.concat([o[i] for o in outputs], axis=0)
                          for i in range(len(graph.outputs))]
             y_pred = graph.pack_outputs(flat_pred)
         return x, y, sample_weight, y_pred, losses, grads, stage_vars
+
+    def executed_timeline(self, x, y=None, sample_weight=None, runs=3):
+        """Measures when each stage ran each microbatch, for one batch.
+
+        Runs the pipelined forward and backward pass of the batch `runs`
+        times (no weight update; only forward without `y`) and returns the
+        last run as a `keras_smp.pipeline.schedule.Timeline` in
+        milliseconds: per stage, `(start, end, action)` of every forward
+        (`F`, including the copy of its inputs from the previous stage) and
+        backward (`B`) action, timed on the stage's device. Draw it with
+        `timeline.draw("step.png")`, print `timeline.grid()`, export
+        `timeline.to_chrome_trace("step.json")` (chrome://tracing,
+        Perfetto), and compare `timeline.bubble_fraction()` with the
+        planned schedule's.
+
+        In one process (stages on local devices); the first replica's
+        timing when there are several.
+
+        Example:
+
+        ```python
+        import keras, numpy as np, keras_smp
+        model = keras_smp.DistributedModel(keras.Sequential([
+            keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)]),
+            split_points=["dense_1"])
+        model.compile(optimizer="sgd", loss="mse")
+        x, y = np.ones((8, 8), "float32"), np.ones((8, 2), "float32")
+        timeline = model.executed_timeline(x, y)
+        assert timeline.num_stages == 2 and timeline.makespan > 0
+        ```
+        """
+        from keras_smp.pipeline.schedule import Timeline
+
+        if self._smp_multi_process():
+            raise NotImplementedError(
+                "executed_timeline() measures pipelines inside one process; "
+                "with one stage per process, profile each worker with "
+                "tf.profiler (see docs/pipeline.md).")
+        if y is not None and self._compile_loss is None:
+            raise ValueError("executed_timeline(x, y) needs a compiled loss.")
+        training = y is not None
+        recorded = []
+
+        def replica(*data):
+            times = []
+            result = self._smp_run(data, training=training, times=times)
+            recorded[:] = [a for a, _, _ in times]
+            # TensorFlow prunes work whose results are unused, even with
+            # control dependencies on it: fetch a checksum of everything.
+            used = [tf.reduce_sum(tf.cast(t, "float64")) for t in
+                    tf.nest.flatten((result[3], result[4], result[5]))
+                    if t is not None]
+            return (tf.stack([tf.stack([s, e]) for _, s, e in times]),
+                    tf.add_n(used))
+
+        strategy = self._smp_strategy()
+        args = tuple(tf.convert_to_tensor(t) for t in (x, y, sample_weight)
+                     if t is not None)
+
+        @tf.function
+        def timed(*data):
+            if strategy is None:
+                return replica(*data)
+            out = strategy.run(replica, args=data)
+            return tf.nest.map_structure(
+                lambda v: strategy.experimental_local_results(v)[0], out)
+
+        for _ in range(max(1, runs)):
+            spans = timed(*args)[0].numpy()
+        t0 = spans[:, 0].min()
+        schedule = get_schedule(self._smp_config().pipeline,
+                                self.num_stages, self.num_microbatches)
+        entries = [[] for _ in range(self.num_stages)]
+        for action, (start, end) in zip(recorded, spans):
+            entries[action.stage].append(
+                (1000.0 * (start - t0), 1000.0 * (end - t0), action))
+        return Timeline(schedule, [sorted(e, key=lambda t: t[0])
+                                   for e in entries], unit="ms")
 
     def _smp_extra_losses(self):
         if self._smp_multi_process() and self._get_regularization_losses():

@@ -577,8 +577,9 @@ class Timeline:
     (6.0, 0.3333333333333333, (1.0, 2.0, Action(stage=1, kind='F', microbatch=0)))
     """
 
-    def __init__(self, schedule: Schedule, entries: list):
+    def __init__(self, schedule: Schedule, entries: list, unit: str = "time"):
         self.schedule = schedule
+        self.unit = unit
         self.entries = [list(e) for e in entries]
         self.spans = {a: (start, end)
                       for stage in self.entries for start, end, a in stage}
@@ -741,7 +742,7 @@ class Timeline:
         ax.set_yticklabels([f"stage {s}" for s in range(p)])
         ax.set_ylim(p - 0.5, -0.5)
         ax.set_xlim(0, span)
-        ax.set_xlabel("time")
+        ax.set_xlabel(self.unit)
         ax.grid(axis="x", linestyle=":", linewidth=0.5)
         ax.set_axisbelow(True)
         ax.legend(handles=[Patch(color=colors["F"], label="forward"),
@@ -756,6 +757,44 @@ class Timeline:
         ax.set_title(title)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
+        return path
+
+
+    def to_chrome_trace(self, path: str) -> str:
+        """Writes the timeline as a Chrome trace (chrome://tracing, Perfetto).
+
+        One row (thread) per stage, one complete event per action, named
+        like `F3` / `B3`. Times are taken as milliseconds.
+
+        Args:
+            path: JSON file to write.
+
+        Returns:
+            `path`.
+
+        Example:
+
+        >>> import json, os, tempfile
+        >>> out = os.path.join(tempfile.mkdtemp(), "trace.json")
+        >>> _ = simulate(GPipe(2, 2)).to_chrome_trace(out)
+        >>> len(json.load(open(out))["traceEvents"])
+        10
+        """
+        import json
+
+        events = [{"name": f"stage {s}", "ph": "M", "pid": 0, "tid": s,
+                   "args": {"name": f"stage {s}"}}
+                  for s in range(self.num_stages)]
+        events = [dict(e, name="thread_name") for e in events]
+        for s, stage in enumerate(self.entries):
+            for start, end, a in stage:
+                events.append({
+                    "name": f"{a.kind}{a.microbatch}", "ph": "X", "pid": 0,
+                    "tid": s, "ts": 1000.0 * start,
+                    "dur": 1000.0 * (end - start),
+                    "cat": "forward" if a.kind == "F" else "backward"})
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
         return path
 
 
