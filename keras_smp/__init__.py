@@ -11,6 +11,8 @@ Public API:
   (see `keras_smp.custom_loop`), `CheckpointManager`, and the
   communication helpers `broadcast`, `allgather`, `send`, `recv_from`,
   `barrier` with `CommGroup` / `RankType` (see `keras_smp.comms`).
+- `notebook_launcher(fn, num_workers=N, args=...)`: run a training
+  function on N local worker processes from a Jupyter notebook.
 - rank helpers with SageMaker smp's names: `rank()`, `size()`,
   `local_rank()`, `local_size()`, `dp_rank()`, `dp_size()`, `pp_rank()`,
   `pp_size()`, `mp_rank()`, `mp_size()`.
@@ -42,6 +44,7 @@ _LAZY = {
     "step": "keras_smp.custom_loop",
     "StepOutput": "keras_smp.custom_loop",
     "CheckpointManager": "keras_smp.checkpoint",
+    "notebook_launcher": "keras_smp.notebook",
     "broadcast": "keras_smp.comms",
     "allgather": "keras_smp.comms",
     "send": "keras_smp.comms",
@@ -74,6 +77,7 @@ __all__ = [
     "SMPConfig", "SMPStrategy", "DistributedModel", "partition", "rank", "size", "local_rank", "local_size",
     "dp_rank", "dp_size", "pp_rank", "pp_size", "mp_rank", "mp_size",
     "is_chief", "init", "step", "StepOutput", "CheckpointManager",
+    "notebook_launcher",
     "broadcast", "allgather", "send", "recv_from", "barrier", "dp_barrier",
     "mp_barrier", "pp_barrier", "CommGroup", "RankType", "WORLD", "MP_GROUP",
     "DP_GROUP", "PP_GROUP", "WORLD_RANK", "MP_RANK", "DP_RANK",

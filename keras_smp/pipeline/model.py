@@ -66,7 +66,8 @@ class DistributedModel(keras.Model):
             "flops" (default with `optimize="speed"`) or "uniform".
         split_points: names of the layers that start stages 1, 2, ...
             (overrides the automatic balance).
-        *args, **kwargs: as for `keras.Model`.
+        *args: as for `keras.Model` (a model to wrap, or inputs, outputs).
+        **kwargs: as for `keras.Model`.
 
     Example:
 

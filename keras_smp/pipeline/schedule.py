@@ -573,7 +573,8 @@ class Timeline:
     Example:
 
     >>> t = simulate(GPipe(2, 2), forward_cost=1, backward_cost=1)
-    >>> t.makespan, t.bubble_fraction(), t.entries[1][0]
+    >>> stage1 = t.entries[1]
+    >>> t.makespan, t.bubble_fraction(), stage1[0]
     (6.0, 0.3333333333333333, (1.0, 2.0, Action(stage=1, kind='F', microbatch=0)))
     """
 
