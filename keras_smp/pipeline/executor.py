@@ -44,6 +44,16 @@ def _tf_variable(v):
     return value
 
 
+def _received(times, stage, kind, mb, start, copies):
+    """Times the copy of a stage's inputs (the in-process receive)."""
+    from keras_smp.pipeline.schedule import Action
+
+    with tf.control_dependencies(copies):
+        done = tf.timestamp()
+    times.append((Action(stage, kind, mb), start, done))
+    return done
+
+
 def run_pipeline(stage_fns, stage_variables, loss_fn, schedule, devices,
                  microbatch_inputs, microbatch_targets, forward_only=False,
                  times=None):
@@ -68,7 +78,9 @@ def run_pipeline(stage_fns, stage_variables, loss_fn, schedule, devices,
         times: optional list; each action appends `(action, start, end)`,
             `tf.timestamp()` tensors taken when the action's inputs are
             ready and its device is free, and when its results exist (the
-            executed timeline).
+            executed timeline). The copy of a stage's inputs from the
+            neighbouring stage is timed as a `RECV_F` / `RECV_B` action
+            before its `F` / `B`.
 
     Returns:
         `(losses, outputs, grads)`: the list of per-microbatch losses, the
@@ -138,7 +150,11 @@ def run_pipeline(stage_fns, stage_variables, loss_fn, schedule, devices,
                     src = (microbatch_inputs[mb] if s == 0
                            else stage_out[(s - 1, mb)])
                     inputs = [tf.identity(t) for t in _as_list(src)]
-                    out = _as_list(stage_fns[s](inputs))
+                    if times is not None and s > 0:
+                        start = _received(times, s, "RECV_F", mb, start,
+                                          inputs)
+                    with tf.control_dependencies(inputs):
+                        out = _as_list(stage_fns[s](inputs))
                     stage_in[(s, mb)] = inputs
                     stage_out[(s, mb)] = out
                     if s == p - 1:
@@ -153,6 +169,9 @@ def run_pipeline(stage_fns, stage_variables, loss_fn, schedule, devices,
                     else:
                         ys = stage_out[(s, mb)]
                         seed = [tf.identity(g) for g in grad_out[(s + 1, mb)]]
+                        if times is not None:
+                            start = _received(times, s, "RECV_B", mb, start,
+                                              seed)
                     ins = [] if s == 0 else stage_in[(s, mb)]
                     # Stop at the stage's inputs: a weight also used by an
                     # earlier stage (tied) would otherwise get that stage's part

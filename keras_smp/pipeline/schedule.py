@@ -596,8 +596,9 @@ class Timeline:
                    default=0.0)
 
     def busy_time(self, stage: int) -> float:
-        """Total compute time of one stage."""
-        return sum(end - start for start, end, _ in self.entries[stage])
+        """Total compute time (forward and backward) of one stage."""
+        return sum(end - start for start, end, a in self.entries[stage]
+                   if a.is_compute)
 
     def bubble_fraction(self) -> float:
         """Idle time of all stages over `num_stages * makespan`.
@@ -656,7 +657,7 @@ class Timeline:
         stage 1  .  F0 F1 B0 B1 .
         """
         durations = [end - start for stage in self.entries
-                     for start, end, _ in stage if end > start]
+                     for start, end, a in stage if end > start and a.is_compute]
         if step is None:
             step = min(durations, default=1.0)
         if not isinstance(step, (int, float)) or isinstance(step, bool) \
@@ -724,12 +725,15 @@ class Timeline:
                 "timeline with Timeline.grid() instead.") from e
         sched, p = self.schedule, self.num_stages
         span = self.makespan or 1.0
-        colors = {"F": "#4c8bd6", "B": "#f0a04b"}
+        colors = {"F": "#4c8bd6", "B": "#f0a04b", "RECV_F": "#9aa0a6",
+                  "RECV_B": "#9aa0a6", "SEND_F": "#9aa0a6",
+                  "SEND_B": "#9aa0a6"}
         fig = Figure(figsize=(min(max(6.0, 0.35 * span + 2), 24.0),
                               0.55 * p + 1.6))
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
-        durations = [e - s for st in self.entries for s, e, _ in st] or [1.0]
+        durations = [e - s for st in self.entries for s, e, a in st
+                     if a.is_compute] or [1.0]
         box_pt = min(durations) / span * fig.get_figwidth() * 72 * 0.8
         fontsize = max(5.0, min(9.0, box_pt / 2.2))
         for s, stage in enumerate(self.entries):
@@ -737,8 +741,9 @@ class Timeline:
                 ax.barh(s, end - start, left=start, height=0.8,
                         color=colors.get(a.kind, "#999999"),
                         edgecolor="black", linewidth=0.6)
-                ax.text((start + end) / 2, s, str(a.microbatch),
-                        ha="center", va="center", fontsize=fontsize)
+                if a.is_compute:
+                    ax.text((start + end) / 2, s, str(a.microbatch),
+                            ha="center", va="center", fontsize=fontsize)
         ax.set_yticks(range(p))
         ax.set_yticklabels([f"stage {s}" for s in range(p)])
         ax.set_ylim(p - 0.5, -0.5)
@@ -746,8 +751,12 @@ class Timeline:
         ax.set_xlabel(self.unit)
         ax.grid(axis="x", linestyle=":", linewidth=0.5)
         ax.set_axisbelow(True)
-        ax.legend(handles=[Patch(color=colors["F"], label="forward"),
-                           Patch(color=colors["B"], label="backward")],
+        handles = [Patch(color=colors["F"], label="forward"),
+                   Patch(color=colors["B"], label="backward")]
+        if any(not a.is_compute for st in self.entries for _, _, a in st):
+            handles.append(Patch(color=colors["RECV_F"],
+                                 label="communication"))
+        ax.legend(handles=handles,
                   loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
                   frameon=False)
         if title is None:
