@@ -1,0 +1,80 @@
+"""All-reduces known tensors with SMPStrategy's gradient sync (tests).
+
+Run with `keras-smp launch -n N [--host-map ...] -- python allreduce_sums.py
+ALGORITHM FUSION_MB`. Every replica contributes, in one all-reduce call,
+float32 / float16 / bfloat16 tensors of several shapes (mixed dtypes in one
+call exercise fusion's per-dtype buckets) holding small integers (exact in
+every dtype) and float32 tensors holding random values; rank 0 prints how
+each result compares with the NumPy sum over all replicas.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras_smp  # noqa: E402
+
+algorithm, fusion = sys.argv[1], float(sys.argv[2])
+strategy = keras_smp.SMPStrategy(allreduce=algorithm, fusion_threshold_mb=fusion)
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+SHAPES = [(3,), (4, 5), (1000,), (7, 3, 2)]
+DTYPES = ["float32", "float16", "bfloat16"]
+n = strategy.num_replicas_in_sync
+
+
+def integers(replica, k, shape):
+    rng = np.random.RandomState(1000 * replica + k)
+    return rng.randint(-8, 9, size=shape).astype("float32")
+
+
+def randoms(replica, k, shape):
+    return np.random.RandomState(50_000 + 1000 * replica + k).randn(
+        *shape).astype("float32")
+
+
+def values(replica):
+    out = []
+    for d, dtype in enumerate(DTYPES):
+        for k, shape in enumerate(SHAPES):
+            out.append(tf.cast(integers(replica, 10 * d + k, shape), dtype))
+    for k, shape in enumerate(SHAPES):
+        out.append(tf.constant(randoms(replica, 100 + k, shape)))
+    return out
+
+
+@tf.function
+def run():
+    def replica_fn():
+        ctx = tf.distribute.get_replica_context()
+        # The replica's index among all replicas of the job.
+        rid = ctx.replica_id_in_sync_group
+        tensors = tf.switch_case(rid, [lambda r=r: values(r) for r in range(n)])
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
+    out = strategy.run(replica_fn)
+    return [strategy.experimental_local_results(o)[0] for o in out]
+
+
+got = [t.numpy().astype("float64") for t in run()]
+report = {"algorithm": strategy.allreduce_algorithm, "replicas": n,
+          "buckets_traced": int(strategy.gradient_sync.buckets_traced),
+          "exact": [], "random_max_rel": 0.0}
+i = 0
+for d, dtype in enumerate(DTYPES):
+    for k, shape in enumerate(SHAPES):
+        expected = sum(integers(r, 10 * d + k, shape).astype("float64")
+                       for r in range(n))
+        report["exact"].append([dtype, list(shape),
+                                bool(np.array_equal(got[i], expected))])
+        i += 1
+for k, shape in enumerate(SHAPES):
+    expected = sum(randoms(r, 100 + k, shape).astype("float64")
+                   for r in range(n))
+    rel = float(np.max(np.abs(got[i] - expected) / (np.abs(expected) + 1e-3)))
+    report["random_max_rel"] = max(report["random_max_rel"], rel)
+    i += 1
+if keras_smp.rank() == 0:
+    print("RESULT " + json.dumps(report), flush=True)
