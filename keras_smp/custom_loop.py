@@ -46,6 +46,7 @@ device, and TensorFlow's executor overlaps the microbatches' stages.
 
 import functools
 import inspect
+import weakref
 
 import tensorflow as tf
 
@@ -181,7 +182,8 @@ def _replica_sync():
 # instance per traced call (every replica traces the same calls in order).
 _GROUP_KEY = 300_000
 _instance_keys = iter(range(300_000, 10**9))
-_last_collective = {}
+# Last replica-average collective of each graph (weak: graphs come and go).
+_last_collective = weakref.WeakKeyDictionary()
 
 
 def _average_over_replicas(t):
@@ -189,13 +191,13 @@ def _average_over_replicas(t):
     graph = tf.compat.v1.get_default_graph()
     # Chain the collectives of one graph so every replica runs them in the
     # same order.
-    previous = _last_collective.get(id(graph))
+    previous = _last_collective.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
         out = tf.raw_ops.CollectiveReduceV2(
             input=t, group_size=size, group_key=_GROUP_KEY,
             instance_key=next(_instance_keys), ordering_token=[],
             merge_op="Add", final_op="Div", timeout_seconds=timeout)
-    _last_collective[id(graph)] = out
+    _last_collective[graph] = out
     return out
 
 

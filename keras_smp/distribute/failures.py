@@ -39,17 +39,13 @@ def lost_ranks(message, cluster, me):
         rank = _rank_of_task(cluster, job, int(task))
         if rank is not None:
             found.add(rank)
-    addresses = _addresses(cluster)
+    addresses = list(cluster.workers)
     for rank, address in enumerate(addresses):
         port = address.rsplit(":", 1)[-1]
         if address in message or re.search(rf"[:/]{re.escape(port)}\b", message):
             found.add(rank)
     found.discard(me)
     return sorted(found)
-
-
-def _addresses(cluster):
-    return list(cluster.workers)
 
 
 def _rank_of_task(cluster, job, index):
@@ -77,7 +73,7 @@ def describe(error, strategy):
     ranks = lost_ranks(text, strategy.cluster, topo.rank)
     if ranks:
         who = ("lost rank " + ", ".join(map(str, ranks)) +
-               f" ({', '.join(_addresses(strategy.cluster)[r] for r in ranks)})")
+               f" ({', '.join(strategy.cluster.workers[r] for r in ranks)})")
     else:
         peers = [r for r in range(topo.world_size) if r != topo.rank]
         who = ("lost a peer (TensorFlow did not say which; peers: ranks "
@@ -94,7 +90,7 @@ def startup_error(error, cluster, config):
     """The `RuntimeError` for workers that never joined the cluster."""
     text = error.message or str(error)
     ranks = lost_ranks(text, cluster, cluster.rank)
-    addresses = _addresses(cluster)
+    addresses = list(cluster.workers)
     who = (", ".join(f"rank {r} ({addresses[r]})" for r in ranks)
            if ranks else "some of its peers")
     return (

@@ -153,7 +153,9 @@ def run_pipeline(stage_fns, stage_variables, loss_fn, schedule, devices,
                     if times is not None and s > 0:
                         start = _received(times, s, "RECV_F", mb, start,
                                           inputs)
-                    with tf.control_dependencies(inputs):
+                    # After the receive's timestamp, when timing.
+                    with tf.control_dependencies(
+                            [start] if start is not None else []):
                         out = _as_list(stage_fns[s](inputs))
                     stage_in[(s, mb)] = inputs
                     stage_out[(s, mb)] = out
@@ -176,9 +178,11 @@ def run_pipeline(stage_fns, stage_variables, loss_fn, schedule, devices,
                     # Stop at the stage's inputs: a weight also used by an
                     # earlier stage (tied) would otherwise get that stage's part
                     # of its gradient here too, on top of the earlier stage's.
-                    gs = tf.gradients(ys, ins + tf_vars[s], grad_ys=seed,
-                                      stop_gradients=ins,
-                                      unconnected_gradients="zero")
+                    with tf.control_dependencies(
+                            [start] if start is not None else []):
+                        gs = tf.gradients(ys, ins + tf_vars[s], grad_ys=seed,
+                                          stop_gradients=ins,
+                                          unconnected_gradients="zero")
                     n_in = 0 if s == 0 else len(stage_in[(s, mb)])
                     grad_out[(s, mb)] = gs[:n_in]
                     for i, g in enumerate(gs[n_in:]):
