@@ -15,10 +15,25 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
 
+# The Horovod environment (TensorFlow 2.15.1 + Horovod 0.28.1), built by
+# `make test` through scripts/horovod-env.sh.
+HVD_PYTHON = os.path.join(ROOT, ".venv-hvd", "bin", "python")
+
 # Float32 fidelity bound used throughout: the same global batch summed in a
 # different order differs only by rounding.
 RTOL = 1e-5
 ATOL = 1e-6
+
+
+def hvd_env_or_skip():
+    """Skips (printing why) when .venv-hvd is missing; fails under CI."""
+    if os.path.exists(HVD_PYTHON):
+        return
+    message = ("the Horovod environment .venv-hvd is missing; `make test` "
+               "builds it (bash scripts/horovod-env.sh)")
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 def env(**extra):

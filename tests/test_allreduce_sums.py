@@ -1,7 +1,8 @@
 """Gradient sync returns exactly the NumPy sum: algorithms x hosts x fusion x dtypes.
 
 Real worker processes (`keras-smp launch`), emulated hosts (`--host-map`):
-2 processes on 2 hosts and 4 processes on 2 hosts, ring and hierarchical,
+2 processes on 2 hosts and 4 processes on 2 hosts, ring, hierarchical and
+horovod (in the Horovod environment, `launch --horovod`),
 fusion on (64 MB: one bucket per dtype) and off (one per tensor). Each
 all-reduce call mixes float32, float16 and bfloat16 tensors of several
 shapes holding small integers, whose sums are exact in every dtype, and
@@ -12,19 +13,25 @@ import json
 
 import pytest
 
+from conftest import HVD_PYTHON
 from conftest import WORKERS
+from conftest import hvd_env_or_skip
 from conftest import launch
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fusion_mb", [64, 0], ids=["fused", "unfused"])
-@pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "horovod"])
 @pytest.mark.parametrize("workers,hosts", [(2, "a,b"), (4, "a,a,b,b")],
                          ids=["2procs-2hosts", "4procs-2hosts"])
 def test_allreduce_equals_numpy_sum(workers, hosts, algorithm, fusion_mb):
+    extra = dict(python=None, launcher_args=("--host-map", hosts))
+    if algorithm == "horovod":
+        hvd_env_or_skip()
+        extra = dict(python=HVD_PYTHON,
+                     launcher_args=("--host-map", hosts, "--horovod"))
     proc = launch(workers, [f"{WORKERS}/allreduce_sums.py", algorithm,
-                            str(fusion_mb)],
-                  launcher_args=("--host-map", hosts), timeout=180)
+                            str(fusion_mb)], timeout=180, **extra)
     line = next(l for l in proc.stdout.splitlines() if "RESULT " in l)
     r = json.loads(line.split("RESULT ", 1)[1])
     assert r["algorithm"] == algorithm and r["replicas"] == workers

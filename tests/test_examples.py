@@ -13,11 +13,12 @@ import sys
 
 import pytest
 
+from conftest import HVD_PYTHON
 from conftest import ROOT
+from conftest import hvd_env_or_skip
 from conftest import launch
 from conftest import run_python
 
-HVD_PYTHON = os.path.join(ROOT, ".venv-hvd", "bin", "python")
 
 
 def _losses(stdout):
@@ -45,20 +46,10 @@ def test_smp_example_trains(script, workers, tmp_path):
             == ["ckpt-2.index", "ckpt-3.index"]
 
 
-def _hvd_env_or_skip():
-    if os.path.exists(HVD_PYTHON):
-        return
-    message = ("the Horovod environment .venv-hvd is missing; `make test` "
-               "builds it (bash scripts/horovod-env.sh)")
-    if os.environ.get("CI"):
-        pytest.fail(message)
-    pytest.skip(message)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_smp_hybrid_horovod_example_trains(workers):
-    _hvd_env_or_skip()
+    hvd_env_or_skip()
     path = os.path.join(ROOT, "examples", "smp_hybrid_horovod.py")
     extra = {"EPOCHS": "3"}
     if workers == 1:

@@ -59,15 +59,17 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             each stage's data-parallel group its own keys.
     """
 
+    _ALGORITHMS = ("ring", "hierarchical")
+
     def __init__(self, devices, layout, algorithm="ring",
                  fusion_threshold_bytes=64 * 2**20, options=None,
                  collective_keys=None, stage_devices=None, key_offset=0):
         options = options or tf.distribute.experimental.CommunicationOptions()
         super().__init__(devices=devices, group_size=layout.size,
                          options=options, collective_keys=collective_keys)
-        if algorithm not in ("ring", "hierarchical"):
+        if algorithm not in self._ALGORITHMS:
             raise ValueError(
-                f"GradientAllReduce supports 'ring' and 'hierarchical'; "
+                f"{type(self).__name__} supports {self._ALGORITHMS}; "
                 f"received algorithm={algorithm!r}.")
         self.algorithm = algorithm
         self.layout = layout
@@ -83,6 +85,9 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._stage_devices = [
             [device_util.canonicalize(d) for d in row] for row in stage_devices]
         self.num_stages = len(self._stage_devices[0])
+        self._world, self._intra, self._cross = [], [], []
+        if algorithm not in ("ring", "hierarchical"):
+            return  # a subclass communicates by other means
         self._keys = cross_device_utils.CollectiveKeys(
             group_key_start=GROUP_KEY_BASE
             + GROUP_KEY_STRIDE * next(_instances) + key_offset)
@@ -106,7 +111,6 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             return lau
 
         # Launchers indexed [local replica][stage].
-        self._world, self._intra, self._cross = [], [], []
         for i, local in enumerate(self._local_layouts):
             stages = range(self.num_stages)
             self._world.append(

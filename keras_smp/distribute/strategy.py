@@ -206,12 +206,8 @@ class _SMPExtended(cars.CollectiveAllReduceExtended):
             devices_per_worker=len(self.worker_devices),
             worker_rank=peers.index(topology.rank))
         algorithm = resolve_algorithm(config.allreduce, layout)
-        if algorithm == "horovod":
-            raise NotImplementedError(
-                "allreduce='horovod' is not available in this version of "
-                "keras-smp yet; use 'ring' or 'auto'.")
-        self._cross_device_ops = GradientAllReduce(
-            devices=self.worker_devices, layout=layout, algorithm=algorithm,
+        common = dict(
+            devices=self.worker_devices, layout=layout,
             fusion_threshold_bytes=int(config.fusion_threshold_mb * 2**20),
             options=options,
             collective_keys=(
@@ -221,6 +217,45 @@ class _SMPExtended(cars.CollectiveAllReduceExtended):
             stage_devices=self._smp_stage_devices,
             key_offset=(GROUP_KEY_STRIDE // 10 * topology.pp_rank
                         if mode == "multi_process" else 0))
+        self._smp_horovod = None
+        if algorithm == "horovod":
+            from keras_smp.distribute import horovod
+
+            stage_groups = (
+                [topology.dp_group(topology.rank_of(s, 0))
+                 for s in range(topology.pp_size)]
+                if mode == "multi_process" else None)
+            hvd, process_set = horovod.init(topology, stage_groups)
+            self._smp_horovod = hvd
+            self._cross_device_ops = horovod.HorovodAllReduce(
+                hvd, process_set, **common)
+        else:
+            self._cross_device_ops = GradientAllReduce(
+                algorithm=algorithm, **common)
+
+    def _get_variable_creator_initial_value(self, replica_id, device,
+                                            primary_var, **kwargs):
+        if self._smp_horovod is None or replica_id != 0:
+            return super()._get_variable_creator_initial_value(
+                replica_id=replica_id, device=device,
+                primary_var=primary_var, **kwargs)
+        from keras_smp.distribute import horovod
+
+        def initial_value_fn():
+            # Rank 0's initial value, broadcast by Horovod (every process
+            # creates the same variables in the same order).
+            with tf.device(device):
+                value = kwargs["initial_value"]
+                if callable(value):
+                    value = value()
+                value = getattr(value, "wrapped_value", value)
+                value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+                if self._smp_topology.world_size == 1:
+                    return value
+                return horovod.broadcast_initial_value(
+                    self._smp_horovod, value)
+
+        return initial_value_fn
 
     @property
     def _num_replicas_in_sync(self):

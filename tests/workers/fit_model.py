@@ -36,6 +36,9 @@ p.add_argument("--no-metrics", action="store_true",
                help="compile with the loss only (steps use no y_pred)")
 p.add_argument("--split-fit", action="store_true",
                help="train with two fit() calls (first epoch, then the rest)")
+p.add_argument("--seed-by-rank", action="store_true",
+               help="each rank initialises the model from its own seed; the "
+               "strategy must broadcast rank 0's initial weights")
 p.add_argument("--pipelined", action="store_true",
                help="wrap the model in keras_smp.DistributedModel")
 args = p.parse_args()
@@ -81,7 +84,8 @@ if args.pipelined:
 
 
 def build():
-    keras.utils.set_random_seed(1234)
+    keras.utils.set_random_seed(
+        1234 + (strategy.topology.rank if args.seed_by_rank else 0))
     split = None
     if args.model == "tied":
         # One Dense layer applied at both ends: with 2 stages its weights

@@ -1,0 +1,90 @@
+"""`SMPStrategy(allreduce="horovod")`: Horovod as the gradient-sync backend.
+
+Runs in the Horovod environment (.venv-hvd: TensorFlow 2.15.1, Horovod
+0.28.1 with Gloo, built by `make test`), workers started with `keras-smp
+launch --horovod`. The single-device reference is computed in the same
+environment (same TensorFlow). Every rank initialises its model from its own
+seed (`--seed-by-rank`), so matching the reference (seed of rank 0) also
+shows Horovod's broadcast of rank 0's initial weights.
+"""
+
+import json
+
+import pytest
+
+from conftest import HVD_PYTHON
+from conftest import assert_same_training
+from conftest import fit_model
+from conftest import hvd_env_or_skip
+from conftest import launch
+from conftest import load
+from conftest import run_python
+
+
+@pytest.fixture(scope="module")
+def hvd_reference(tmp_path_factory):
+    hvd_env_or_skip()
+    out = tmp_path_factory.mktemp("hvd_reference")
+    run_python(fit_model(out, "--mode", "reference"), python=HVD_PYTHON)
+    return load(out)
+
+
+def _fit(tmp_path, workers, config, *flags):
+    launch(workers, fit_model(tmp_path, "--seed-by-rank", "--config",
+                              json.dumps(config), *flags),
+           python=HVD_PYTHON, launcher_args=("--horovod",), timeout=300)
+    return [load(tmp_path, r) for r in range(workers)]
+
+
+@pytest.mark.slow
+def test_horovod_data_parallel_fit_matches_single_device(tmp_path,
+                                                        hvd_reference):
+    for got in _fit(tmp_path, 2, {"allreduce": "horovod"}):
+        assert str(got["algorithm"]) == "horovod"
+        assert int(got["replicas"]) == 2
+        assert int(got["buckets_traced"]) > 0  # gradients went through it
+        assert_same_training(got, hvd_reference)
+
+
+@pytest.mark.slow
+def test_horovod_pipeline_fit_matches_single_device(tmp_path, hvd_reference):
+    # 2 stages x 2 replicas, one stage per process: each stage's gradients
+    # are summed in a Horovod process set of that stage's 2 replicas.
+    config = {"allreduce": "horovod", "partitions": 2, "microbatches": 2}
+    for got in _fit(tmp_path, 4, config, "--pipelined"):
+        assert str(got["algorithm"]) == "horovod"
+        assert int(got["replicas"]) == 2
+        assert_same_training(got, hvd_reference)
+
+
+def test_horovod_backend_without_horovod_says_how_to_get_it(tmp_path):
+    # The main environment has no Horovod.
+    proc = run_python(
+        fit_model(tmp_path, "--config", '{"allreduce": "horovod"}'),
+        check=False)
+    assert proc.returncode != 0
+    assert "ImportError: allreduce='horovod' needs Horovod" in proc.stderr
+    assert "scripts/horovod-env.sh" in proc.stderr
+
+
+def test_horovod_backend_needs_one_replica_per_process(tmp_path):
+    hvd_env_or_skip()
+    proc = run_python(
+        fit_model(tmp_path, "--local-devices", "2", "--config",
+                  '{"allreduce": "horovod"}'),
+        check=False, python=HVD_PYTHON)
+    assert proc.returncode != 0
+    assert "allreduce='horovod' runs one model replica per process" in proc.stderr
+    assert "2 replicas" in proc.stderr
+
+
+@pytest.mark.slow
+def test_horovod_backend_without_horovod_rendezvous_is_named(tmp_path):
+    # `keras-smp launch` without --horovod: each Horovod starts alone.
+    proc = launch(2, fit_model(tmp_path, "--config",
+                               '{"allreduce": "horovod"}'),
+                  python=HVD_PYTHON, check=False, timeout=180)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "Horovod sees rank 0 of 1, but keras-smp's cluster" in out, out[-3000:]
+    assert "keras-smp launch --horovod" in out
