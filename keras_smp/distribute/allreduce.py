@@ -23,6 +23,7 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 from tensorflow.python.distribute import cross_device_utils
 from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import reduce_util
+from tensorflow.python.ops import collective_ops
 from tensorflow.python.util import nest
 
 from keras_smp.distribute import fusion
@@ -37,6 +38,61 @@ GROUP_KEY_BASE = 100_000
 # Every worker creates its strategies in the same order, so keys agree.
 GROUP_KEY_STRIDE = 10_000
 _instances = itertools.count()
+# Pipelined hierarchical all-reduce: chunks of at least this many bytes.
+_MIN_CHUNK = 4 * 2**20
+
+
+def _blocks(flat, g):
+    """`flat` zero-padded to a multiple of `g`, as `g` rows."""
+    if flat.shape[0] is not None and flat.shape[0] % g == 0:
+        return tf.reshape(flat, [g, -1])
+    n = tf.size(flat)
+    shard = (n + g - 1) // g
+    return tf.reshape(tf.pad(flat, [[0, shard * g - n]]), [g, shard])
+
+
+# CollectiveGatherV2's dtypes; others travel bit-cast to one of these.
+_GATHER_DTYPES = {tf.float16, tf.float32, tf.float64, tf.int32, tf.int64}
+_SAME_WIDTH = {2: tf.float16, 4: tf.int32, 8: tf.int64}
+
+
+def _all_gather(launcher, t, options):
+    """The group's `t`s concatenated in TensorFlow's order (bits unchanged)."""
+    if t.dtype in _GATHER_DTYPES:
+        return launcher._all_gather(t, options)
+    wire = _SAME_WIDTH[t.dtype.size]
+    return tf.bitcast(launcher._all_gather(tf.bitcast(t, wire), options),
+                      t.dtype)
+
+
+def _all_to_all(launcher, t, options):
+    """Row k of `t` to the group's k-th member; returns the rows received."""
+    options = launcher._options.merge(options)
+    wire = t.dtype if t.dtype in _GATHER_DTYPES else _SAME_WIDTH[t.dtype.size]
+    with tf.device(launcher._device):
+        out = collective_ops.all_to_all_v2(
+            tf.bitcast(t, wire) if wire != t.dtype else t,
+            launcher._group_size, launcher._group_key,
+            launcher._next_instance_key(),
+            communication_hint=options.implementation.value,
+            timeout=options.timeout_seconds or 0,
+            ordering_token=launcher._get_ordering_token())
+    return tf.bitcast(out, t.dtype) if wire != t.dtype else out
+
+
+def _chunk_sizes(n, parts):
+    """Sizes of the pipelined chunks of `n` elements: the first and last
+    are a quarter of the others, so the link starts early and the last
+    share-back is short."""
+    if parts < 3:
+        return _even_split(n, parts)
+    edge = max(1, n // (4 * parts))
+    return [edge] + _even_split(n - 2 * edge, parts - 2) + [edge]
+
+
+def _even_split(n, parts):
+    """Sizes of `parts` near-equal pieces of `n` elements."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
 
 
 class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
@@ -74,6 +130,9 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self.algorithm = algorithm
         self.layout = layout
         self.fusion_threshold_bytes = int(fusion_threshold_bytes)
+        # Hierarchical: buckets are cut into up to this many chunks whose
+        # intra-host and cross-host steps overlap.
+        self.pipeline_chunks = 8
         # Buckets traced so far (all replicas): tests and users can check
         # that gradients really went through this component.
         self.buckets_traced = 0
@@ -96,18 +155,21 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 [row[s] for row in self._stage_devices])
             for s in range(self.num_stages) for g in layout.all_groups()
         }
-        # One ordering token per device shared by all our launchers, so every
-        # collective on a device runs in program order on every worker.
-        tokens = {self._devices[i]: launcher._ordering_token
+        # Ordering tokens: every collective on a device runs in program order
+        # on every worker. Two streams per device: the base class's token
+        # for world and intra-host collectives, and one for the cross-host
+        # collectives, so that a chunk's cross-host step overlaps the next
+        # chunk's intra-host step (each group still sees one order).
+        tokens = {("intra", self._devices[i]): launcher._ordering_token
                   for i, launcher in enumerate(self._launchers)}
 
-        def launcher(stage, group, i):
+        def launcher(stage, group, i, stream="intra"):
             device = self._stage_devices[i][stage]
             lau = cross_device_utils.CollectiveReplicaLauncher(
                 group_keys[(stage, group)], len(group), self._keys, device,
                 options)
             lau._ordering_token = tokens.setdefault(
-                device, lau._ordering_token)
+                (stream, device), lau._ordering_token)
             return lau
 
         # Launchers indexed [local replica][stage].
@@ -119,7 +181,8 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 self._intra.append(
                     [launcher(s, local.intra_host_group, i) for s in stages])
                 self._cross.append(
-                    [launcher(s, local.cross_host_group, i) for s in stages])
+                    [launcher(s, local.cross_host_group, i, "cross")
+                     for s in stages])
 
     def _reduce_flat(self, flat, replica_id, stage, options):
         """All-reduces (sums) one flat bucket of `stage` on a local replica."""
@@ -127,23 +190,39 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             return self._world[replica_id][stage].all_reduce(
                 flat, options=options)
         local = self._local_layouts[replica_id]
-        g, idx = local.local_size, local.local_index
-        if g > 1:
-            flat = self._intra[replica_id][stage].all_reduce(flat, options=options)
+        intra = self._intra[replica_id][stage]
+        cross = self._cross[replica_id][stage]
         if local.num_hosts == 1:
-            return flat
-        if g == 1:
-            return self._cross[replica_id][stage].all_reduce(flat, options=options)
-        n = tf.size(flat)
-        shard = (n + g - 1) // g
-        padded = tf.pad(flat, [[0, shard * g - n]])
-        mine = padded[idx * shard:(idx + 1) * shard]
-        mine = self._cross[replica_id][stage].all_reduce(mine, options=options)
-        # Share shards back inside the host: every peer contributes its
-        # shard in its own slot and zeros elsewhere; the sum is exact.
-        slots = tf.pad(mine, [[idx * shard, (g - 1 - idx) * shard]])
-        full = self._intra[replica_id][stage].all_reduce(slots, options=options)
-        return full[:n]
+            return intra.all_reduce(flat, options=options)
+        if local.local_size == 1:
+            return cross.all_reduce(flat, options=options)
+        n = flat.shape[0]
+        chunks = 1 if n is None else min(
+            self.pipeline_chunks, max(1, n * flat.dtype.size // _MIN_CHUNK))
+        parts = [flat] if chunks == 1 else tf.split(flat, _chunk_sizes(n, chunks))
+        g = local.local_size
+        # TensorFlow ranks a group's devices in its own order; entry k of
+        # `order` is the local index of the peer it ranks k-th.
+        order = intra._all_gather(
+            tf.constant([local.local_index], tf.int32), options)
+        # Pipelined over chunks: all intra-host reduce-scatters are issued
+        # first, then the cross-host all-reduces of one shard per local peer
+        # (their own ordering stream), then the intra-host all-gathers:
+        # chunk c crosses hosts while chunk c+1 is summed inside the host.
+        # Reduce-scatter is an all-to-all of shards plus a local sum
+        # (TensorFlow implements CollectiveReduceScatterV2 for NCCL only);
+        # block k goes to the peer ranked k-th, the shard of its local index.
+        mine = [tf.reduce_sum(_all_to_all(
+            intra, tf.gather(_blocks(p, g), order), options), axis=0)
+            for p in parts]
+        crossed = [cross.all_reduce(m, options=options) for m in mine]
+        inverse = tf.math.invert_permutation(order)
+        out = []
+        for c, p in zip(crossed, parts):
+            gathered = tf.reshape(_all_gather(intra, c, options), [g, -1])
+            out.append(tf.reshape(tf.gather(gathered, inverse), [-1])[
+                :tf.size(p)])
+        return out[0] if len(out) == 1 else tf.concat(out, axis=0)
 
     def _all_reduce(self, reduce_op, value, replica_id, options):
         flat_values = nest.flatten(value)
