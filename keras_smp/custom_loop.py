@@ -151,21 +151,9 @@ def _stage_devices(p):
 
 
 def _init_horovod(topology):
-    try:
-        import horovod.tensorflow as hvd
-    except ImportError as e:
-        raise ImportError(
-            "smp.init: horovod=True needs Horovod (horovod.tensorflow), which "
-            "is not installed. Build it with `bash scripts/horovod-env.sh` "
-            "(TensorFlow 2.15.1), or set horovod=False: keras-smp then "
-            "averages gradients over replicas in StepOutput.accumulate().") from e
-    hvd.init()
-    if hvd.size() != topology.dp_size or hvd.rank() != topology.dp_rank:
-        raise RuntimeError(
-            f"smp.init: Horovod sees rank {hvd.rank()} of {hvd.size()}, but "
-            f"keras-smp's cluster has data-parallel rank {topology.dp_rank} "
-            f"of {topology.dp_size}. Start the job with `keras-smp launch "
-            "--horovod -n N`, which sets up both consistently.")
+    from keras_smp.distribute import horovod
+
+    hvd, _ = horovod.init(topology, what="smp.init: horovod=True")
     _runtime["horovod"] = hvd
 
 

@@ -38,12 +38,13 @@ def import_horovod(what="allreduce='horovod'"):
             "installed in this Python environment. Build the Horovod "
             "environment with `bash scripts/horovod-env.sh` (TensorFlow "
             "2.15.1, Horovod 0.28.1 with Gloo) and run there, or use "
-            "allreduce='ring' / 'hierarchical' / 'auto' (TensorFlow "
-            "collectives, no Horovod needed).") from e
+            "keras-smp's own all-reduce (allreduce='ring' / 'hierarchical' / "
+            "'auto', or horovod=False in custom loops: TensorFlow collectives, "
+            "no Horovod needed).") from e
     return hvd
 
 
-def init(topology, stage_groups=None):
+def init(topology, stage_groups=None, what="allreduce='horovod'"):
     """Initialises Horovod for `topology`; returns `(hvd, process_set)`.
 
     Args:
@@ -51,12 +52,13 @@ def init(topology, stage_groups=None):
         stage_groups: the data-parallel group (world ranks) of every pipeline
             stage when each process holds one stage; `None`: one group, the
             world.
+        what: what needs Horovod, for error messages.
 
     Returns:
         The `horovod.tensorflow` module and the process set this rank's
         gradients are summed over.
     """
-    hvd = import_horovod()
+    hvd = import_horovod(what)
     groups = [tuple(g) for g in stage_groups or ()]
     if len(groups) <= 1:
         groups = []
@@ -66,7 +68,7 @@ def init(topology, stage_groups=None):
         _process_sets.update(zip(groups, sets))
     if hvd.size() != topology.world_size or hvd.rank() != topology.rank:
         raise RuntimeError(
-            f"allreduce='horovod': Horovod sees rank {hvd.rank()} of "
+            f"{what}: Horovod sees rank {hvd.rank()} of "
             f"{hvd.size()}, but keras-smp's cluster (TF_CONFIG / SLURM) has "
             f"rank {topology.rank} of {topology.world_size}. Start the job "
             "with `keras-smp launch --horovod -n N`, which sets up both "
@@ -76,7 +78,7 @@ def init(topology, stage_groups=None):
     mine = next(g for g in groups if topology.rank in g)
     if mine not in _process_sets:
         raise RuntimeError(
-            "allreduce='horovod': Horovod was initialised before SMPStrategy, "
+            f"{what}: Horovod was initialised before keras-smp, "
             "without a process set for this stage's data-parallel group "
             f"{list(mine)}. Do not call hvd.init() yourself: keras-smp "
             "initialises Horovod with the groups its pipeline needs.")
