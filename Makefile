@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 # The Horovod lane: a second environment (TF 2.15.1 + horovod 0.28.1, Gloo).
 HVD_STAMP := .venv-hvd/.installed
 
-.PHONY: demo test test-fast install clean
+.PHONY: demo test test-fast install clean sysdeps
 
 install: $(STAMP)
 
@@ -27,7 +27,14 @@ demo: $(STAMP)
 $(HVD_STAMP): scripts/horovod-env.sh requirements-hvd.txt
 	PYTHON=$(PYTHON) bash scripts/horovod-env.sh
 
-test: $(STAMP) $(HVD_STAMP)
+# iproute2 (ip, tc): the all-reduce benchmark's emulated hosts.
+sysdeps:
+	@command -v ip >/dev/null && command -v tc >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2; } || \
+	  echo "note: iproute2 (ip, tc) missing and not root: the all-reduce benchmark test will skip"
+
+test: $(STAMP) $(HVD_STAMP) sysdeps
 	$(BIN)/python -m pytest -v -rs --durations=15 tests
 
 test-fast: $(STAMP)
