@@ -20,6 +20,11 @@ run on the CI machine: benchmarks/results_pipeline_cpu.txt.
 
     python benchmarks/pipeline_cpu.py            # ~12 minutes on 2 cores
     python benchmarks/pipeline_cpu.py --quick    # m = 1, 8 only
+
+With `--compare-tree DIR` (another checkout of keras-smp, e.g. `git worktree
+add /tmp/before HEAD~3`) every pipelined configuration also runs with DIR's
+code, right after this tree's, and the table shows both and their ratio:
+a refactor's cost measured in the same run, on the same machine.
 """
 
 import argparse
@@ -94,10 +99,10 @@ def worker(args):
         print("RESULT " + json.dumps({"ms_per_step": ms}), flush=True)
 
 
-def run(cmd, timeout=900):
+def run(cmd, timeout=900, root=ROOT):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True,
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run(cmd, env=env, cwd=root, capture_output=True,
                          text=True, timeout=timeout)
     for line in out.stdout.splitlines():
         if "RESULT " in line:
@@ -115,6 +120,8 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--compare-tree", default=None,
+                   help="another keras-smp checkout to time side by side")
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -122,8 +129,26 @@ def main():
     sys.path.insert(0, ROOT)
     from keras_smp.pipeline.schedule import get_schedule
 
+    import platform
+
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f
+                       if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    print(f"CPU: {cpu}; {os.cpu_count()} cores; every process 1 intra-op "
+          "and 1 inter-op thread")
     me = [sys.executable, os.path.abspath(__file__), "--worker",
           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    other = None
+    if args.compare_tree:
+        other_root = os.path.abspath(args.compare_tree)
+        other = [sys.executable,
+                 os.path.join(other_root, "benchmarks", "pipeline_cpu.py"),
+                 "--worker", "--steps", str(args.steps), "--warmup",
+                 str(args.warmup)]
     base = run(me + ["--mode", "single"])
     print(f"baseline: whole model, batch {BATCH}, 1 serial process: "
           f"{base:.0f} ms/step")
@@ -152,11 +177,20 @@ def main():
             peaks = [sched.peak_in_flight(s) * (BATCH // m) * per_sample / 2**20
                      for s in range(STAGES)]
             rows.append((schedule, m, ms, base / ms, ideal, peaks))
+            compared = ""
+            if other is not None:
+                ms_other = run(
+                    [sys.executable, "-m", "keras_smp.launch", "-n", "2",
+                     "--timeout", "800", "--"] + other
+                    + ["--mode", "pipeline", "--schedule", schedule,
+                       "--microbatches", str(m)], root=other_root)
+                compared = (f"  | compare-tree: {ms_other:.0f} ms/step, "
+                            f"this tree {ms_other / ms:.2f}x its speed")
             print(f"{schedule:>8} {m:>3} {ms:>8.0f} {base / ms:>7.2f}x "
                   f"{ideal:>5.2f}x {bound:>5.2f}x  "
                   + ", ".join(f"stage {s}: {v:.0f} ({sched.peak_in_flight(s)}"
-                              f" mb)" for s, v in enumerate(peaks)),
-                  flush=True)
+                              f" mb)" for s, v in enumerate(peaks))
+                  + compared, flush=True)
     again = run(me + ["--mode", "single"])
     print(f"baseline again: {again:.0f} ms/step (noise check)")
     print("ideal = m*p/(m+p-1); bound = the same pipelined step run serially "

@@ -8,9 +8,9 @@ Public API:
   pipeline over `partitions` stages; `partition(i)` places layers manually.
 - `SMPConfig`: every option, validated.
 - SageMaker smp's custom-loop API: `init(config)`, `@step`, `StepOutput`
-  (see `keras_smp.custom_loop`), `CheckpointManager`, and the
+  (see `keras_smp.smp.custom_loop`), `CheckpointManager`, and the
   communication helpers `broadcast`, `allgather`, `send`, `recv_from`,
-  `barrier` with `CommGroup` / `RankType` (see `keras_smp.comms`).
+  `barrier` with `CommGroup` / `RankType` (see `keras_smp.smp.comms`).
 - `notebook_launcher(fn, num_workers=N, args=...)`: run a training
   function on N local worker processes from a Jupyter notebook.
 - rank helpers with SageMaker smp's names: `rank()`, `size()`,
@@ -40,28 +40,28 @@ __version__ = "0.1.0"
 _LAZY = {
     "SMPStrategy": "keras_smp.distribute.strategy",
     "DistributedModel": "keras_smp.pipeline.model",
-    "init": "keras_smp.custom_loop",
-    "step": "keras_smp.custom_loop",
-    "StepOutput": "keras_smp.custom_loop",
-    "CheckpointManager": "keras_smp.checkpoint",
+    "init": "keras_smp.smp.custom_loop",
+    "step": "keras_smp.smp.custom_loop",
+    "StepOutput": "keras_smp.smp.custom_loop",
+    "CheckpointManager": "keras_smp.smp.checkpoint",
     "notebook_launcher": "keras_smp.notebook",
-    "broadcast": "keras_smp.comms",
-    "allgather": "keras_smp.comms",
-    "send": "keras_smp.comms",
-    "recv_from": "keras_smp.comms",
-    "barrier": "keras_smp.comms",
-    "dp_barrier": "keras_smp.comms",
-    "mp_barrier": "keras_smp.comms",
-    "pp_barrier": "keras_smp.comms",
-    "CommGroup": "keras_smp.comms",
-    "RankType": "keras_smp.comms",
-    "WORLD": "keras_smp.comms",
-    "MP_GROUP": "keras_smp.comms",
-    "DP_GROUP": "keras_smp.comms",
-    "PP_GROUP": "keras_smp.comms",
-    "WORLD_RANK": "keras_smp.comms",
-    "MP_RANK": "keras_smp.comms",
-    "DP_RANK": "keras_smp.comms",
+    "broadcast": "keras_smp.smp.comms",
+    "allgather": "keras_smp.smp.comms",
+    "send": "keras_smp.smp.comms",
+    "recv_from": "keras_smp.smp.comms",
+    "barrier": "keras_smp.smp.comms",
+    "dp_barrier": "keras_smp.smp.comms",
+    "mp_barrier": "keras_smp.smp.comms",
+    "pp_barrier": "keras_smp.smp.comms",
+    "CommGroup": "keras_smp.smp.comms",
+    "RankType": "keras_smp.smp.comms",
+    "WORLD": "keras_smp.smp.comms",
+    "MP_GROUP": "keras_smp.smp.comms",
+    "DP_GROUP": "keras_smp.smp.comms",
+    "PP_GROUP": "keras_smp.smp.comms",
+    "WORLD_RANK": "keras_smp.smp.comms",
+    "MP_RANK": "keras_smp.smp.comms",
+    "DP_RANK": "keras_smp.smp.comms",
 }
 
 

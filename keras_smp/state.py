@@ -1,25 +1,33 @@
-"""Process-wide state: the active config, cluster and topology.
+"""Process-wide state: the active config, cluster, topology and runtime.
 
-`SMPStrategy` (and later `smp.init`) installs them; the rank helpers read
-them. Before either ran, the helpers resolve the cluster from the
-environment (TF_CONFIG, SLURM, or a single process) with the config from
-`SMP_CONFIG`, so `keras_smp.rank()` works at the top of any script.
+`keras_smp.runtime.process.start` (run by `SMPStrategy` and `smp.init`)
+installs them; the rank helpers read them. Before either ran, the helpers
+resolve the cluster from the environment (TF_CONFIG, SLURM, or a single
+process) with the config from `SMP_CONFIG`, so `keras_smp.rank()` works at
+the top of any script. The topology is built as the runtime will build it
+(`runtime.layout.topology_for`), assuming no GPUs: one pipeline stage per
+process when several processes have one device each.
 """
 
 import threading
 
 from keras_smp.config import SMPConfig
-from keras_smp.topology import Topology
+from keras_smp.runtime.layout import resolve_mode
+from keras_smp.runtime.layout import topology_for
 from keras_smp.topology import resolve_cluster
 
 _lock = threading.Lock()
 _state = {}
 
 
-def install(config, cluster, topology):
-    """Makes `config`, `cluster`, `topology` the process-wide state."""
+def install(config, cluster, topology, runtime=None):
+    """Makes `config`, `cluster`, `topology` (and the started `runtime`)
+    the process-wide state."""
     with _lock:
+        _state.clear()
         _state.update(config=config, cluster=cluster, topology=topology)
+        if runtime is not None:
+            _state["runtime"] = runtime
 
 
 def reset():
@@ -33,9 +41,10 @@ def _ensure():
         if not _state:
             config = SMPConfig.build()
             cluster = resolve_cluster()
-            topology = Topology.from_cluster(
-                cluster, partitions=config.partitions,
-                placement_strategy=config.placement_strategy)
+            _, mode = resolve_mode(config.partitions, config.local_devices,
+                                   cluster.world_size, has_gpus=False)
+            topology = topology_for(cluster, config.partitions,
+                                    config.placement_strategy, mode)
             _state.update(config=config, cluster=cluster, topology=topology)
         return _state
 
@@ -53,3 +62,9 @@ def cluster():
 def topology():
     """Returns the active `Topology`."""
     return _ensure()["topology"]
+
+
+def runtime():
+    """Returns the started `keras_smp.runtime.Runtime`, or `None`."""
+    with _lock:
+        return _state.get("runtime")

@@ -134,7 +134,7 @@ TF_CASES = {
     "microbatches_more_than_batch": (
         "ValueError", r"batch of 2 samples does not divide into microbatches=4"),
     "step_batch_not_divisible": (
-        "ValueError", r"'a' has 10 rows along axis 0.*microbatches=4"),
+        "ValueError", r"'a' \(axis 0\) of 10 samples does not divide into microbatches=4"),
     "get_gradients_eagerly": (
         "RuntimeError", r"only works inside an @smp.step.*tf.GradientTape"),
     "checkpoint_of_wrong_type": (

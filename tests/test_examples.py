@@ -66,8 +66,9 @@ def test_smp_hybrid_horovod_example_trains(workers):
 
 
 
-@pytest.mark.parametrize("name", ["keras_smp.custom_loop", "keras_smp.comms",
-                                  "keras_smp.checkpoint", "save_model"])
+@pytest.mark.parametrize("name", ["keras_smp.smp.custom_loop",
+                                  "keras_smp.smp.comms",
+                                  "keras_smp.smp.checkpoint", "save_model"])
 def test_smp_api_docstring_examples_run(name):
     # Imported here by source text only: the pytest process stays TF-free.
     if name == "save_model":

@@ -36,6 +36,26 @@ def test_hierarchical_groups_cover_every_replica_once(hosts, per_worker):
                 local.cross_host_group} <= set(every)
 
 
+def _all_groups_reference(layout):
+    """`all_groups` as first written: every replica's groups, in order."""
+    groups = [layout.world_group]
+    groups += [layout.host_members(h) for h in sorted(set(layout.replica_hosts))]
+    if layout.is_uniform:
+        groups += [layout.for_replica(r).cross_host_group
+                   for r in range(layout.size)]
+    return list(dict.fromkeys(groups))
+
+
+@pytest.mark.parametrize("hosts,per_worker", [
+    ((0, 0, 1, 1), 1), ((0, 1), 2), ((0, 0, 0, 1, 1, 1), 1), ((0, 1, 2), 2),
+    ((0,), 4), ((1, 0, 1, 0), 1), ((2, 0, 1, 2, 0, 1), 2), ((0, 0, 1), 1),
+    ((3, 1, 1, 3, 2, 2), 1)])
+def test_all_groups_order_is_unchanged(hosts, per_worker):
+    # Group keys follow this order on every worker: it must not change.
+    layout = ReplicaLayout.from_workers(hosts, per_worker)
+    assert layout.all_groups() == _all_groups_reference(layout)
+
+
 @pytest.mark.parametrize("hosts,per_worker,expected", [
     ((0, 0, 1, 1), 1, "hierarchical"),
     ((0, 1), 2, "hierarchical"),

@@ -1,7 +1,8 @@
 """SMPStrategy data parallelism: results equal single-device training.
 
 Every run here is a real Python process (or several, through
-`keras-smp launch`); tolerances are rtol=1e-5, atol=1e-6 (float32 rounding
+`keras-smp launch`); tolerances are rtol=1e-5, atol=1e-6 per unit of the
+compared array's largest magnitude (conftest.scaled_atol; float32 rounding
 of the same global-batch sums taken in another order).
 """
 

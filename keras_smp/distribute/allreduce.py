@@ -16,28 +16,20 @@ Algorithms (groups described in `groups.py`):
   host. Fewer bytes cross the inter-host link.
 """
 
-import itertools
-
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
-from tensorflow.python.distribute import cross_device_utils
-from tensorflow.python.distribute import device_util
-from tensorflow.python.distribute import reduce_util
-from tensorflow.python.ops import collective_ops
-from tensorflow.python.util import nest
 
 from keras_smp.distribute import fusion
 from keras_smp.distribute.groups import ReplicaLayout
+from keras_smp.runtime import tf_private
+from keras_smp.runtime.keys import process_keys
 
-# Group keys of our own groups start here; TensorFlow's own start at 1 and
-# grow by one per distinct device set, far below this.
-GROUP_KEY_BASE = 100_000
-# Each GradientAllReduce of a process gets its own range of group keys: the
-# collective runtime caches groups and instances by key for the life of the
-# process, so a second strategy (a notebook, a test) must not reuse them.
-# Every worker creates its strategies in the same order, so keys agree.
-GROUP_KEY_STRIDE = 10_000
-_instances = itertools.count()
+collective_ops = tf_private.collective_ops
+cross_device_ops_lib = tf_private.cross_device_ops
+cross_device_utils = tf_private.cross_device_utils
+device_util = tf_private.device_util
+nest = tf_private.nest
+reduce_util = tf_private.reduce_util
+
 # Pipelined hierarchical all-reduce: chunks of at least this many bytes.
 _MIN_CHUNK = 4 * 2**20
 
@@ -111,15 +103,18 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         collective_keys: the strategy's `CollectiveKeys`, for the base class.
         stage_devices: for each local replica, the device of each pipeline
             stage (default: one stage, on `devices`).
-        key_offset: added to our group keys; one stage per process gives
-            each stage's data-parallel group its own keys.
+        group_keys: the `keras_smp.runtime.keys.KeyRange` our own groups
+            take their keys from, at least `keys_needed(layout, stages)`
+            long; by default a new range of the process-wide allocator.
+            Every process of the job must get the same keys for the same
+            groups (see `keras_smp.runtime.keys`).
     """
 
     _ALGORITHMS = ("ring", "hierarchical")
 
     def __init__(self, devices, layout, algorithm="ring",
                  fusion_threshold_bytes=64 * 2**20, options=None,
-                 collective_keys=None, stage_devices=None, key_offset=0):
+                 collective_keys=None, stage_devices=None, group_keys=None):
         options = options or tf.distribute.experimental.CommunicationOptions()
         super().__init__(devices=devices, group_size=layout.size,
                          options=options, collective_keys=collective_keys)
@@ -147,10 +142,19 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._world, self._intra, self._cross = [], [], []
         if algorithm not in ("ring", "hierarchical"):
             return  # a subclass communicates by other means
+        needed = self.keys_needed(layout, self.num_stages)
+        if group_keys is None:
+            group_keys = process_keys().allocate(type(self).__name__, needed)
+        if group_keys.size < needed:
+            raise ValueError(
+                f"{type(self).__name__} needs {needed} group keys "
+                f"({self.num_stages} stage(s) x {needed // self.num_stages} "
+                f"groups); the key range {group_keys.name!r} has "
+                f"{group_keys.size}. Allocate keys_needed(layout, stages).")
+        self.group_keys = group_keys
         self._keys = cross_device_utils.CollectiveKeys(
-            group_key_start=GROUP_KEY_BASE
-            + GROUP_KEY_STRIDE * next(_instances) + key_offset)
-        group_keys = {
+            group_key_start=group_keys.start)
+        key_of = {
             (s, g): self._keys._get_new_group_key(
                 [row[s] for row in self._stage_devices])
             for s in range(self.num_stages) for g in layout.all_groups()
@@ -166,7 +170,7 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         def launcher(stage, group, i, stream="intra"):
             device = self._stage_devices[i][stage]
             lau = cross_device_utils.CollectiveReplicaLauncher(
-                group_keys[(stage, group)], len(group), self._keys, device,
+                key_of[(stage, group)], len(group), self._keys, device,
                 options)
             lau._ordering_token = tokens.setdefault(
                 (stream, device), lau._ordering_token)
@@ -183,6 +187,11 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 self._cross.append(
                     [launcher(s, local.cross_host_group, i, "cross")
                      for s in stages])
+
+    @staticmethod
+    def keys_needed(layout, num_stages=1):
+        """Group keys of one instance: one per (stage, group of `layout`)."""
+        return num_stages * len(layout.all_groups())
 
     def _reduce_flat(self, flat, replica_id, stage, options):
         """All-reduces (sums) one flat bucket of `stage` on a local replica."""

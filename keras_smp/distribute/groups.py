@@ -81,18 +81,27 @@ class ReplicaLayout:
         All workers enumerate the same list, so group keys derived from the
         position in it agree cluster-wide.
         """
+        hosts = sorted(set(self.replica_hosts))
+        members = {h: [] for h in hosts}
+        for r, h in enumerate(self.replica_hosts):
+            members[h].append(r)
         groups = [self.world_group]
-        groups += [self.host_members(h) for h in sorted(set(self.replica_hosts))]
+        groups += [tuple(members[h]) for h in hosts]
         if self.is_uniform:
-            groups += [self.for_replica(r).cross_host_group
-                       for r in range(self.size)]
+            # Replica r's cross-host group: the replicas of r's local index
+            # on every host; the first replica of local index i comes
+            # before the first of index i + 1.
+            groups += [tuple(members[h][i] for h in hosts)
+                       for i in range(len(members[hosts[0]]))]
         return list(dict.fromkeys(groups))
 
     @property
     def is_uniform(self):
         """True when every host holds the same number of replicas."""
-        counts = {self.replica_hosts.count(h) for h in set(self.replica_hosts)}
-        return len(counts) == 1
+        counts = {}
+        for h in self.replica_hosts:
+            counts[h] = counts.get(h, 0) + 1
+        return len(set(counts.values())) == 1
 
 
 def resolve_algorithm(name, layout):
@@ -118,3 +127,53 @@ def resolve_algorithm(name, layout):
             f"Unknown allreduce algorithm {name!r}; expected one of "
             f"{('auto',) + ALGORITHMS}.")
     return name
+
+
+def stage_replica_layout(topology, devices_per_worker, multi_process,
+                         rank=None):
+    """The `ReplicaLayout` of the replicas that sum gradients with `rank`.
+
+    All workers (each holding whole pipelines), or with one pipeline stage
+    per process (`multi_process`) the data-parallel group of `rank`'s
+    stage; `rank` defaults to the topology's own.
+
+    >>> from keras_smp.topology import Topology
+    >>> topo = Topology(world_size=4, rank=3, hosts=("a", "a", "b", "b"),
+    ...                 partitions=2)
+    >>> stage_replica_layout(topo, 1, multi_process=True).replica_hosts
+    (0, 1)
+    """
+    rank = topology.rank if rank is None else rank
+    peers = (topology.dp_group(rank) if multi_process
+             else tuple(range(topology.world_size)))
+    host_index = {label: i for i, label in enumerate(topology.host_labels)}
+    return ReplicaLayout.from_workers(
+        worker_hosts=tuple(host_index[topology.hosts[r]] for r in peers),
+        devices_per_worker=devices_per_worker,
+        worker_rank=peers.index(rank))
+
+
+def group_key_counts(topology, devices_per_worker, num_local_stages,
+                     multi_process):
+    """Group keys the gradient all-reduce needs, per block of keys.
+
+    `GradientAllReduce` takes one group key per (local stage, group of
+    `ReplicaLayout.all_groups()`). With one stage per process
+    (`multi_process`) every pipeline stage's data-parallel group needs its
+    own keys: one block per stage, in stage order, so that every process
+    allocates the same total and uses its stage's block. Otherwise one
+    block.
+
+    >>> from keras_smp.topology import Topology
+    >>> topo = Topology(world_size=6, rank=0, hosts=tuple("aaabcc"),
+    ...                 partitions=2, placement_strategy="spread")
+    >>> group_key_counts(topo, 1, 1, multi_process=True)
+    [4, 3]
+    """
+    if not multi_process:
+        layout = stage_replica_layout(topology, devices_per_worker, False)
+        return [num_local_stages * len(layout.all_groups())]
+    return [num_local_stages * len(stage_replica_layout(
+        topology, devices_per_worker, True,
+        rank=topology.rank_of(s, 0)).all_groups())
+        for s in range(topology.pp_size)]

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: schedules (pure Python) and, later, executors.
+"""Pipeline parallelism: schedules (pure Python) and their runtime.
 
 `keras_smp.pipeline.schedule` holds the TensorFlow-free schedule layer;
 its public names are re-exported here lazily, so that

@@ -3,7 +3,7 @@
 A `StagedGraph` is a Keras operation graph (the nodes of a functional
 model, or of a subclassed model's `call` traced on symbolic inputs) with a
 stage for every node. It turns into one function per stage,
-`list[Tensor] -> list[Tensor]`, the interface of the executor:
+`list[Tensor] -> list[Tensor]`, what the pipeline runtime calls:
 
 - stage 0 receives the model inputs (flattened);
 - stage s returns the tensors that later stages or the model outputs still
@@ -13,19 +13,17 @@ stage for every node. It turns into one function per stage,
 
 Passing skip tensors through intermediate stages keeps every transfer
 between neighbouring stages, as the schedules' send/receive actions (and
-the multi-process executor) assume.
+the collective transport) assume.
 """
 
 import contextlib
 import math
 
-from keras.src import tree
-from keras.src.models import functional as functional_lib
-from keras.src.ops import function as function_lib
-from keras.src.ops import node as node_lib
+from keras import tree
 
 from keras_smp.pipeline import partition as partition_lib
 from keras_smp.pipeline.scope import current_partition
+from keras_smp.runtime import keras_private
 
 
 def _node_name(node, seen):
@@ -67,7 +65,7 @@ class StagedGraph:
         self.inputs = tree.flatten(inputs)
         self.outputs = tree.flatten(outputs)
         self.num_stages = num_stages
-        nodes, _ = function_lib._build_map(self.inputs, self.outputs)
+        nodes, _ = keras_private.build_graph_map(self.inputs, self.outputs)
         self.nodes = [n for n in nodes if n.operation and not n.is_input]
         self.stage_of = {id(n): stage_of_node[id(n)] for n in self.nodes}
         self.names = names
@@ -78,7 +76,7 @@ class StagedGraph:
 
     @classmethod
     def topological_nodes(cls, inputs, outputs):
-        nodes, _ = function_lib._build_map(
+        nodes, _ = keras_private.build_graph_map(
             tree.flatten(inputs), tree.flatten(outputs))
         return [n for n in nodes if n.operation and not n.is_input]
 
@@ -195,7 +193,7 @@ class StagedGraph:
             values = {id(t): v for t, v in zip(carry_in, tensors)}
             for node in nodes:
                 args, kwargs = node.arguments.fill_in(values)
-                op = functional_lib.operation_fn(
+                op = keras_private.operation_fn(
                     node.operation, training=training)
                 outs = op(*args, **kwargs)
                 for x, y in zip(tree.flatten(node.outputs),
@@ -219,6 +217,14 @@ class StagedGraph:
                     seen.add(id(w))
                     out.append(w)
         return out
+
+    def weight_users(self):
+        """`id(weight) -> [stages using it]` (tied weights have several)."""
+        users = {}
+        for s in range(self.num_stages):
+            for w in self.stage_weights(s):
+                users.setdefault(id(w), []).append(s)
+        return users
 
     def home_stage(self):
         """`id(weight) -> first stage using it` (where it is placed)."""
@@ -248,14 +254,14 @@ def record_partitions():
     Yields a dict `id(node) -> partition index or None`.
     """
     recorded = {}
-    original = node_lib.Node.__init__
+    original = keras_private.Node.__init__
 
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
         recorded[id(self)] = current_partition()
 
-    node_lib.Node.__init__ = init
+    keras_private.Node.__init__ = init
     try:
         yield recorded
     finally:
-        node_lib.Node.__init__ = original
+        keras_private.Node.__init__ = original

@@ -3,12 +3,10 @@
 A schedule says, for every pipeline stage, in which order it runs the
 forward (`F`) and backward (`B`) pass of every microbatch, and where it
 sends and receives activations (`SEND_F` / `RECV_F`) and their gradients
-(`SEND_B` / `RECV_B`). Executors run whatever action list they are given:
-
-- the in-process executor runs stage `s` on device `s` inside one
-  `tf.function` and only needs `compute_actions(stage)`;
-- the multi-process executor runs one stage per process and follows
-  `actions(stage)`, which adds the point-to-point transfers.
+(`SEND_B` / `RECV_B`). The pipeline runtime
+(`keras_smp.pipeline.runtime.execute`) runs whatever action lists
+`actions(stage)` gives it, with stages on devices of one process or one
+stage per process.
 
 `simulate()` plays a schedule with given costs to measure its idle time
 ("bubble") and memory (microbatches in flight), print it as a grid and draw

@@ -1,6 +1,7 @@
 """Pipelined gradients vs whole-batch gradients, and op placement.
 
-Runs `run_pipeline` on 2 logical CPU devices for every schedule and
+Runs the pipeline runtime (`execute` with a `LocalTransport`) on 2
+logical CPU devices for every schedule and
 microbatch count given, prints one JSON line per case with the largest
 differences to a plain GradientTape over the whole batch, and the devices
 of the ops belonging to each stage's layers (forward and backward).
@@ -20,8 +21,10 @@ tf.config.set_logical_device_configuration(
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from keras_smp.pipeline.executor import run_pipeline  # noqa: E402
+from keras_smp.pipeline.runtime import Stage  # noqa: E402
+from keras_smp.pipeline.runtime import execute  # noqa: E402
 from keras_smp.pipeline.schedule import get_schedule  # noqa: E402
+from keras_smp.pipeline.transport import LocalTransport  # noqa: E402
 
 keras.utils.set_random_seed(0)
 layers = [keras.layers.Dense(16, activation="tanh", name=f"stage0_d{i}")
@@ -58,11 +61,16 @@ for name in sys.argv[1].split(","):
         def step(x, y):
             xs = tf.split(x, m)
             ys = tf.split(y, m)
-            return run_pipeline(
-                [stage_fn(s) for s in stages],
-                [[v for l in s for v in l.trainable_variables] for s in stages],
-                lambda out, t: loss_obj(t, out[0]) / m, schedule, devices,
-                [[t] for t in xs], ys)
+            result = execute(
+                {s: schedule.actions(s) for s in range(2)},
+                {s: Stage(s, stage_fn(layers_s),
+                          [v for l in layers_s for v in l.trainable_variables],
+                          devices[s])
+                 for s, layers_s in enumerate(stages)},
+                LocalTransport(), 2, [[t] for t in xs],
+                lambda out, mb: loss_obj(ys[mb], out[0]) / m)
+            return result.losses, result.outputs, [result.grads[0],
+                                                   result.grads[1]]
 
         losses, outputs, grads = step(x, y)
         flat = [g for gs in grads for g in gs]

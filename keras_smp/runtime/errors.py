@@ -4,10 +4,10 @@ A worker process that dies or hangs surfaces in the others as a collective
 `DeadlineExceededError` (after `collective_timeout_seconds`), or as
 `UnavailableError` / `CancelledError` / `AbortedError` (connection lost,
 coordination service heartbeat) from deep inside TensorFlow. `guard(fn,
-strategy)` wraps a Keras step function so those become one `RuntimeError`
+runtime)` wraps a Keras step function so those become one `RuntimeError`
 that names this worker, the worker that was lost (when TensorFlow's message
 tells: a task name or an address of the cluster), the timeout, and what to
-do.
+do. `startup_error` does the same for workers that never joined.
 """
 
 import re
@@ -58,10 +58,16 @@ def _rank_of_task(cluster, job, index):
     return None
 
 
-def describe(error, strategy):
-    """The `RuntimeError` message for a lost peer."""
-    topo = strategy.topology
-    timeout = strategy.config.collective_timeout_seconds
+def describe(error, topology, cluster, timeout):
+    """The `RuntimeError` message for a lost peer.
+
+    Args:
+        error: the TensorFlow error (one of `LOST`).
+        topology: this process's `Topology`.
+        cluster: the `ClusterInfo`.
+        timeout: `collective_timeout_seconds`.
+    """
+    topo = topology
     text = error.message or str(error)
     lines = [l.strip() for l in text.splitlines() if l.strip()]
     telling = [l for l in lines if any(h in l.lower() for h in _HINTS)]
@@ -70,10 +76,10 @@ def describe(error, strategy):
              f"{topo.world_size}, replica {topo.dp_rank})"
              if topo.pp_size > 1 else
              f"worker rank {topo.rank} of {topo.world_size}")
-    ranks = lost_ranks(text, strategy.cluster, topo.rank)
+    ranks = lost_ranks(text, cluster, topo.rank)
     if ranks:
         who = ("lost rank " + ", ".join(map(str, ranks)) +
-               f" ({', '.join(strategy.cluster.workers[r] for r in ranks)})")
+               f" ({', '.join(cluster.workers[r] for r in ranks)})")
     else:
         peers = [r for r in range(topo.world_size) if r != topo.rank]
         who = ("lost a peer (TensorFlow did not say which; peers: ranks "
@@ -86,8 +92,14 @@ def describe(error, strategy):
         "(keras.callbacks.BackupAndRestore resumes from the last backup).")
 
 
-def startup_error(error, cluster, config):
-    """The `RuntimeError` for workers that never joined the cluster."""
+def startup_error(error, cluster, timeout):
+    """The `RuntimeError` message for workers that never joined the cluster.
+
+    Args:
+        error: the TensorFlow error (one of `LOST`).
+        cluster: the `ClusterInfo`.
+        timeout: `collective_timeout_seconds`.
+    """
     text = error.message or str(error)
     ranks = lost_ranks(text, cluster, cluster.rank)
     addresses = list(cluster.workers)
@@ -96,59 +108,31 @@ def startup_error(error, cluster, config):
     return (
         f"keras-smp: worker rank {cluster.rank} of "
         f"{cluster.world_size} could not start: {who} did not join within "
-        f"collective_timeout_seconds={config.collective_timeout_seconds:g} "
+        f"collective_timeout_seconds={timeout:g} "
         f"({type(error).__name__}). Start every worker listed in TF_CONFIG "
         "(or the SLURM job), check the addresses, ports and firewalls, or "
         "raise collective_timeout_seconds if workers start slowly.")
 
 
-def guard(fn, strategy):
-    """Wraps a step function: lost peers raise a `RuntimeError` naming them."""
-    if getattr(fn, "_smp_guarded", False):
+def guard(fn, runtime):
+    """Wraps a step function: lost peers raise a `RuntimeError` naming them.
+
+    Args:
+        fn: the function to wrap (returned as is if already guarded).
+        runtime: the `keras_smp.runtime.Runtime` (topology, cluster,
+            config's timeout).
+    """
+    if getattr(fn, "_smp_lost_peer_guard", False):
         return fn
 
     def guarded(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except LOST as e:
-            raise RuntimeError(describe(e, strategy)) from e
+            raise RuntimeError(describe(
+                e, runtime.topology, runtime.cluster,
+                runtime.config.collective_timeout_seconds)) from e
 
-    guarded._smp_guarded = True
+    guarded._smp_lost_peer_guard = True
     guarded.__wrapped__ = fn
     return guarded
-
-
-def _multi_worker_strategy(model):
-    from keras_smp.distribute.strategy import SMPStrategy
-
-    strategy = getattr(model, "_distribute_strategy", None)
-    if isinstance(strategy, SMPStrategy) and strategy.cluster.world_size > 1:
-        return strategy
-    return None
-
-
-_installed = []
-
-
-def install():
-    """Guards the step functions of every model under a multi-worker
-    `SMPStrategy` (idempotent)."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    if _installed:
-        return
-    _installed.append(True)
-    for name, attr in (("make_train_function", "train_function"),
-                       ("make_test_function", "test_function"),
-                       ("make_predict_function", "predict_function")):
-        original = getattr(TensorFlowTrainer, name)
-
-        def patched(self, *args, _original=original, _attr=attr, **kwargs):
-            result = _original(self, *args, **kwargs)
-            strategy = _multi_worker_strategy(self)
-            fn = getattr(self, _attr, None)
-            if strategy is not None and fn is not None:
-                setattr(self, _attr, guard(fn, strategy))
-            return result
-
-        setattr(TensorFlowTrainer, name, patched)

@@ -116,7 +116,7 @@ def _timeout_ms():
 
 
 def _context():
-    from tensorflow.python.eager import context
+    from keras_smp.runtime.tf_private import context
 
     ctx = context.context()
     if state.topology().world_size > 1 and ctx.coordination_service is None:
@@ -146,12 +146,11 @@ def _put(key, obj):
 
 
 def _get(key, source, what):
-    import tensorflow as tf
+    from keras_smp.runtime.errors import LOST
 
     try:
         return _decode(_context().get_config_key_value(key, _timeout_ms()))
-    except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
-            tf.errors.AbortedError, tf.errors.CancelledError) as e:
+    except LOST as e:
         raise RuntimeError(
             f"keras-smp: rank {state.topology().rank} waited "
             f"{state.config().collective_timeout_seconds:g} s in {what} for "

@@ -51,6 +51,8 @@ import weakref
 import tensorflow as tf
 
 from keras_smp import state
+from keras_smp.pipeline import microbatch
+from keras_smp.runtime import process
 
 _step_depth = [0]
 
@@ -92,83 +94,44 @@ def init(config=None):
     assert config.partitions == 2 and smp.rank() == 0
     ```
     """
-    from keras_smp.config import SMPConfig
-    from keras_smp.topology import Topology
-    from keras_smp.topology import resolve_cluster
-
-    config = SMPConfig.build(config)
-    cluster = resolve_cluster()
-    # One process runs whole model replicas (as SMPStrategy in process).
-    topology = Topology.from_cluster(
-        cluster, partitions=1, placement_strategy=config.placement_strategy)
-    _runtime["devices"] = _stage_devices(config.partitions)
-    if cluster.world_size > 1 and _runtime.get("strategy") is None:
-        from keras_smp.distribute.strategy import cluster_resolver
-        from keras_smp.distribute.strategy import configure_coordination
-
-        # Starts the gRPC server, the collective runtime and the
-        # coordination service (communication helpers) of TensorFlow.
-        configure_coordination(cluster, config)
-        _runtime["strategy"] = tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=cluster_resolver(cluster),
-            communication_options=tf.distribute.experimental.CommunicationOptions(
-                timeout_seconds=config.collective_timeout_seconds))
-    state.install(config, cluster, topology)
-    if config.horovod:
-        _init_horovod(topology)
-    install_get_gradients()
-    return config
+    # One runtime set-up for strategies and custom loops; here every
+    # process runs whole model replicas (as SMPStrategy in process).
+    runtime = process.start(config, custom_loop=True)
+    _initialised.clear()
+    _initialised["runtime"] = runtime
+    if runtime.collectives:
+        # The group of `accumulate`'s replica average (the same key on
+        # every process: every process calls init in the same order).
+        _initialised["group_key"] = runtime.keys.allocate(
+            "smp.StepOutput.accumulate replica average", 1).key(0)
+    if runtime.config.horovod:
+        _init_horovod(runtime.topology)
+    return runtime.config
 
 
-# What `init` started: stage devices, TensorFlow's runtime, Horovod.
-_runtime = {}
-
-
-def stage_devices(num_stages):
-    """Device of each stage inside a step (`None`: the default device)."""
-    devices = _runtime.get("devices") or []
-    if len(devices) < num_stages:
-        return [None] * num_stages
-    return devices[:num_stages]
-
-
-def _stage_devices(p):
-    from keras_smp.distribute.strategy import configure_local_devices
-
-    if p == 1:
-        return []
-    try:
-        device_type, count = configure_local_devices(
-            None if tf.config.list_physical_devices("GPU") else p)
-    except RuntimeError:
-        # TensorFlow already started with fewer CPU devices: the stages
-        # share the default device (the same numbers, no placement).
-        tf.get_logger().info(
-            "keras-smp: TensorFlow already initialised; the %d stages "
-            "of a step share the default CPU device.", p)
-        return []
-    return [f"/device:{device_type}:{s % count}" for s in range(p)]
+# What `init` started: its Runtime, the replica-average group key, Horovod.
+_initialised = {}
 
 
 def _init_horovod(topology):
     from keras_smp.distribute import horovod
 
     hvd, _ = horovod.init(topology, what="smp.init: horovod=True")
-    _runtime["horovod"] = hvd
+    _initialised["horovod"] = hvd
 
 
 def _replica_sync():
     """(group size, timeout) when `accumulate` must average over replicas."""
     config = state.config()
     size = state.topology().dp_size
-    if size == 1 or config.horovod or _runtime.get("strategy") is None:
+    if size == 1 or config.horovod or "group_key" not in _initialised:
         return None
     return size, config.collective_timeout_seconds
 
 
-# Collective keys of `accumulate`'s replica average: one group, and one
-# instance per traced call (every replica traces the same calls in order).
-_GROUP_KEY = 300_000
+# Instance keys of `accumulate`'s replica average: one per traced call
+# (every replica traces the same calls in order); instance keys are scoped
+# by their group.
 _instance_keys = iter(range(300_000, 10**9))
 # Last replica-average collective of each graph (weak: graphs come and go).
 _last_collective = weakref.WeakKeyDictionary()
@@ -182,7 +145,7 @@ def _average_over_replicas(t):
     previous = _last_collective.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
         out = tf.raw_ops.CollectiveReduceV2(
-            input=t, group_size=size, group_key=_GROUP_KEY,
+            input=t, group_size=size, group_key=_initialised["group_key"],
             instance_key=next(_instance_keys), ordering_token=[],
             merge_op="Add", final_op="Div", timeout_seconds=timeout)
     _last_collective[graph] = out
@@ -197,47 +160,17 @@ def after_first_call(model):
     (SMP scripts call restore before the first step).
     """
     with tf.init_scope():
-        from keras_smp.checkpoint import restore_pending
+        from keras_smp.smp.checkpoint import restore_pending
 
         restore_pending(model)
         if state.topology().world_size > 1:
-            from keras_smp import comms
+            from keras_smp.smp import comms
 
             values = comms.broadcast(
                 [v.numpy() for v in model.variables]
                 if state.topology().rank == 0 else None)
             for v, value in zip(model.variables, values):
                 v.assign(value)
-
-
-def install_get_gradients():
-    """Adds `get_gradients(loss, params)` to Keras optimizers.
-
-    Keras 3 optimizers lack this Keras 2 method, which SMP scripts call
-    inside their step. Inside `@smp.step` (a graph) it returns
-    `tf.gradients(loss, params)`; called eagerly it raises an error
-    naming the alternatives.
-    """
-    import keras
-
-    base = keras.optimizers.Optimizer
-    if getattr(base, "get_gradients", None) is not None:
-        return
-
-    def get_gradients(self, loss, params):
-        if tf.executing_eagerly():
-            raise RuntimeError(
-                "optimizer.get_gradients(loss, params) only works inside an "
-                "@smp.step function (or another tf.function). In eager code "
-                "use tf.GradientTape: `with tf.GradientTape() as tape: ...; "
-                "grads = tape.gradient(loss, params)`.")
-        tensors = [getattr(p, "value", p) for p in params]
-        tensors = [t._get_on_device_or_primary()
-                   if isinstance(t, tf.distribute.DistributedValues) else t
-                   for t in tensors]
-        return tf.gradients(loss, tensors, unconnected_gradients="zero")
-
-    base.get_gradients = get_gradients
 
 
 class StepOutput:
@@ -333,21 +266,13 @@ def _split(value, m, axis, name):
     if value is None or isinstance(value, (int, float, bool, str)):
         return [value] * m
     t = tf.convert_to_tensor(value)
-    size = t.shape[axis] if t.shape.rank is not None else None
-    if size is not None:
-        if size % m:
-            raise ValueError(
-                f"@smp.step: argument '{name}' has {size} rows along axis "
-                f"{axis}, which does not divide into microbatches={m}. Use a "
-                f"batch size divisible by {m} (e.g. dataset.batch(..., "
+    checks = microbatch.check_divisible(
+        t, m, what=f"@smp.step: argument '{name}' (axis {axis})", axis=axis,
+        advice=(f"Use a batch size divisible by {m} (e.g. dataset.batch(..., "
                 "drop_remainder=True)), or list the argument in "
-                "non_split_inputs.")
-    else:
-        tf.debugging.assert_equal(
-            tf.shape(t)[axis] % m, 0,
-            message=f"@smp.step: argument '{name}' does not divide into "
-                    f"microbatches={m}; use drop_remainder=True.")
-    return tf.split(t, m, axis=axis)
+                "non_split_inputs."))
+    with tf.control_dependencies(checks):
+        return tf.split(t, m, axis=axis)
 
 
 def step(func=None, *, input_signature=None, non_split_inputs=None,
@@ -368,7 +293,7 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
             microbatch.
         input_split_axes: `{argument name: batch axis}` (default 0).
 
-    Example: see `keras_smp.custom_loop`.
+    Example: see `keras_smp.smp.custom_loop`.
     """
     if func is None:
         return functools.partial(

@@ -77,7 +77,7 @@ class CheckpointManager:
 
     def save(self, checkpoint_number=None):
         """Writes a checkpoint (on rank 0) and returns its path prefix."""
-        from keras_smp import comms
+        from keras_smp.smp import comms
 
         path = None
         if state.topology().rank == 0:

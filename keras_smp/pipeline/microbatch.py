@@ -1,0 +1,88 @@
+"""Splitting a batch into microbatches and merging results back.
+
+Shared by `DistributedModel`'s steps and SMP's `@smp.step`, so both check
+batches the same way and give the same error.
+"""
+
+import tensorflow as tf
+
+#: Substring of the error raised (in a graph) for an indivisible batch.
+BATCH_ERROR = "does not divide into microbatches"
+
+
+def _indivisible(what, rows, m, advice):
+    return (f"{what} of {rows} samples {BATCH_ERROR}={m}. {advice}")
+
+
+def check_divisible(tensor, m, what="The per-replica batch", advice="",
+                    axis=0):
+    """Checks that `tensor`'s `axis` divides into `m` microbatches.
+
+    A known size is checked now (`ValueError`); an unknown one returns a
+    list of `tf.debugging.Assert` ops to depend on (its message names the
+    size at run time).
+
+    Example:
+
+    ```python
+    import tensorflow as tf
+    from keras_smp.pipeline.microbatch import check_divisible
+    assert check_divisible(tf.zeros([8, 2]), 4) == []
+    try:
+        check_divisible(tf.zeros([6, 2]), 4)
+    except ValueError as e:
+        assert "6 samples does not divide into microbatches=4" in str(e)
+    ```
+    """
+    t = tf.convert_to_tensor(tensor)
+    static = t.shape[axis] if t.shape.rank is not None else None
+    if static is not None:
+        if static % m:
+            raise ValueError(_indivisible(what, static, m, advice))
+        return []
+    rows = tf.shape(t)[axis]
+    return [tf.debugging.Assert(
+        tf.equal(tf.math.floormod(rows, m), 0),
+        [what + " of", rows, f"samples {BATCH_ERROR}={m}. {advice}"])]
+
+
+def split(structure, m, axis=0):
+    """Splits every tensor of a nested `structure` into `m` equal parts.
+
+    Returns a list of `m` structures like `structure`; `None` leaves stay
+    `None`, and `structure=None` gives `[None] * m`.
+
+    Example:
+
+    ```python
+    import tensorflow as tf
+    from keras_smp.pipeline.microbatch import split
+    parts = split({"a": tf.range(4), "b": None}, 2)
+    assert parts[1]["a"].numpy().tolist() == [2, 3] and parts[1]["b"] is None
+    ```
+    """
+    if structure is None:
+        return [None] * m
+    flat = tf.nest.flatten(structure)
+    parts = [None if t is None else tf.split(t, m, axis=axis) for t in flat]
+    return [tf.nest.pack_sequence_as(
+        structure, [None if p is None else p[i] for p in parts])
+        for i in range(m)]
+
+
+def merge(parts, axis=0):
+    """Concatenates per-microbatch tensors (the inverse of `split`).
+
+    Example:
+
+    ```python
+    import tensorflow as tf
+    from keras_smp.pipeline.microbatch import merge, split
+    x = tf.range(6)
+    assert merge(split(x, 3)).numpy().tolist() == [0, 1, 2, 3, 4, 5]
+    ```
+    """
+    parts = list(parts)
+    if len(parts) == 1:
+        return parts[0]
+    return tf.concat(parts, axis=axis)

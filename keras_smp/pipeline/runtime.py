@@ -1,0 +1,322 @@
+"""The pipeline runtime: executes per-stage action lists with TensorFlow.
+
+One function, `execute`, runs every pipeline step of keras-smp, whatever
+the schedule and wherever the stages are:
+
+- the schedule layer (`keras_smp.pipeline.schedule`, pure Python) gives
+  each stage an ordered list of `Action`s: `F` / `B` (forward / backward
+  of one microbatch) and the transfers `SEND_F`, `RECV_F`, `SEND_B`,
+  `RECV_B`;
+- a *transport* moves tensors between stages: `LocalTransport` between
+  devices of one process (a receive is a copy onto the stage's device),
+  `CollectiveTransport` between stage processes (TensorFlow collective
+  send/recv over its gRPC/NCCL runtime);
+- `execute` builds, inside a `tf.function`, the ops of every action of the
+  stages held here, in each stage's order: every compute action and every
+  send is control-dependent on the previous one of its stage, so a stage
+  runs exactly its list. Receives are chained too when the transport says
+  so (`chain_receives`); otherwise they are posted at the start of the
+  step and wait for their data, so that a blocking send always finds its
+  receive posted (what makes 1F1B deadlock-free across processes).
+
+The runtime knows nothing of Keras or of particular schedules: a new
+schedule is a new action list. Ops of an action are named
+`stage{s}/fwd_mb{m}/...`, `stage{s}/bwd_mb{m}/...` (TensorBoard, profiler).
+"""
+
+import dataclasses
+
+import tensorflow as tf
+
+from keras_smp.pipeline.backward import _replica_variable
+from keras_smp.pipeline.backward import accumulate
+from keras_smp.pipeline.backward import stage_backward
+from keras_smp.pipeline.schedule import Action
+
+
+@dataclasses.dataclass
+class Stage:
+    """One pipeline stage as the runtime runs it.
+
+    Args:
+        index: the stage's index in the pipeline.
+        fn: `list[Tensor] -> list[Tensor]`: the stage's forward pass.
+        variables: `tf.Variable`s whose gradients the backward computes
+            (summed over microbatches); empty for forward-only steps.
+        device: where the stage's ops run (`None`: the default device).
+    """
+
+    index: int
+    fn: object
+    variables: list = dataclasses.field(default_factory=list)
+    device: str | None = None
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What `execute` built.
+
+    Attributes:
+        losses: per microbatch, the loss computed by the last stage (`None`
+            where the last stage is not held here or there is no loss).
+        outputs: per microbatch, the last stage's outputs (or `None`).
+        grads: `{stage index: [gradient per variable]}`, summed over
+            microbatches (dense or `tf.IndexedSlices`).
+        done: an op that runs after every action and every send of the
+            stages held here.
+    """
+
+    losses: list
+    outputs: list
+    grads: dict
+    done: object
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _scope(action):
+    kind = {"F": "fwd", "B": "bwd"}.get(action.kind, action.kind.lower())
+    return f"stage{action.stage}/{kind}_mb{action.microbatch}"
+
+
+def execute(actions, stages, transport, num_stages, inputs, loss_fn=None,
+            forward_only=False, times=None):
+    """Builds the ops of one pipelined step from per-stage action lists.
+
+    Must be called inside a `tf.function` (the backward uses
+    `tf.gradients`).
+
+    Args:
+        actions: `{stage index: [Action, ...]}` for the stages held here,
+            transfers included (see `Schedule.actions(stage)`).
+        stages: `{stage index: Stage}`, the same keys as `actions`.
+        transport: a `LocalTransport` or `CollectiveTransport`.
+        num_stages: stages of the whole pipeline (`p`).
+        inputs: per microbatch, the list of model inputs (used by stage 0).
+        loss_fn: `(last_stage_outputs, microbatch) -> scalar` for the last
+            stage, or `None` (no loss: forward only).
+        forward_only: skip backward actions and gradient transfers.
+        times: optional list; every compute action and every chained
+            receive appends `(action, start, end)` `tf.timestamp()`s taken
+            on its stage's device (the executed timeline).
+
+    Returns:
+        A `StepResult`.
+
+    Raises:
+        ValueError: when the action lists cannot run (a receive whose send
+            no stage here performs, a forward without its input, a
+            backward without its forward), naming the blocked actions.
+
+    Example (one process, two stages on the default device):
+
+    ```python
+    import tensorflow as tf
+    from keras_smp.pipeline.runtime import Stage, execute
+    from keras_smp.pipeline.schedule import Action
+    from keras_smp.pipeline.transport import LocalTransport
+
+    w0, w1 = tf.Variable([[2.0]]), tf.Variable([[3.0]])
+    plan = {0: ["0F0", "0SEND_F0", "0RECV_B0", "0B0"],
+            1: ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]}
+    actions = {s: [Action.parse(a) for a in acts] for s, acts in plan.items()}
+
+    @tf.function
+    def step(x):
+        stages = {0: Stage(0, lambda t: [t[0] @ w0], [w0]),
+                  1: Stage(1, lambda t: [t[0] @ w1], [w1])}
+        result = execute(actions, stages, LocalTransport(), 2, [[x]],
+                         loss_fn=lambda out, mb: tf.reduce_sum(out[0]))
+        return result.losses[0], result.grads[0][0], result.grads[1][0]
+
+    loss, g0, g1 = step(tf.constant([[1.0]]))
+    assert float(loss) == 6.0 and float(g0) == 3.0 and float(g1) == 2.0
+    ```
+    """
+    p = num_stages
+    if set(actions) != set(stages):
+        raise ValueError(
+            f"execute: actions are given for stages {sorted(actions)} but "
+            f"stage functions for {sorted(stages)}; pass both for the same "
+            "stages.")
+    m = len(inputs)
+    lists = {}
+    for s, acts in actions.items():
+        acts = [Action.parse(a) if isinstance(a, str) else a for a in acts]
+        if forward_only:
+            acts = [a for a in acts if a.kind not in ("B", "SEND_B", "RECV_B")]
+        for a in acts:
+            if a.stage != s or not 0 <= a.microbatch < m:
+                raise ValueError(
+                    f"execute: action {a} in the list of stage {s} does not "
+                    f"belong there (stage {a.stage}, microbatch "
+                    f"{a.microbatch} of {m}).")
+        lists[s] = acts
+    run = _Builder(stages, transport, p, inputs, loss_fn, times)
+    pos = {s: 0 for s in lists}
+    while any(pos[s] < len(lists[s]) for s in lists):
+        progressed = False
+        for s in sorted(lists):
+            # Build as many actions of stage s as can be built now.
+            while pos[s] < len(lists[s]) and run.ready(lists[s][pos[s]]):
+                run.build(lists[s][pos[s]])
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            blocked = ", ".join(str(lists[s][pos[s]]) for s in sorted(lists)
+                                if pos[s] < len(lists[s]))
+            raise ValueError(
+                f"execute: the action lists cannot run: {blocked} wait(s) "
+                "for data that no earlier action provides. Every RECV needs "
+                "its peer's SEND earlier in the peer's list, every F its "
+                "RECV_F (stage > 0), every B its F and its RECV_B (stage < "
+                "last).")
+    return run.result(lists)
+
+
+class _Builder:
+    """Builds the ops of actions, one at a time, keeping per-stage state."""
+
+    def __init__(self, stages, transport, num_stages, inputs, loss_fn, times):
+        self.stages = stages
+        self.transport = transport
+        self.p = num_stages
+        self.inputs = inputs
+        self.loss_fn = loss_fn
+        self.times = times
+        m = len(inputs)
+        self.losses, self.outputs = [None] * m, [None] * m
+        self.stage_in, self.stage_out = {}, {}
+        self.received = {}
+        self.grad_in = {}
+        self.grads = {s: [None] * len(st.variables) for s, st in stages.items()}
+        self.last = {}
+        self.sends = []
+        self.tf_vars = {s: [_replica_variable(v) for v in st.variables]
+                        for s, st in stages.items()}
+
+    # -- readiness (graph construction order only) ------------------------
+
+    def ready(self, a):
+        s, mb = a.stage, a.microbatch
+        if a.kind in ("RECV_F", "RECV_B"):
+            return self.transport.can_receive(a)
+        if a.kind == "F":
+            return s == 0 or (s, "F", mb) in self.received
+        if a.kind == "B":
+            return (s, mb) in self.stage_out and (
+                s == self.p - 1 or (s, "B", mb) in self.received)
+        if a.kind == "SEND_F":
+            return (s, mb) in self.stage_out
+        if a.kind == "SEND_B":
+            return (s, mb) in self.grad_in
+        raise ValueError(f"execute: unknown action kind in {a}.")
+
+    # -- building ---------------------------------------------------------
+
+    def _chain(self, s):
+        return [self.last[s]] if s in self.last else []
+
+    def _timestamp(self, deps):
+        with tf.control_dependencies(deps):
+            return tf.timestamp()
+
+    def build(self, a):
+        s, mb = a.stage, a.microbatch
+        stage = self.stages[s]
+        with tf.device(stage.device), tf.name_scope(_scope(a)):
+            if a.kind in ("RECV_F", "RECV_B"):
+                self._receive(a)
+            elif a.kind in ("SEND_F", "SEND_B"):
+                tensors = (self.stage_out[(s, mb)] if a.kind == "SEND_F"
+                           else self.grad_in[(s, mb)])
+                with tf.control_dependencies(self._chain(s)):
+                    sent = self.transport.send(a, tensors)
+                if sent:
+                    self.sends += sent
+                    self.last[s] = tf.group(*sent, *self._chain(s))
+            elif a.kind == "F":
+                self._forward(a)
+            else:
+                self._backward(a)
+
+    def _receive(self, a):
+        s, mb = a.stage, a.microbatch
+        key = (s, a.kind[-1], mb)
+        if not self.transport.chain_receives:
+            self.received[key] = self.transport.receive(a)
+            return
+        deps = self._chain(s)
+        start = None
+        if self.times is not None:
+            start = self._timestamp(deps + self.transport.pending(a))
+            deps = [start]
+        with tf.control_dependencies(deps):
+            got = self.transport.receive(a)
+        self.received[key] = got
+        self.last[s] = tf.group(*got) if got else tf.no_op()
+        if self.times is not None:
+            self.times.append((a, start, self._timestamp(got)))
+
+    def _forward(self, a):
+        s, mb = a.stage, a.microbatch
+        src = self.inputs[mb] if s == 0 else self.received.pop((s, "F", mb))
+        deps = self._chain(s) + ([] if s == 0 else list(src))
+        start = None
+        if self.times is not None:
+            start = self._timestamp(deps)
+            deps = [start]
+        with tf.control_dependencies(deps):
+            ins = [tf.identity(t) for t in _as_list(src)]
+            out = _as_list(self.stages[s].fn(ins))
+            done = list(out)
+            if s == self.p - 1:
+                self.outputs[mb] = out
+                if self.loss_fn is not None:
+                    self.losses[mb] = self.loss_fn(out, mb)
+                    done.append(self.losses[mb])
+        self.stage_in[(s, mb)] = ins
+        self.stage_out[(s, mb)] = out
+        self._finish(a, start, done)
+
+    def _backward(self, a):
+        s, mb = a.stage, a.microbatch
+        if s == self.p - 1:
+            if self.losses[mb] is None:
+                raise ValueError(
+                    f"execute: {a} needs a loss; pass loss_fn, or "
+                    "forward_only=True.")
+            ys, seed = [self.losses[mb]], None
+        else:
+            ys = self.stage_out[(s, mb)]
+            seed = list(self.received.pop((s, "B", mb)))
+        deps = self._chain(s) + (seed or [])
+        start = None
+        if self.times is not None:
+            start = self._timestamp(deps)
+            deps = [start]
+        ins = [] if s == 0 else self.stage_in[(s, mb)]
+        with tf.control_dependencies(deps):
+            in_grads, var_grads = stage_backward(
+                ys, ins, self.tf_vars[s], seed)
+        self.grad_in[(s, mb)] = in_grads
+        total = self.grads[s]
+        for i, g in enumerate(var_grads):
+            total[i] = accumulate(total[i], g)
+        self._finish(a, start, [
+            g.values if isinstance(g, tf.IndexedSlices) else g
+            for g in list(in_grads) + list(var_grads)])
+
+    def _finish(self, a, start, done):
+        s = a.stage
+        self.last[s] = tf.group(*done) if done else tf.no_op()
+        if self.times is not None:
+            self.times.append((a, start, self._timestamp([self.last[s]])))
+
+    def result(self, lists):
+        finals = [self.last[s] for s in lists if s in self.last]
+        with tf.control_dependencies(self.sends + finals):
+            done = tf.no_op(name="pipeline_step_done")
+        return StepResult(self.losses, self.outputs, self.grads, done)

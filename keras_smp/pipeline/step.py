@@ -1,0 +1,262 @@
+"""One pipelined step of a `DistributedModel`, in one process or several.
+
+`run_step(model, data, ...)` splits the batch into microbatches, gives the
+pipeline runtime the stages held here and the transport of the setting
+(`LocalTransport` for stages on devices of this process,
+`CollectiveTransport` for one stage per process), and returns a `StepRun`:
+the microbatch losses, the predictions and each variable's gradient summed
+over microbatches. `DistributedModel`'s `train_step`, `test_step` and
+`predict_step` build on it; nothing here knows the schedule's shape.
+"""
+
+import dataclasses
+
+import keras
+import tensorflow as tf
+
+from keras_smp.pipeline import microbatch
+from keras_smp.pipeline.backward import accumulate
+from keras_smp.pipeline.backward import dense
+from keras_smp.pipeline.runtime import Stage
+from keras_smp.pipeline.runtime import execute
+from keras_smp.pipeline.transport import CollectiveTransport
+from keras_smp.pipeline.transport import LocalTransport
+from keras_smp.runtime import keras_private
+
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+
+@dataclasses.dataclass
+class StepRun:
+    """What one pipelined step computed (in this process).
+
+    Attributes:
+        x, y, sample_weight: the unpacked batch.
+        y_pred: the model's outputs for the whole batch (on every stage
+            process when something uses them), or `None`.
+        losses: per microbatch, its weighted loss (each already scaled by
+            the optimizer's loss scale when training), or `None`s.
+        grads: `{id(variable): gradient summed over microbatches}` for the
+            variables trained here (empty when not training).
+        variables: those variables, in stage order.
+    """
+
+    x: object
+    y: object
+    sample_weight: object
+    y_pred: object
+    losses: list
+    grads: dict
+    variables: list
+
+
+def run_step(model, data, training, need_loss=True, need_outputs=True,
+             times=None):
+    """Builds one pipelined step of `model` on `data` (inside a tf.function).
+
+    Args:
+        model: a built `DistributedModel`.
+        data: a batch as Keras gives it (`x`, `(x, y)`, `(x, y, w)`).
+        training: run backward actions and return gradients.
+        need_loss: compute the compiled loss (when `y` is given).
+        need_outputs: one stage per process: share the last stage's outputs
+            with every stage (metrics and predict use them).
+        times: optional list for the executed timeline (one process only).
+
+    Returns:
+        A `StepRun`.
+    """
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    m = model.num_microbatches
+    flat_x = model._smp_flat_inputs(x)
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    checks = microbatch.check_divisible(
+        flat_x[0], m, advice=(
+            "Use a batch size that is a multiple of microbatches x replicas "
+            f"= {m * replicas}, and `drop_remainder=True` when batching a "
+            "tf.data dataset (or `steps_per_epoch` that avoids a partial "
+            "last batch)."))
+    with tf.control_dependencies(checks):
+        batch = tf.shape(flat_x[0])[0]
+        xs = [list(mb) for mb in zip(*[tf.split(t, m, axis=0)
+                                        for t in flat_x])]
+        ys = microbatch.split(y, m)
+        sws = microbatch.split(sample_weight, m)
+    has_loss = (need_loss and y is not None
+                and keras_private.compiled_loss(model) is not None)
+    loss_fn = (_loss_fn(model, ys, sws, sample_weight, m, training)
+               if has_loss else None)
+    graph = model.staged_graph
+    p = graph.num_stages
+    schedule = model.schedule
+    links = model._smp_links() if model._smp_multi_process() else None
+    held = [links.stage] if links else list(range(p))
+    devices = ([None] * p) if links else model._smp_devices()
+    stage_vars = {s: [w for w in graph.stage_weights(s) if w.trainable]
+                  for s in held}
+    stages = {s: Stage(s, graph.stage_fn(s, training=training),
+                       stage_vars[s] if training else [], devices[s])
+              for s in held}
+    if links is None:
+        transport = LocalTransport()
+    else:
+        s = links.stage
+        rows = batch // m
+        transport = CollectiveTransport(links, {
+            "F": _specs(graph.carries[s - 1], rows) if s > 0 else [],
+            "B": _specs(graph.carries[s], rows) if s < p - 1 else []})
+        if s < p - 1:
+            loss_fn = None  # only the last stage computes the loss
+    result = execute({s: schedule.actions(s) for s in held}, stages,
+                     transport, p, xs, loss_fn, forward_only=not training,
+                     times=times)
+    variables = [v for s in held for v in stage_vars[s]] if training else []
+    if links is None:
+        with tf.device(devices[-1]):
+            y_pred = graph.pack_outputs(
+                [microbatch.merge([o[i] for o in result.outputs])
+                 for i in range(len(graph.outputs))])
+        losses = result.losses
+        grads = {}
+        if training:
+            for s in held:
+                for v, g in zip(stage_vars[s], result.grads[s]):
+                    grads[id(v)] = accumulate(grads.get(id(v)), g)
+        return StepRun(x, y, sample_weight, y_pred, losses, grads, variables)
+    return _share(model, links, result, x, y, sample_weight, batch, has_loss,
+                  need_outputs, training, stage_vars[links.stage], variables)
+
+
+def _specs(tensors, rows):
+    """`(shape, dtype)` of tensors crossing a process boundary."""
+    out = []
+    for t in tensors:
+        rest = list(t.shape[1:])
+        if any(d is None for d in rest):
+            raise ValueError(
+                f"Tensor {t.name} of shape {t.shape} crosses a stage "
+                "boundary between processes; only its batch dimension may "
+                "be unknown. Give the layers producing it static shapes.")
+        out.append((tf.concat([[rows], tf.constant(rest, tf.int32)], axis=0),
+                    t.dtype))
+    return out
+
+
+def _share(model, links, result, x, y, sample_weight, batch, has_loss,
+           need_outputs, training, stage_vars, variables):
+    """One stage per process: the last stage's outputs and loss to all.
+
+    The last stage shares the merged outputs and the loss with the other
+    stages, so metrics and logs are identical on every rank. Outputs are
+    shared only when something uses them (metrics, predict): for a
+    1024 x 1024 batch that is 4 MB per step.
+    """
+    graph = model.staged_graph
+    s, p = links.stage, links.num_stages
+    pred_specs = _specs(graph.outputs, batch) if need_outputs else []
+    mine, merged = [], None
+    if s == p - 1:
+        merged = [microbatch.merge([o[i] for o in result.outputs])
+                  for i in range(len(graph.outputs))]
+        mine = list(merged) if need_outputs else []
+        if has_loss:
+            mine.append(tf.add_n(result.losses))
+    with tf.control_dependencies([result.done]):
+        shared = links.share_from_last(
+            mine, pred_specs + ([((), tf.float32)] if has_loss else []),
+            instance_base=links.INSTANCE_SHARE)
+    grads = [_after([result.done], g) for g in result.grads[s]]
+    if training:
+        grads = _sum_tied(model, links, stage_vars, grads)
+    # TensorFlow prunes collective ops whose results nobody uses (they are
+    # not control outputs, see auto_control_deps.ASYNC_STATEFUL_OPS): a
+    # receive left unused on one rank leaves its peer's send waiting.
+    # Everything the step uses therefore depends on every shared tensor.
+    with tf.control_dependencies(shared):
+        shared = [tf.identity(t) for t in shared]
+    grads = [_after(shared, g) for g in grads]
+    if need_outputs:
+        y_pred = graph.pack_outputs(shared[:len(graph.outputs)])
+    else:  # unused by the step (no metrics)
+        y_pred = graph.pack_outputs(merged) if s == p - 1 else None
+    losses = [shared[-1]] if has_loss else [None]
+    by_var = {id(v): g for v, g in zip(stage_vars, grads)} if training else {}
+    return StepRun(x, y, sample_weight, y_pred, losses, by_var, variables)
+
+
+def _sum_tied(model, links, stage_vars, grads):
+    """Sums the gradients of weights used by several stages (tied).
+
+    Every stage process using a tied weight holds a copy, computes its part
+    of the gradient and receives the sum over the stages using it, so all
+    copies take the same optimizer step.
+    """
+    users = model.staged_graph.weight_users()
+    out = list(grads)
+    tied_index = 0
+    for i, v in enumerate(stage_vars):
+        stages = users.get(id(v), [])
+        if len(stages) < 2 or out[i] is None:
+            continue
+        out[i] = links.reduce(
+            dense(out[i]), links.keys.tied(links.replica, stages),
+            len(stages), links.INSTANCE_TIED + tied_index)
+        tied_index += 1
+    return out
+
+
+def _after(deps, grad):
+    """`grad` (dense or sparse) once `deps` have run."""
+    if grad is None:
+        return None
+    with tf.control_dependencies(deps):
+        if isinstance(grad, tf.IndexedSlices):
+            return tf.IndexedSlices(tf.identity(grad.values),
+                                    tf.identity(grad.indices),
+                                    grad.dense_shape)
+        return tf.identity(grad)
+
+
+def loss_weight(compiled_losses, m, sample_weight):
+    """Factor of each microbatch's loss so that they sum to the batch loss.
+
+    `compiled_losses`: the compiled Keras loss objects (their reductions
+    decide: 'sum' adds up, mean-like reductions average over microbatches).
+    """
+    reductions = set()
+    for loss in compiled_losses:
+        fn = getattr(loss, "fn", loss)
+        reductions.add(getattr(fn, "reduction", None)
+                       or getattr(loss, "reduction", None))
+    reductions.discard(None)
+    if reductions <= {"sum"} and reductions:
+        return 1.0
+    if reductions <= set(_MEAN_REDUCTIONS):
+        if "mean_with_sample_weight" in reductions and (
+                sample_weight is not None):
+            raise ValueError(
+                "A loss with reduction='mean_with_sample_weight' cannot be "
+                "split into microbatches exactly (each microbatch divides by "
+                "its own weight sum). Use reduction='sum_over_batch_size' or "
+                "microbatches=1.")
+        return 1.0 / m
+    raise ValueError(
+        f"Compiled losses mix reductions {sorted(reductions)}; a pipelined "
+        "model needs all 'sum' or all mean-like ('sum_over_batch_size') "
+        "reductions.")
+
+
+def _loss_fn(model, ys, sws, sample_weight, m, training):
+    """The loss of one microbatch (last stage), weighted for the step."""
+    graph = model.staged_graph
+    compiled = keras_private.compiled_loss(model)
+    weight = loss_weight(keras_private.compiled_loss_objects(model), m,
+                         sample_weight)
+
+    def loss_fn(out, mb):
+        loss = compiled(ys[mb], graph.pack_outputs(out), sws[mb]) * weight
+        if training and model.optimizer is not None:
+            loss = model.optimizer.scale_loss(loss)
+        return loss
+
+    return loss_fn

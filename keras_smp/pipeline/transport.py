@@ -1,0 +1,250 @@
+"""Transports: how the pipeline runtime moves tensors between stages.
+
+The runtime (`keras_smp.pipeline.runtime.execute`) calls a transport for
+every `SEND_*` / `RECV_*` action; one transport serves each setting:
+
+- `LocalTransport`: stages on devices of one process. A send hands the
+  tensors over; the receive copies them onto the receiving stage's device
+  (the runtime builds it under that device), in the stage's action order.
+- `CollectiveTransport`: one stage per worker process. Sends and receives
+  are TensorFlow collective point-to-point ops (`CollectiveBcastSendV2` /
+  `CollectiveBcastRecvV2` on the two-member group of neighbouring stages)
+  over TensorFlow's own runtime (gRPC; NCCL on GPUs). Receives are posted
+  at the start of the step (`chain_receives = False`), so a blocking send
+  always finds its receive posted whatever the schedule. Every op carries
+  `timeout_seconds`: a dead or hung peer becomes a `DeadlineExceededError`
+  instead of a hang.
+
+`StageLinks` holds the collective groups of one stage process: its
+neighbour pairs, its replica's pipeline group (losses, outputs, weights)
+and tied-weight groups, with keys from one `PipelineKeys` allocation.
+"""
+
+import tensorflow as tf
+
+from keras_smp.pipeline.backward import dense
+
+
+class LocalTransport:
+    """Moves tensors between stages held by one process.
+
+    Example: see `keras_smp.pipeline.runtime.execute`.
+    """
+
+    #: Receives are ordered with the receiving stage's other actions.
+    chain_receives = True
+
+    def __init__(self):
+        self._box = {}
+
+    @staticmethod
+    def _key(action):
+        # (direction, receiving stage, microbatch)
+        if action.kind.startswith("SEND"):
+            return action.kind[-1], action.peer, action.microbatch
+        return action.kind[-1], action.stage, action.microbatch
+
+    def can_receive(self, action):
+        """Whether the matching send has been built."""
+        return self._key(action) in self._box
+
+    def pending(self, action):
+        """The tensors a receive will copy (for timing)."""
+        return list(self._box.get(self._key(action), []))
+
+    def send(self, action, tensors):
+        """Hands `tensors` to the peer; no op of its own."""
+        self._box[self._key(action)] = [dense(t) for t in tensors]
+        return []
+
+    def receive(self, action):
+        """Copies the sent tensors onto the current (receiving) device."""
+        return [tf.identity(t) for t in self._box.pop(self._key(action))]
+
+
+class CollectiveTransport:
+    """Moves tensors between stage processes with TensorFlow collectives.
+
+    Args:
+        links: this process's `StageLinks`.
+        recv_specs: `{"F": specs, "B": specs}`: `(shape, dtype)` of each
+            tensor this stage receives forward (from the previous stage)
+            and backward (gradients from the next stage).
+    """
+
+    chain_receives = False
+
+    def __init__(self, links, recv_specs):
+        self.links = links
+        self.recv_specs = recv_specs
+
+    def can_receive(self, action):
+        return True  # a posted receive waits for its data
+
+    def pending(self, action):
+        return []
+
+    def send(self, action, tensors):
+        if action.peer != self.links.stage + (1 if action.kind == "SEND_F"
+                                              else -1):
+            raise ValueError(
+                f"CollectiveTransport: {action} sends to stage {action.peer}, "
+                f"but stage {self.links.stage} only links to its neighbours.")
+        return self.links.send_to(action.peer, action.kind[-1],
+                                  action.microbatch,
+                                  [dense(t) for t in tensors])
+
+    def receive(self, action):
+        direction = action.kind[-1]
+        return self.links.receive_from(action.peer, direction,
+                                       action.microbatch,
+                                       self.recv_specs[direction])
+
+
+class PipelineKeys:
+    """Collective group keys of every pipeline group of the job.
+
+    Allocated once per model from the process-wide `KeyAllocator` (every
+    rank allocates in the same order, so all agree); each group's key is a
+    function of the layout, so no two groups share one.
+
+    Args:
+        num_replicas: data-parallel replicas (`dp_size`).
+        num_stages: pipeline stages (`pp_size`).
+        tied_sets: the distinct sets of stages sharing a weight (sorted
+            tuples), the same on every rank.
+        allocator: a `keras_smp.runtime.keys.KeyAllocator` (default: the
+            process-wide one).
+    """
+
+    def __init__(self, num_replicas, num_stages, tied_sets=(),
+                 allocator=None):
+        from keras_smp.runtime.keys import process_keys
+
+        allocator = allocator or process_keys()
+        self.num_replicas, self.num_stages = num_replicas, num_stages
+        self.tied_sets = sorted({tuple(sorted(t)) for t in tied_sets})
+        r, p = num_replicas, num_stages
+        self._pairs = allocator.allocate("pipeline/pairs", r * max(1, p - 1))
+        self._replica = allocator.allocate("pipeline/replica", r)
+        self._tied = allocator.allocate(
+            "pipeline/tied", r * max(1, len(self.tied_sets)))
+        self._world = allocator.allocate("pipeline/world", 1)
+
+    def pair(self, replica, boundary):
+        """Stages `boundary` and `boundary + 1` of `replica`."""
+        return self._pairs.key(replica * (self.num_stages - 1) + boundary)
+
+    def replica(self, replica):
+        """Every stage of `replica`."""
+        return self._replica.key(replica)
+
+    def tied(self, replica, stages):
+        """The stages of `replica` in `stages` (which share a weight)."""
+        index = self.tied_sets.index(tuple(sorted(stages)))
+        return self._tied.key(replica * len(self.tied_sets) + index)
+
+    def world(self):
+        """Every process of the job."""
+        return self._world.key(0)
+
+
+class StageLinks:
+    """Collective links of one stage process within its pipeline replica.
+
+    Args:
+        num_stages: stages per replica (`P`).
+        stage: this process's stage (`pp_rank`).
+        replica: this process's data-parallel replica (`dp_rank`).
+        keys: the model's `PipelineKeys`.
+        timeout_seconds: timeout of every collective op (0 = none).
+    """
+
+    # Instance keys (unique within a group) of the collectives outside the
+    # per-microbatch transfers (those use `_instance`, below 500,000).
+    INSTANCE_SHARE = 500_000     # last stage's outputs and loss
+    INSTANCE_TIED = 700_000      # tied-weight gradient sums
+    INSTANCE_WEIGHTS = 1_000_000  # sync_weights (+ 10,000 per call)
+
+    def __init__(self, num_stages, stage, replica, keys, timeout_seconds=0):
+        self.num_stages = num_stages
+        self.stage = stage
+        self.replica = replica
+        self.keys = keys
+        self.timeout = float(timeout_seconds or 0)
+
+    def send(self, tensor, group_key, group_size, instance_key):
+        return tf.raw_ops.CollectiveBcastSendV2(
+            input=tensor, group_size=group_size, group_key=group_key,
+            instance_key=instance_key, communication_hint="auto",
+            timeout_seconds=self.timeout)
+
+    def recv(self, shape, dtype, group_key, group_size, instance_key):
+        return tf.raw_ops.CollectiveBcastRecvV2(
+            group_size=group_size, group_key=group_key,
+            instance_key=instance_key, shape=shape, T=dtype,
+            communication_hint="auto", timeout_seconds=self.timeout)
+
+    def reduce(self, tensor, group_key, group_size, instance_key):
+        """Sum over a group (tied-weight gradients)."""
+        return tf.raw_ops.CollectiveReduceV2(
+            input=tensor, group_size=group_size, group_key=group_key,
+            instance_key=instance_key, ordering_token=[], merge_op="Add",
+            final_op="Id", communication_hint="auto",
+            timeout_seconds=self.timeout)
+
+    # Instance keys: distinct per tensor, microbatch and direction within a
+    # step; the same keys are reused by the next step (as TF's own do).
+    @classmethod
+    def _instance(cls, direction, microbatch, index):
+        key = 1 + (microbatch * 2 + (direction == "B")) * 1000 + index
+        if index >= 1000 or key >= cls.INSTANCE_SHARE:
+            raise ValueError(
+                f"Too many microbatches ({microbatch + 1}) or tensors "
+                f"crossing a stage boundary ({index + 1}) for one step: at "
+                "most 249 microbatches and 1000 tensors. Use fewer.")
+        return key
+
+    def _pair_key(self, peer):
+        return self.keys.pair(self.replica, min(self.stage, peer))
+
+    def send_to(self, peer, direction, microbatch, tensors):
+        """Sends `tensors` of `microbatch` to the neighbouring stage `peer`."""
+        key = self._pair_key(peer)
+        return [self.send(t, key, 2, self._instance(direction, microbatch, i))
+                for i, t in enumerate(tensors)]
+
+    def receive_from(self, peer, direction, microbatch, specs):
+        """Receives tensors of `specs` `(shape, dtype)` from stage `peer`."""
+        key = self._pair_key(peer)
+        return [self.recv(shape, dtype, key, 2,
+                          self._instance(direction, microbatch, i))
+                for i, (shape, dtype) in enumerate(specs)]
+
+    def barrier(self, world_size, instance_key):
+        """Waits (eagerly) until every worker of the job has arrived.
+
+        TensorFlow resolves collective groups through task 0, so a worker
+        whose collectives finished must not let task 0 exit before the
+        others' have: callers end their collective sequences with this.
+        """
+        return self.reduce(tf.zeros([1]), self.keys.world(), world_size,
+                           instance_key)
+
+    def share_from_last(self, tensors, specs, instance_base):
+        """Broadcasts the last stage's `tensors` to every stage of the replica.
+
+        On the last stage returns `tensors` (after sending); elsewhere
+        receives tensors of `specs` (shape, dtype).
+        """
+        p = self.num_stages
+        if p == 1:
+            return list(tensors)
+        key = self.keys.replica(self.replica)
+        if self.stage == p - 1:
+            sends = [self.send(t, key, p, instance_base + i)
+                     for i, t in enumerate(tensors)]
+            with tf.control_dependencies(sends):
+                return [tf.identity(t) for t in tensors]
+        return [self.recv(shape, dtype, key, p, instance_base + i)
+                for i, (shape, dtype) in enumerate(specs)]

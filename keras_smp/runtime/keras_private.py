@@ -1,0 +1,100 @@
+"""Every private Keras API (`keras.src...`) keras-smp uses, in one place.
+
+A flat module of re-exported names: keras-smp code imports Keras
+internals only from here, so a Keras upgrade that moves one breaks (and is
+fixed in) this file. Add new names here rather than importing `keras.src`
+elsewhere.
+
+Checked against Keras 3.15.
+"""
+
+# pylint: disable=unused-import
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: F401
+
+# --- used by keras_smp.pipeline (DistributedModel, StagedGraph) ------------
+import contextlib  # noqa: E402
+
+from keras.src.backend.common import global_state  # noqa: E402
+from keras.src.losses.loss import unscale_loss_for_distribution  # noqa: E402,F401
+from keras.src.models import functional as functional_lib  # noqa: E402
+from keras.src.models.model import functional_init_arguments  # noqa: E402,F401
+from keras.src.ops import function as function_lib  # noqa: E402,F401
+from keras.src.ops import node as node_lib  # noqa: E402,F401
+from keras.src.optimizers.base_optimizer import BaseOptimizer  # noqa: E402,F401
+
+#: Calls a layer of a functional graph as the functional model would.
+operation_fn = functional_lib.operation_fn
+#: `(inputs, outputs) -> (nodes, ...)`: a functional graph's nodes in order.
+build_graph_map = function_lib._build_map
+#: Keras' graph node class (`keras_smp.pipeline.graph` records partitions).
+Node = node_lib.Node
+
+
+def functional_of(model):
+    """The functional graph behind a Sequential/functional model, or None."""
+    functional = getattr(model, "_functional", None) or model
+    return functional if hasattr(functional, "_outputs_struct") else None
+
+
+def functional_structs(functional):
+    """`(inputs, outputs)` structures of a functional graph."""
+    return functional._inputs_struct, functional._outputs_struct
+
+
+def standardize_inputs(functional, x):
+    """`x` flattened in the functional model's input order."""
+    return list(functional._standardize_inputs(x))
+
+
+@contextlib.contextmanager
+def outside_symbolic_scopes():
+    """Lifts Keras' stateless/symbolic scopes for the `with` body.
+
+    Keras may build a model inside `compute_output_spec` (a scratch graph);
+    weights created there must be real ones.
+    """
+    names = ("stateless_scope", "symbolic_scope")
+    saved = {n: global_state.get_global_attribute(n) for n in names}
+    try:
+        for n in names:
+            global_state.set_global_attribute(n, None)
+        yield
+    finally:
+        for n in names:
+            global_state.set_global_attribute(n, saved[n])
+
+
+def compiled_loss(model):
+    """The callable `(y, y_pred, sample_weight) -> loss` of `compile`."""
+    return getattr(model, "_compile_loss", None)
+
+
+def compiled_loss_objects(model):
+    """The compiled loss objects, flat (their reductions matter)."""
+    return list(getattr(compiled_loss(model), "_flat_losses", None) or [])
+
+
+def compiled_metrics(model):
+    """The compiled metrics container, or None."""
+    return getattr(model, "_compile_metrics", None)
+
+
+def loss_tracker(model):
+    """The `Mean` metric Keras reports as "loss"."""
+    return model._loss_tracker
+
+
+def regularization_losses(model):
+    """Weight-regularization losses of every layer."""
+    return model._get_regularization_losses()
+
+
+def own_losses(model):
+    """Losses added with `add_loss()` inside `call`, of every layer."""
+    return [loss for layer in model._flatten_layers()
+            for loss in layer._get_own_losses()]
+
+
+def aggregate_additional_loss(model, loss):
+    """An additional loss summed and cast as Keras does."""
+    return model._aggregate_additional_loss(loss)

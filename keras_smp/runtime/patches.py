@@ -1,0 +1,240 @@
+"""Every process-wide patch keras-smp makes to Keras, in one place.
+
+`install()` (idempotent; run by `keras_smp.runtime.process.start`, i.e. by
+`SMPStrategy(...)` and `smp.init(...)`) patches:
+
+- `TensorFlowTrainer.make_train_function` / `make_test_function` /
+  `make_predict_function`, once, for two things:
+  - a plain Keras model under an `SMPStrategy` whose processes hold whole
+    pipelines (`partitions > 1`, in process) fails at once, telling to wrap
+    it in `keras_smp.DistributedModel` (it would train unpipelined);
+  - under a multi-worker `SMPStrategy`, the step functions raise a
+    `RuntimeError` naming a lost peer instead of TensorFlow's collective
+    errors (`runtime.errors.guard`).
+- `keras.Model.save` / `save_weights`: atomic (temporary name, then rename)
+  for models under `SMPStrategy` and pipelined models; non-chief workers of
+  a multi-worker job write into a scratch directory removed right after, so
+  the same (collective) work runs everywhere but only the chief writes.
+- `keras.callbacks.BackupAndRestore` (non-chief workers save into scratch
+  and never delete the chief's backup) and `keras.callbacks.TensorBoard`
+  (non-chief summaries go to a scratch directory).
+- `keras.optimizers.Optimizer.get_gradients(loss, params)`: SageMaker
+  smp's (Keras 2's) method, for `@smp.step` functions.
+
+Being below the strategy and the models, the patches recognise them by
+attributes, not classes: a strategy with `_smp_runtime` (an `SMPStrategy`,
+see `keras_smp.runtime.of`), a model with `_smp_pipelined = True` (a
+`DistributedModel`).
+
+Readers (restore) read the chief's files, so multi-host restore needs a
+shared filesystem.
+"""
+
+import functools
+import os
+import shutil
+import tempfile
+import threading
+
+from keras_smp.runtime import errors
+
+_lock = threading.Lock()
+_installed = []
+
+
+def _runtime_of(strategy):
+    return getattr(strategy, "_smp_runtime", None)
+
+
+def is_pipelined(model):
+    """Whether `model` runs its steps as a pipeline (a `DistributedModel`)."""
+    return bool(getattr(model, "_smp_pipelined", False))
+
+
+# -- step functions --------------------------------------------------------
+
+
+def check_pipelined(model):
+    """Raises if `model` would train unpipelined under `partitions > 1`."""
+    runtime = _runtime_of(model.distribute_strategy)
+    if runtime is None or runtime.layout is None:
+        return
+    stages = len(runtime.layout.local_stages)
+    if stages > 1 and not is_pipelined(model):
+        raise ValueError(
+            f"Model '{model.name}' is a plain {type(model).__name__} under an "
+            f"SMPStrategy with partitions={stages}; it would "
+            "train without pipelining. Wrap it before compiling: "
+            "`model = keras_smp.DistributedModel(model)` (or subclass "
+            "keras_smp.DistributedModel).")
+
+
+def _multi_worker_runtime(model):
+    runtime = _runtime_of(getattr(model, "_distribute_strategy", None))
+    if runtime is not None and runtime.cluster.world_size > 1:
+        return runtime
+    return None
+
+
+def _patch_make_functions(trainer):
+    for name, attr in (("make_train_function", "train_function"),
+                       ("make_test_function", "test_function"),
+                       ("make_predict_function", "predict_function")):
+        original = getattr(trainer, name)
+        if getattr(original, "_smp_patched", False):
+            continue
+
+        @functools.wraps(original)
+        def make(self, *args, _original=original, _attr=attr, **kwargs):
+            check_pipelined(self)
+            result = _original(self, *args, **kwargs)
+            runtime = _multi_worker_runtime(self)
+            fn = getattr(self, _attr, None)
+            if runtime is not None and fn is not None:
+                setattr(self, _attr, errors.guard(fn, runtime))
+            return result
+
+        make._smp_patched = True
+        setattr(trainer, name, make)
+
+
+# -- files -----------------------------------------------------------------
+
+
+def _non_chief_runtime(model):
+    """The runtime of `model`'s strategy on a non-chief worker, else None."""
+    runtime = _runtime_of(getattr(model, "_distribute_strategy", None))
+    if runtime is None:
+        return None
+    if runtime.cluster.world_size > 1 and runtime.topology.rank != 0:
+        return runtime
+    return None
+
+
+def _smp_model(model):
+    return (_runtime_of(getattr(model, "_distribute_strategy", None))
+            is not None or is_pipelined(model))
+
+
+def _redirect_save(method):
+    @functools.wraps(method)
+    def wrapper(self, filepath, *args, **kwargs):
+        if _non_chief_runtime(self) is not None:
+            scratch = tempfile.mkdtemp(prefix="keras_smp_scratch_")
+            try:
+                target = os.path.join(scratch, os.path.basename(str(filepath)))
+                return method(self, target, *args, **kwargs)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+        if not (_smp_model(self) and isinstance(filepath, (str, os.PathLike))):
+            return method(self, filepath, *args, **kwargs)
+        return _atomic(method, self, os.fspath(filepath), *args, **kwargs)
+
+    wrapper._smp_patched = True
+    return wrapper
+
+
+def _atomic(method, model, filepath, *args, **kwargs):
+    """Saves to a temporary name in the same folder, then renames.
+
+    A process killed during the save leaves the previous file intact (and
+    a stray `.tmp-<pid>-<name>` behind); the rename is atomic on POSIX.
+    """
+    overwrite = kwargs.get("overwrite", args[0] if args else True)
+    if not overwrite and os.path.exists(filepath):
+        return method(model, filepath, *args, **kwargs)  # Keras asks first
+    folder, name = os.path.split(os.path.abspath(filepath))
+    os.makedirs(folder, exist_ok=True)
+    # Keras checks the suffix (.keras, .weights.h5): keep the name's end.
+    tmp = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
+    try:
+        result = method(model, tmp, *args, **kwargs)
+        os.replace(tmp, filepath)
+        return result
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _patch_files(keras):
+    keras.Model.save = _redirect_save(keras.Model.save)
+    keras.Model.save_weights = _redirect_save(keras.Model.save_weights)
+
+    backup = keras.callbacks.BackupAndRestore
+    save_model = backup._save_model
+    on_train_end = backup.on_train_end
+
+    @functools.wraps(save_model)
+    def _save_model(self):
+        if _non_chief_runtime(self.model) is None:
+            return save_model(self)
+        # Same save (and collectives) as the chief, into scratch.
+        self.model.save_weights(filepath=self._weights_path, overwrite=True)
+
+    @functools.wraps(on_train_end)
+    def _on_train_end(self, logs=None):
+        if _non_chief_runtime(self.model) is None:
+            return on_train_end(self, logs)
+
+    backup._save_model = _save_model
+    backup.on_train_end = _on_train_end
+
+    board = keras.callbacks.TensorBoard
+    set_model = board.set_model
+
+    @functools.wraps(set_model)
+    def _set_model(self, model):
+        if _non_chief_runtime(model) is not None:
+            # Summaries of non-chief workers duplicate the chief's.
+            self.log_dir = tempfile.mkdtemp(prefix="keras_smp_tb_")
+        return set_model(self, model)
+
+    board.set_model = _set_model
+
+
+# -- optimizers ------------------------------------------------------------
+
+
+def _patch_get_gradients(keras):
+    """Adds `get_gradients(loss, params)` to Keras optimizers.
+
+    Keras 3 optimizers lack this Keras 2 method, which SMP scripts call
+    inside their step. Inside `@smp.step` (a graph) it returns
+    `tf.gradients(loss, params)`; called eagerly it raises an error
+    naming the alternatives.
+    """
+    import tensorflow as tf
+
+    base = keras.optimizers.Optimizer
+    if getattr(base, "get_gradients", None) is not None:
+        return
+
+    def get_gradients(self, loss, params):
+        if tf.executing_eagerly():
+            raise RuntimeError(
+                "optimizer.get_gradients(loss, params) only works inside an "
+                "@smp.step function (or another tf.function). In eager code "
+                "use tf.GradientTape: `with tf.GradientTape() as tape: ...; "
+                "grads = tape.gradient(loss, params)`.")
+        tensors = [getattr(p, "value", p) for p in params]
+        tensors = [t._get_on_device_or_primary()
+                   if isinstance(t, tf.distribute.DistributedValues) else t
+                   for t in tensors]
+        return tf.gradients(loss, tensors, unconnected_gradients="zero")
+
+    base.get_gradients = get_gradients
+
+
+def install():
+    """Installs every patch (idempotent, thread-safe)."""
+    with _lock:
+        if _installed:
+            return
+        import keras
+
+        from keras_smp.runtime.keras_private import TensorFlowTrainer
+
+        _patch_make_functions(TensorFlowTrainer)
+        _patch_files(keras)
+        _patch_get_gradients(keras)
+        _installed.append(True)

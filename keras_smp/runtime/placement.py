@@ -1,0 +1,66 @@
+"""Where the variables being created go: thread-local settings (pure Python).
+
+`DistributedModel` sets them while it (re-)creates a model's weights;
+`SMPStrategy` reads them in its variable creator:
+
+- `placing(stage)`: each model replica's copy of the variables created
+  inside goes on that replica's device for pipeline stage `stage`.
+- `local_variables()`: the variables created inside are plain,
+  process-local ones (with one stage per process, the copies a process
+  keeps of other stages' weights must not be mirrored or broadcast: the
+  other processes do not create them).
+
+Both are thread-local and nest (the inner setting wins; leaving it restores
+the outer one).
+
+Example:
+
+>>> with placing(1):
+...     current_placement()
+1
+>>> current_placement() is None, creating_local()
+(True, False)
+>>> with local_variables():
+...     creating_local()
+True
+"""
+
+import contextlib
+import threading
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def _setting(name, value):
+    """Sets a thread-local attribute for the `with` body."""
+    previous = getattr(_state, name, None)
+    setattr(_state, name, value)
+    try:
+        yield
+    finally:
+        setattr(_state, name, previous)
+
+
+@contextlib.contextmanager
+def placing(stage):
+    """Variables created inside go to pipeline stage `stage`."""
+    with _setting("placement", stage):
+        yield
+
+
+def current_placement():
+    """The stage set by `placing`, or `None`."""
+    return getattr(_state, "placement", None)
+
+
+@contextlib.contextmanager
+def local_variables():
+    """Variables created inside are plain, process-local ones."""
+    with _setting("local", True):
+        yield
+
+
+def creating_local():
+    """Whether `local_variables` is active."""
+    return bool(getattr(_state, "local", False))
