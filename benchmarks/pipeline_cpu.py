@@ -160,11 +160,21 @@ def main():
     # Stored activations of one stage for one microbatch: each Dense keeps
     # its input and its ReLU output (float32), LAYERS/STAGES layers a stage.
     per_sample = (LAYERS // STAGES) * 2 * WIDTH * 4
+    def compare(schedule, m):
+        return run([sys.executable, "-m", "keras_smp.launch", "-n", "2",
+                    "--timeout", "800", "--"] + other
+                   + ["--mode", "pipeline", "--schedule", schedule,
+                      "--microbatches", str(m)], root=other_root)
+
     print(f"{'schedule':>8} {'m':>3} {'ms/step':>8} {'speedup':>8} "
           f"{'ideal':>6} {'bound':>6}  peak activations per stage (MB)")
     rows = []
     for schedule in ("gpipe", "1f1b"):
         for m in ms_list:
+            ms_other = None
+            if other is not None and len(rows) % 2:
+                # Alternate which tree runs first (warm-up order effects).
+                ms_other = compare(schedule, m)
             ms = run([sys.executable, "-m", "keras_smp.launch", "-n", "2",
                       "--timeout", "800", "--"] + me
                      + ["--mode", "pipeline", "--schedule", schedule,
@@ -179,11 +189,8 @@ def main():
             rows.append((schedule, m, ms, base / ms, ideal, peaks))
             compared = ""
             if other is not None:
-                ms_other = run(
-                    [sys.executable, "-m", "keras_smp.launch", "-n", "2",
-                     "--timeout", "800", "--"] + other
-                    + ["--mode", "pipeline", "--schedule", schedule,
-                       "--microbatches", str(m)], root=other_root)
+                if ms_other is None:
+                    ms_other = compare(schedule, m)
                 compared = (f"  | compare-tree: {ms_other:.0f} ms/step, "
                             f"this tree {ms_other / ms:.2f}x its speed")
             print(f"{schedule:>8} {m:>3} {ms:>8.0f} {base / ms:>7.2f}x "

@@ -1,4 +1,4 @@
-"""In-process pipeline executor: pipelined gradients equal whole-batch ones.
+"""The pipeline runtime in one process: pipelined gradients equal whole-batch ones.
 
 Runs tests/workers/pipeline_grads.py (2 logical CPU devices, a 4-layer MLP
 split into 2 stages) for both schedules and 1, 2, 4, 8 microbatches.

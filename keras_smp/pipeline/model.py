@@ -224,6 +224,22 @@ class DistributedModel(keras.Model):
                     "models yet. Add the penalty to the loss instead.")
         self._smp_graph = graph
         self._smp_place_variables()
+        if self._smp_multi_process():
+            self._smp_allocate_keys()
+
+    def _smp_allocate_keys(self):
+        """Collective keys of the model's pipeline groups.
+
+        Allocated once, when the partition plan is set (model construction
+        or first build), the same point of the program on every rank, so
+        every rank gets the same keys.
+        """
+        rt = self._smp_runtime()
+        topo = rt.topology
+        tied = [tuple(u) for u in self._smp_graph.weight_users().values()
+                if len(u) > 1]
+        self._smp_keys = PipelineKeys(topo.dp_size, topo.pp_size, tied,
+                                      allocator=rt.keys)
 
     def _smp_place_variables(self):
         """Puts every weight on the device of the first stage using it."""
@@ -337,11 +353,6 @@ class DistributedModel(keras.Model):
                 self._smp_runtime().topology.world_size)
         return self._smp_resident
 
-    def _smp_release(self):
-        residency = self._smp_residency()
-        if residency is not None:
-            residency.release()
-
     def _smp_shaped(self):
         residency = self._smp_residency()
         return residency.shaped() if residency else contextlib.nullcontext()
@@ -453,11 +464,7 @@ class DistributedModel(keras.Model):
                 f"the strategy runs {topo.pp_size} stage processes per "
                 "replica.")
         if getattr(self, "_smp_keys", None) is None:
-            # Allocated once per model, at the same point on every rank.
-            tied = [tuple(u) for u in self.staged_graph.weight_users().values()
-                    if len(u) > 1]
-            self._smp_keys = PipelineKeys(topo.dp_size, topo.pp_size, tied,
-                                          allocator=rt.keys)
+            self._smp_allocate_keys()
         return StageLinks(topo.pp_size, topo.pp_rank, topo.dp_rank,
                           self._smp_keys,
                           rt.config.collective_timeout_seconds)
@@ -518,10 +525,6 @@ class DistributedModel(keras.Model):
     def train_step(self, data):
         run = run_step(self, data, training=True,
                        need_outputs=self._smp_needs_outputs())
-        if run.losses[0] is None:
-            raise ValueError(
-                "No loss to compute. Provide `y` and a `loss` argument in "
-                "`compile()`.")
         extra = self._smp_extra_losses()
         grads = dict(run.grads)
         trainable = self.trainable_weights

@@ -8,7 +8,7 @@ like DeepSpeed's `partition_method="parameters"`. Explicit split points
 (layer names that start a new stage) are also accepted.
 
 The Keras side (reading layers, parameter counts and FLOP estimates from a
-model) lives with the executor; this module only sees numbers and names.
+model) lives with the pipeline runtime; this module only sees numbers and names.
 """
 
 from dataclasses import dataclass

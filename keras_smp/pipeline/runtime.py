@@ -12,9 +12,11 @@ the schedule and wherever the stages are:
   `CollectiveTransport` between stage processes (TensorFlow collective
   send/recv over its gRPC/NCCL runtime);
 - `execute` builds, inside a `tf.function`, the ops of every action of the
-  stages held here, in each stage's order: every compute action and every
-  send is control-dependent on the previous one of its stage, so a stage
-  runs exactly its list. Receives are chained too when the transport says
+  stages held here, in each stage's order: every compute action is
+  control-dependent on the previous action of its stage (sends included),
+  so a stage runs exactly its list; a send itself waits only for its data,
+  so a backward's weight gradients never delay the input gradients a peer
+  waits for. Receives are chained too when the transport says
   so (`chain_receives`); otherwise they are posted at the start of the
   step and wait for their data, so that a blocking send always finds its
   receive posted (what makes 1F1B deadlock-free across processes).
@@ -24,6 +26,7 @@ schedule is a new action list. Ops of an action are named
 `stage{s}/fwd_mb{m}/...`, `stage{s}/bwd_mb{m}/...` (TensorBoard, profiler).
 """
 
+import contextlib
 import dataclasses
 
 import tensorflow as tf
@@ -226,14 +229,21 @@ class _Builder:
     def build(self, a):
         s, mb = a.stage, a.microbatch
         stage = self.stages[s]
-        with tf.device(stage.device), tf.name_scope(_scope(a)):
+        # No device: keep the enclosing one (a replica's, under
+        # `strategy.run`); `tf.device(None)` would clear it.
+        device = (tf.device(stage.device) if stage.device
+                  else contextlib.nullcontext())
+        with device, tf.name_scope(_scope(a)):
             if a.kind in ("RECV_F", "RECV_B"):
                 self._receive(a)
             elif a.kind in ("SEND_F", "SEND_B"):
                 tensors = (self.stage_out[(s, mb)] if a.kind == "SEND_F"
                            else self.grad_in[(s, mb)])
-                with tf.control_dependencies(self._chain(s)):
-                    sent = self.transport.send(a, tensors)
+                # A send waits only for its own data (not for the rest of
+                # the action that made it: a backward's weight gradients
+                # must not delay the input gradients the peer waits for);
+                # the stage's next action waits for the send.
+                sent = self.transport.send(a, tensors)
                 if sent:
                     self.sends += sent
                     self.last[s] = tf.group(*sent, *self._chain(s))

@@ -84,6 +84,10 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         sws = microbatch.split(sample_weight, m)
     has_loss = (need_loss and y is not None
                 and keras_private.compiled_loss(model) is not None)
+    if training and not has_loss:
+        raise ValueError(
+            "No loss to compute. Provide `y` and a `loss` argument in "
+            "`compile()`.")
     loss_fn = (_loss_fn(model, ys, sws, sample_weight, m, training)
                if has_loss else None)
     graph = model.staged_graph
@@ -192,16 +196,19 @@ def _sum_tied(model, links, stage_vars, grads):
     copies take the same optimizer step.
     """
     users = model.staged_graph.weight_users()
+    # Instance keys from each tied weight's place in the model's weight
+    # order (`weight_users` is the same dict, in the same order, on every
+    # rank), so every stage uses the same key for the same weight.
+    position = {w: i for i, w in enumerate(
+        w for w, stages in users.items() if len(stages) > 1)}
     out = list(grads)
-    tied_index = 0
     for i, v in enumerate(stage_vars):
         stages = users.get(id(v), [])
         if len(stages) < 2 or out[i] is None:
             continue
         out[i] = links.reduce(
             dense(out[i]), links.keys.tied(links.replica, stages),
-            len(stages), links.INSTANCE_TIED + tied_index)
-        tied_index += 1
+            len(stages), links.INSTANCE_TIED + position[id(v)])
     return out
 
 

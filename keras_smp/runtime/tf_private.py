@@ -31,13 +31,9 @@ coordination_config_pb2 = collective_all_reduce_strategy.coordination_config_pb2
 # Short names used by keras-smp.
 CollectiveAllReduceStrategy = collective_all_reduce_strategy.CollectiveAllReduceStrategy
 CollectiveAllReduceExtended = collective_all_reduce_strategy.CollectiveAllReduceExtended
-CollectiveAllReduce = cross_device_ops.CollectiveAllReduce
 CollectiveKeys = cross_device_utils.CollectiveKeys
-CollectiveReplicaLauncher = cross_device_utils.CollectiveReplicaLauncher
 InputContext = distribute_lib.InputContext
 Strategy = distribute_lib.Strategy
-ReduceOp = reduce_util.ReduceOp
-canonicalize_device = device_util.canonicalize
 
 
 # --- used by keras_smp.pipeline --------------------------------------------
