@@ -142,6 +142,22 @@ class SMPStrategy(tf_private.CollectiveAllReduceStrategy):
                 axis = None
         return super().reduce(reduce_op, value, axis)
 
+    def gather(self, value, axis):
+        # TensorFlow's collective all-gather has no bfloat16 kernel; Keras
+        # gathers predictions with it (mixed_bfloat16 models output
+        # bfloat16). float32 holds every bfloat16 value exactly.
+        parts = (value.values
+                 if isinstance(value, tf.distribute.DistributedValues)
+                 else (value,))
+        dtype = getattr(parts[0], "dtype", None)
+        if dtype != tf.bfloat16:
+            return super().gather(value, axis)
+        if isinstance(value, tf.distribute.DistributedValues):
+            wide = self.run(lambda v: tf.cast(v, tf.float32), args=(value,))
+        else:
+            wide = tf.cast(value, tf.float32)
+        return tf.cast(super().gather(wide, axis), dtype)
+
 
 class _SMPExtended(tf_private.CollectiveAllReduceExtended):
     """TensorFlow's collective extended with our devices and gradient sync."""

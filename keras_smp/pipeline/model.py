@@ -31,6 +31,7 @@ from keras_smp.pipeline.step import run_step
 from keras_smp.pipeline.transport import PipelineKeys
 from keras_smp.pipeline.transport import StageLinks
 from keras_smp.runtime import keras_private
+from keras_smp.runtime import patches
 from keras_smp.runtime import placement
 from keras_smp.runtime import tf_private
 from keras_smp.smp import comms
@@ -522,6 +523,27 @@ class DistributedModel(keras.Model):
             keras_private.loss_tracker(self).update_state(
                 tf.add_n(terms), sample_weight=batch)
 
+    def _smp_across_stages(self):
+        """One stage per process: optimizer steps that need the other
+        stages' gradients (global norm, loss-scale finite check) sum over
+        this replica's stage processes."""
+        if not self._smp_multi_process():
+            return contextlib.nullcontext()
+        links = self._smp_links()
+        calls = iter(range(links.INSTANCE_STAGE_SUM,
+                           links.INSTANCE_TIED))
+
+        def reduce_sum(tensor):
+            return links.reduce(
+                tf.cast(tensor, tf.float32),
+                links.keys.replica(links.replica), links.num_stages,
+                next(calls))
+
+        users = self.staged_graph.weight_users()
+        elsewhere = [w for w, stages in users.items()
+                     if len(stages) > 1 and min(stages) != links.stage]
+        return patches.across_stages(reduce_sum, elsewhere)
+
     def train_step(self, data):
         run = run_step(self, data, training=True,
                        need_outputs=self._smp_needs_outputs())
@@ -537,11 +559,15 @@ class DistributedModel(keras.Model):
             for v, g in zip(trainable, variable_gradients(reg, trainable)):
                 grads[id(v)] = accumulate(grads.get(id(v)), g)
         self._smp_track_loss(run, extra)
-        if trainable:
-            self.optimizer.apply_gradients(
-                [(grads.get(id(v)), v) for v in trainable])
-        else:
-            warnings.warn("The model does not have any trainable weights.")
+        with self._smp_across_stages():
+            if trainable:
+                self.optimizer.apply_gradients(
+                    [(grads.get(id(v)), v) for v in trainable])
+            elif self._smp_multi_process():  # a stage with nothing to train
+                patches.stage_collectives_without_gradients(self.optimizer)
+            else:
+                warnings.warn(
+                    "The model does not have any trainable weights.")
         return self.compute_metrics(run.x, run.y, run.y_pred,
                                     sample_weight=run.sample_weight)
 

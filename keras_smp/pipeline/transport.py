@@ -163,6 +163,7 @@ class StageLinks:
     # Instance keys (unique within a group) of the collectives outside the
     # per-microbatch transfers (those use `_instance`, below 500,000).
     INSTANCE_SHARE = 500_000     # last stage's outputs and loss
+    INSTANCE_STAGE_SUM = 600_000  # optimizer sums over stages (norms)
     INSTANCE_TIED = 700_000      # tied-weight gradient sums
     INSTANCE_WEIGHTS = 1_000_000  # sync_weights (+ 10,000 per call)
 
@@ -175,23 +176,26 @@ class StageLinks:
 
     def send(self, tensor, group_key, group_size, instance_key):
         return tf.raw_ops.CollectiveBcastSendV2(
-            input=tensor, group_size=group_size, group_key=group_key,
+            input=_to_wire(tensor), group_size=group_size, group_key=group_key,
             instance_key=instance_key, communication_hint="auto",
             timeout_seconds=self.timeout)
 
     def recv(self, shape, dtype, group_key, group_size, instance_key):
-        return tf.raw_ops.CollectiveBcastRecvV2(
+        dtype = tf.as_dtype(dtype)
+        return _from_wire(tf.raw_ops.CollectiveBcastRecvV2(
             group_size=group_size, group_key=group_key,
-            instance_key=instance_key, shape=shape, T=dtype,
-            communication_hint="auto", timeout_seconds=self.timeout)
+            instance_key=instance_key, shape=shape,
+            T=_WIRE.get(dtype, dtype), communication_hint="auto",
+            timeout_seconds=self.timeout), dtype)
 
     def reduce(self, tensor, group_key, group_size, instance_key):
         """Sum over a group (tied-weight gradients)."""
-        return tf.raw_ops.CollectiveReduceV2(
-            input=tensor, group_size=group_size, group_key=group_key,
-            instance_key=instance_key, ordering_token=[], merge_op="Add",
-            final_op="Id", communication_hint="auto",
-            timeout_seconds=self.timeout)
+        return _from_wire(tf.raw_ops.CollectiveReduceV2(
+            input=_to_wire(tensor), group_size=group_size,
+            group_key=group_key, instance_key=instance_key,
+            ordering_token=[], merge_op="Add", final_op="Id",
+            communication_hint="auto", timeout_seconds=self.timeout),
+            tensor.dtype)
 
     # Instance keys: distinct per tensor, microbatch and direction within a
     # step; the same keys are reused by the next step (as TF's own do).
@@ -248,3 +252,18 @@ class StageLinks:
                 return [tf.identity(t) for t in tensors]
         return [self.recv(shape, dtype, key, p, instance_base + i)
                 for i, (shape, dtype) in enumerate(specs)]
+
+
+# TensorFlow's collective kernels have no bfloat16 (mixed_bfloat16 models'
+# activations and outputs): such tensors travel as float32, which holds
+# every bfloat16 value exactly.
+_WIRE = {tf.bfloat16: tf.float32}
+
+
+def _to_wire(tensor):
+    wire = _WIRE.get(tensor.dtype)
+    return tensor if wire is None else tf.cast(tensor, wire)
+
+
+def _from_wire(tensor, dtype):
+    return tensor if tensor.dtype == dtype else tf.cast(tensor, dtype)

@@ -74,6 +74,13 @@ def compiled_loss_objects(model):
     return list(getattr(compiled_loss(model), "_flat_losses", None) or [])
 
 
+def loss_output_trackers(model):
+    """The per-output loss `Mean` metrics the compiled loss updates when it
+    runs ("cls_loss", ...: models with several outputs), or []."""
+    loss = compiled_loss(model)
+    return list(getattr(loss, "metrics", None) or []) if loss else []
+
+
 def compiled_metrics(model):
     """The compiled metrics container, or None."""
     return getattr(model, "_compile_metrics", None)

@@ -20,6 +20,13 @@
   (non-chief summaries go to a scratch directory).
 - `keras.optimizers.Optimizer.get_gradients(loss, params)`: SageMaker
   smp's (Keras 2's) method, for `@smp.step` functions.
+- the optimizer step under an `SMPStrategy` acts on the gradient that
+  single-device training sees (`_patch_optimizer`): with `clipnorm`,
+  `global_clipnorm` or `clipvalue` the data-parallel replicas' gradients
+  are summed first, then clipped (stock Keras clips each replica's part
+  before the all-reduce); `global_clipnorm`'s norm covers every pipeline
+  stage's gradients (`across_stages`); a `LossScaleOptimizer` takes one
+  "finite" decision for all replicas and stages.
 
 Being below the strategy and the models, the patches recognise them by
 attributes, not classes: a strategy with `_smp_runtime` (an `SMPStrategy`,
@@ -30,6 +37,7 @@ Readers (restore) read the chief's files, so multi-host restore needs a
 shared filesystem.
 """
 
+import contextlib
 import functools
 import os
 import shutil
@@ -225,6 +233,170 @@ def _patch_get_gradients(keras):
     base.get_gradients = get_gradients
 
 
+# -- optimizer step on the synced gradient -----------------------------------
+
+_stage_state = threading.local()
+
+
+@contextlib.contextmanager
+def across_stages(reduce_sum, counted_elsewhere=()):
+    """Within: optimizer steps see the gradients of every pipeline stage.
+
+    `reduce_sum(tensor)` sums a float32 tensor over the stage processes of
+    this model replica (one stage per process: each process applies its
+    own stage's gradients, so the global norm and the loss-scale finite
+    check need the other stages' parts). `counted_elsewhere`: ids of
+    variables (tied weights) whose gradient another stage process also
+    holds and counts in the norm. `DistributedModel` sets it around its
+    optimizer step.
+    """
+    previous = (getattr(_stage_state, "reduce_sum", None),
+                getattr(_stage_state, "skip", frozenset()))
+    _stage_state.reduce_sum = reduce_sum
+    _stage_state.skip = frozenset(counted_elsewhere)
+    try:
+        yield
+    finally:
+        _stage_state.reduce_sum, _stage_state.skip = previous
+
+
+def _stage_sum(tensor):
+    reduce_sum = getattr(_stage_state, "reduce_sum", None)
+    return tensor if reduce_sum is None else reduce_sum(tensor)
+
+
+def needs_stage_collectives(optimizer):
+    """Whether `optimizer`'s step reduces over stages (`across_stages`)."""
+    import keras
+
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return True
+    return bool(getattr(optimizer, "global_clipnorm", None))
+
+
+def stage_collectives_without_gradients(optimizer):
+    """The stage reductions of a step, for a stage with nothing to train.
+
+    Every stage process must take part in `across_stages` reductions; a
+    stage without trainable weights contributes zero (and "finite").
+    """
+    import tensorflow as tf
+
+    if not needs_stage_collectives(optimizer):
+        return
+    import keras
+
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        _stage_sum(tf.zeros([]))
+        optimizer = optimizer.inner_optimizer
+    if getattr(optimizer, "global_clipnorm", None):
+        _stage_sum(tf.zeros([]))
+
+
+def _smp_optimizer(optimizer):
+    return _runtime_of(getattr(optimizer, "_distribution_strategy", None)) \
+        is not None
+
+
+def _patch_optimizer(keras):
+    import tensorflow as tf
+
+    base = keras.optimizers.Optimizer
+    if getattr(base._backend_apply_gradients, "_smp_patched", False):
+        return
+    apply_gradients = base._backend_apply_gradients
+    all_reduce = base._all_reduce_sum_gradients
+    clip = base._clip_gradients
+    check_finite = keras.optimizers.LossScaleOptimizer.check_finite
+
+    def clips(optimizer):
+        return any(getattr(optimizer, a, None)
+                   for a in ("clipnorm", "global_clipnorm", "clipvalue"))
+
+    @functools.wraps(apply_gradients)
+    def backend_apply_gradients(self, grads, trainable_variables):
+        if not (_smp_optimizer(self) and clips(self)):
+            return apply_gradients(self, grads, trainable_variables)
+        context = tf.distribute.get_replica_context()
+        grads = list(grads)
+        if context is not None and context.num_replicas_in_sync > 1:
+            # Sum the replicas' gradients first, clip the sum (as one
+            # device would), and skip the all-reduce of the update step.
+            present = [i for i, g in enumerate(grads) if g is not None]
+            summed = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                        [grads[i] for i in present])
+            for i, g in zip(present, summed):
+                grads[i] = g
+            self._smp_synced = True
+        self._smp_clip_variables = list(trainable_variables)
+        try:
+            return apply_gradients(self, grads, trainable_variables)
+        finally:
+            self._smp_synced = False
+            self._smp_clip_variables = None
+
+    @functools.wraps(all_reduce)
+    def all_reduce_sum_gradients(self, grads_and_vars):
+        if getattr(self, "_smp_synced", False):
+            return list(grads_and_vars)
+        return all_reduce(self, grads_and_vars)
+
+    @functools.wraps(clip)
+    def clip_gradients(self, grads):
+        if not (_smp_optimizer(self) and self.global_clipnorm
+                and getattr(_stage_state, "reduce_sum", None)):
+            return clip(self, grads)
+        # keras' clip_by_global_norm, with the norm over every stage.
+        variables = getattr(self, "_smp_clip_variables", None)
+        if variables is None or len(variables) != len(grads):
+            raise RuntimeError(
+                "keras-smp: global_clipnorm across pipeline stages needs "
+                "the optimizer's variables; gradient accumulation "
+                "(`gradient_accumulation_steps`) is not supported with one "
+                "stage per process.")
+        skip = _stage_state.skip
+        squares = [tf.reduce_sum(tf.square(tf.cast(
+            g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32)))
+            for g, v in zip(grads, variables)
+            if g is not None and id(v) not in skip]
+        norm = tf.sqrt(_stage_sum(tf.add_n(squares) if squares
+                                  else tf.zeros([])))
+        clip_norm = self.global_clipnorm
+        scale = clip_norm * tf.minimum(1.0 / norm, 1.0 / clip_norm)
+        scale = scale + (norm - norm)
+        return [None if g is None else _scaled(g, scale) for g in grads]
+
+    @functools.wraps(check_finite)
+    def finite(self, grads):
+        result = check_finite(self, grads)
+        if not _smp_optimizer(self):
+            return result
+        # One decision everywhere: count the replicas and stages whose
+        # gradients are not finite.
+        bad = 1.0 - tf.cast(result, tf.float32)
+        context = tf.distribute.get_replica_context()
+        if context is not None and context.num_replicas_in_sync > 1:
+            bad = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
+        return tf.equal(_stage_sum(bad), 0.0)
+
+    for fn in (backend_apply_gradients, all_reduce_sum_gradients,
+               clip_gradients, finite):
+        fn._smp_patched = True
+    base._backend_apply_gradients = backend_apply_gradients
+    base._all_reduce_sum_gradients = all_reduce_sum_gradients
+    base._clip_gradients = clip_gradients
+    keras.optimizers.LossScaleOptimizer.check_finite = finite
+
+
+def _scaled(grad, scale):
+    import tensorflow as tf
+
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(scale, grad.dtype),
+                                grad.indices, grad.dense_shape)
+    return grad * tf.cast(scale, grad.dtype)
+
+
 def install():
     """Installs every patch (idempotent, thread-safe)."""
     with _lock:
@@ -237,4 +409,5 @@ def install():
         _patch_make_functions(TensorFlowTrainer)
         _patch_files(keras)
         _patch_get_gradients(keras)
+        _patch_optimizer(keras)
         _installed.append(True)

@@ -1,0 +1,280 @@
+"""A zoo of representative Keras models, with their compile/fit settings.
+
+Used by tests/workers/zoo_fit.py (and so by tests/test_model_zoo.py). Each
+entry builds, from a fixed seed, a plain Keras model, its `compile`
+arguments, its data (numpy, global batch `BATCH`) and its `fit` arguments.
+The same entry is trained on one device (the reference) and in every
+keras-smp mode; nothing here imports keras_smp.
+"""
+
+import keras
+import numpy as np
+from keras import layers
+from keras import ops
+
+BATCH = 16          # global batch (multiple of microbatches x replicas)
+SAMPLES = 64        # 4 steps per epoch
+EPOCHS = 2
+VOCAB, SEQ, WIDTH = 32, 8, 16
+
+
+def _tokens(rng, n=SAMPLES):
+    return rng.randint(1, VOCAB, size=(n, SEQ)).astype("int32")
+
+
+def _flat(rng, n=SAMPLES, d=8):
+    return rng.randn(n, d).astype("float32")
+
+
+def _classes(x, k, rng):
+    w = rng.randn(x.shape[-1], k).astype("float32")
+    return np.argmax(x @ w + 0.1 * rng.randn(len(x), k), axis=1)
+
+
+@keras.saving.register_keras_serializable(package="zoo")
+class PositionEmbedding(layers.Layer):
+    """Adds a learned position embedding (SEQ x WIDTH) to its input."""
+
+    def build(self, shape):
+        self.pos = self.add_weight(shape=(shape[1], shape[2]),
+                                   initializer="glorot_uniform", name="pos")
+
+    def call(self, x):
+        return x + self.pos
+
+
+@keras.saving.register_keras_serializable(package="zoo")
+class TiedOutput(layers.Layer):
+    """Logits = h @ embeddings^T: the output projection tied to the input
+    embedding (GPT-2 style); with 2 stages the embedding is used by both."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, h):
+        return ops.matmul(h, ops.transpose(self.embedding.embeddings))
+
+
+def _encoder_block(h, causal, name):
+    a = layers.MultiHeadAttention(2, WIDTH // 2, name=f"{name}_mha")(
+        h, h, use_causal_mask=causal)
+    h = layers.LayerNormalization(name=f"{name}_ln1")(h + a)
+    f = layers.Dense(2 * WIDTH, activation="gelu", name=f"{name}_ff1")(h)
+    f = layers.Dense(WIDTH, name=f"{name}_ff2")(f)
+    return layers.LayerNormalization(name=f"{name}_ln2")(h + f)
+
+
+def transformer_lm(rng):
+    tokens = keras.Input((SEQ,), dtype="int32")
+    emb = layers.Embedding(VOCAB, WIDTH, name="tok_emb")
+    h = PositionEmbedding(name="pos_emb")(emb(tokens))
+    h = _encoder_block(h, True, "blk0")
+    h = _encoder_block(h, True, "blk1")
+    logits = TiedOutput(emb, name="lm_head")(h)
+    model = keras.Model(tokens, logits)
+    x = _tokens(rng)
+    y = np.roll(x, -1, axis=1)
+    compile_args = dict(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["sparse_categorical_accuracy"])
+    return model, compile_args, (x, y, None), {}
+
+
+def bert_classifier(rng):
+    tokens = keras.Input((SEQ,), dtype="int32")
+    h = layers.Embedding(VOCAB, WIDTH, name="tok_emb")(tokens)
+    h = PositionEmbedding(name="pos_emb")(h)
+    h = _encoder_block(h, False, "enc0")
+    h = layers.GlobalAveragePooling1D()(h)
+    h = layers.Dense(WIDTH, activation="tanh", name="pooler")(h)
+    model = keras.Model(tokens, layers.Dense(2, name="cls")(h))
+    x = _tokens(rng)
+    y = (x[:, 0] > VOCAB // 2).astype("int32")
+    compile_args = dict(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["sparse_categorical_accuracy"])
+    return model, compile_args, (x, y, None), {}
+
+
+def rnn_text(rng):
+    model = keras.Sequential([
+        keras.Input((SEQ,), dtype="int32"),
+        layers.Embedding(VOCAB, WIDTH),
+        layers.LSTM(WIDTH, return_sequences=True),
+        layers.GRU(WIDTH),
+        layers.Dense(1, activation="sigmoid"),
+    ])
+    x = _tokens(rng)
+    y = (x.sum(axis=1) > x.sum(axis=1).mean()).astype("float32")[:, None]
+    compile_args = dict(
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        loss="binary_crossentropy",
+        metrics=["binary_accuracy", keras.metrics.AUC(name="auc")])
+    return model, compile_args, (x, y, None), {}
+
+
+def cnn_bn(rng):
+    model = keras.Sequential([
+        keras.Input((8, 8, 1)),
+        layers.Conv2D(8, 3, padding="same"),
+        layers.BatchNormalization(),
+        layers.Activation("relu"),
+        layers.Conv2D(8, 3, padding="same"),
+        layers.BatchNormalization(),
+        layers.Activation("relu"),
+        layers.GlobalAveragePooling2D(),
+        layers.Dense(3),
+    ])
+    x = rng.randn(SAMPLES, 8, 8, 1).astype("float32")
+    y = _classes(x.reshape(SAMPLES, -1), 3, rng)
+    compile_args = dict(
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["sparse_categorical_accuracy"])
+    return model, compile_args, (x, y, None), {}
+
+
+def resnet(rng):
+    inputs = keras.Input((8, 8, 1))
+    stem = layers.Conv2D(8, 3, padding="same", activation="relu",
+                         name="stem")(inputs)
+    h = layers.Conv2D(8, 3, padding="same", activation="relu", name="c1")(stem)
+    h = layers.Conv2D(8, 3, padding="same", name="c2")(h)
+    h = layers.Activation("relu")(layers.Add(name="skip")([stem, h]))
+    h = layers.GlobalAveragePooling2D()(h)
+    model = keras.Model(inputs, layers.Dense(3, name="out")(h))
+    x = rng.randn(SAMPLES, 8, 8, 1).astype("float32")
+    y = _classes(x.reshape(SAMPLES, -1), 3, rng)
+    compile_args = dict(
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["sparse_categorical_accuracy"])
+    return model, compile_args, (x, y, None), {}
+
+
+def multi_io(rng):
+    a = keras.Input((8,), name="a")
+    b = keras.Input((4,), name="b")
+    h = layers.Dense(16, activation="tanh", name="ha")(a)
+    g = layers.Dense(16, activation="tanh", name="hb")(b)
+    h = layers.Concatenate(name="cat")([h, g])
+    h = layers.Dense(16, activation="relu", name="trunk")(h)
+    cls = layers.Dense(3, name="cls")(h)
+    reg = layers.Dense(1, name="reg")(layers.Dense(8, activation="tanh",
+                                                   name="reg_h")(h))
+    model = keras.Model({"a": a, "b": b}, {"cls": cls, "reg": reg})
+    xa, xb = _flat(rng), _flat(rng, d=4)
+    y = {"cls": _classes(xa, 3, rng),
+         "reg": (xb.sum(axis=1, keepdims=True) * 0.5).astype("float32")}
+    sw = rng.uniform(0.5, 1.5, size=SAMPLES).astype("float32")
+    compile_args = dict(
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+        loss={"cls": keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True), "reg": "mse"},
+        loss_weights={"cls": 1.0, "reg": 0.5},
+        metrics={"cls": ["sparse_categorical_accuracy"], "reg": ["mae"]},
+        weighted_metrics={"reg": ["mse"]})
+    return model, compile_args, ({"a": xa, "b": xb}, y, sw), {}
+
+
+def _mlp(rng, frozen=False, dtype=None):
+    dense = [layers.Dense(32, activation="tanh", dtype=dtype),
+             layers.Dense(32, activation="tanh", dtype=dtype),
+             layers.Dense(16, activation="relu", dtype=dtype),
+             layers.Dense(3, dtype=dtype)]
+    if frozen:
+        dense[1].trainable = False
+    model = keras.Sequential([keras.Input((8,))] + dense)
+    x = _flat(rng)
+    return model, (x, _classes(x, 3, rng), None)
+
+
+def _classifier_compile(optimizer):
+    return dict(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["sparse_categorical_accuracy"])
+
+
+def frozen(rng):
+    model, data = _mlp(rng, frozen=True)
+    return (model, _classifier_compile(keras.optimizers.Adam(1e-2)), data,
+            {})
+
+
+def mixed_bfloat16(rng):
+    model, data = _mlp(rng, dtype="mixed_bfloat16")
+    return (model, _classifier_compile(keras.optimizers.SGD(0.1)), data, {})
+
+
+def mixed_float16(rng):
+    model, data = _mlp(rng, dtype="mixed_float16")
+    # With a float16 policy, compile() wraps the optimizer in a
+    # LossScaleOptimizer (dynamic loss scale).
+    return (model, _classifier_compile(keras.optimizers.SGD(0.1)), data, {})
+
+
+def global_clipnorm(rng):
+    model, data = _mlp(rng)
+    return (model, _classifier_compile(
+        keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=0.05)),
+        data, {})
+
+
+def clipnorm(rng):
+    model, data = _mlp(rng)
+    return (model, _classifier_compile(
+        keras.optimizers.Adam(1e-2, clipnorm=0.02)), data, {})
+
+
+def clipvalue(rng):
+    model, data = _mlp(rng)
+    return (model, _classifier_compile(
+        keras.optimizers.SGD(0.1, clipvalue=0.01)), data, {})
+
+
+def class_weight_lr(rng):
+    # class_weight, a learning-rate schedule callback, ReduceLROnPlateau
+    # on a validation metric, steps_per_execution=2, initial_epoch.
+    model, data = _mlp(rng)
+    compile_args = _classifier_compile(keras.optimizers.SGD(0.1))
+    compile_args["steps_per_execution"] = 2
+    fit = dict(class_weight={0: 1.0, 1: 2.0, 2: 0.5}, initial_epoch=1,
+               epochs=EPOCHS + 1, callbacks=[
+                   keras.callbacks.LearningRateScheduler(
+                       lambda epoch, lr: lr * 0.5),
+                   keras.callbacks.ReduceLROnPlateau(
+                       monitor="val_loss", factor=0.5, patience=0,
+                       min_delta=10.0)])
+    return model, compile_args, data, fit
+
+
+ZOO = {f.__name__: f for f in (
+    transformer_lm, bert_classifier, rnn_text, cnn_bn, resnet, multi_io,
+    frozen, mixed_bfloat16, mixed_float16, global_clipnorm, clipnorm,
+    clipvalue, class_weight_lr)}
+
+
+def build(name):
+    """(model, compile_args, (x, y, sample_weight), fit_args) for `name`.
+
+    Seeded: the same weights and data in every process and mode.
+    """
+    keras.utils.set_random_seed(1234)
+    rng = np.random.RandomState(0)
+    model, compile_args, data, fit_args = ZOO[name](rng)
+    x, y, sw = data
+    n_val = BATCH
+    vrng = np.random.RandomState(1)
+    # Validation data: the first batch, permuted (so it differs from
+    # training batches but has the same distribution).
+    perm = vrng.permutation(SAMPLES)[:n_val]
+    take = lambda t: ({k: v[perm] for k, v in t.items()}  # noqa: E731
+                      if isinstance(t, dict) else t[perm])
+    fit_args = dict(fit_args)
+    fit_args.setdefault("epochs", EPOCHS)
+    fit_args["validation_data"] = (take(x), take(y))
+    return model, compile_args, (x, y, sw), fit_args
