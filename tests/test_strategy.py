@@ -134,3 +134,21 @@ def test_backup_and_restore_resumes_after_failure(tmp_path, reference):
     for r in range(2):
         assert_same_training(load(tmp_path, r), reference(),
                              keys=("evaluate", "predict"))
+
+
+@pytest.mark.slow
+def test_tensorflow_used_before_the_strategy_is_a_clear_error(tmp_path):
+    # A dataset created before SMPStrategy starts TensorFlow, after which
+    # collective ops cannot be configured; say so and how to fix it,
+    # instead of TensorFlow's bare "must be configured at program startup".
+    script = tmp_path / "early.py"
+    script.write_text(
+        "import tensorflow as tf\n"
+        "ds = tf.data.Dataset.range(4)\n"
+        "import keras_smp\n"
+        "keras_smp.SMPStrategy()\n")
+    proc = launch(2, [str(script)], timeout=120, check=False)
+    assert proc.returncode != 0
+    assert "TensorFlow already started in this process" in proc.stdout
+    assert "Create `keras_smp.SMPStrategy(...)`" in proc.stdout
+    assert "first, at the top of the script" in proc.stdout

@@ -497,21 +497,36 @@ class DistributedModel(keras.Model):
         return (keras_private.compiled_metrics(self) is not None
                 or type(self).compute_metrics is not keras.Model.compute_metrics)
 
-    def _smp_extra_losses(self):
-        """Regularization losses (refusing what pipelines cannot split)."""
-        regularization = keras_private.regularization_losses(self)
-        if self._smp_multi_process() and regularization:
-            raise NotImplementedError(
-                "Weight regularizers are not supported with one pipeline "
-                "stage per process yet; run the pipeline in one process "
-                "(local_devices=partitions) or drop the regularizers.")
+    def _smp_extra_losses(self, reduce_sum=None):
+        """Weight-regularization losses: `(logged, differentiated)`.
+
+        In one process both are every layer's regularization losses. With
+        one stage per process (`reduce_sum` given) each process
+        differentiates the losses of its own stage's weights (a tied
+        weight's by its first stage only) and logs their sum over the
+        stages. Losses added with `add_loss()` in `call` are refused.
+        """
         if keras_private.own_losses(self):
             raise NotImplementedError(
                 "Losses added with `add_loss()` inside `call` are not "
                 "supported in pipelined models yet; add them to the "
                 "compiled loss instead.")
-        return [keras_private.aggregate_additional_loss(self, loss)
-                for loss in regularization]
+        aggregate = keras_private.aggregate_additional_loss
+        if reduce_sum is None:
+            losses = [aggregate(self, loss) for loss in
+                      keras_private.regularization_losses(self)]
+            return losses, losses
+        if not any(getattr(v, "regularizer", None) is not None
+                   for v in self.trainable_weights):
+            return [], []
+        graph, stage = self.staged_graph, self._smp_links().stage
+        home = graph.home_stage()
+        local = [aggregate(self, v.regularizer(v))
+                 for v in graph.stage_weights(stage)
+                 if v.trainable and getattr(v, "regularizer", None) is not None
+                 and home[id(v)] == stage]
+        total = reduce_sum(tf.add_n(local) if local else tf.zeros([]))
+        return [total], local
 
     def _smp_track_loss(self, run, extra):
         """Updates Keras' loss tracker with the step's total loss."""
@@ -523,12 +538,12 @@ class DistributedModel(keras.Model):
             keras_private.loss_tracker(self).update_state(
                 tf.add_n(terms), sample_weight=batch)
 
-    def _smp_across_stages(self):
-        """One stage per process: optimizer steps that need the other
-        stages' gradients (global norm, loss-scale finite check) sum over
-        this replica's stage processes."""
+    def _smp_stage_reducer(self):
+        """One stage per process: `reduce_sum(tensor)`, the sum over this
+        replica's stage processes (every call its own collective, in the
+        same order on every stage); `None` otherwise."""
         if not self._smp_multi_process():
-            return contextlib.nullcontext()
+            return None
         links = self._smp_links()
         calls = iter(range(links.INSTANCE_STAGE_SUM,
                            links.INSTANCE_TIED))
@@ -539,27 +554,36 @@ class DistributedModel(keras.Model):
                 links.keys.replica(links.replica), links.num_stages,
                 next(calls))
 
+        return reduce_sum
+
+    def _smp_across_stages(self, reduce_sum):
+        """Optimizer steps that need the other stages' gradients (global
+        norm, loss-scale finite check) sum over the stage processes."""
+        if reduce_sum is None:
+            return contextlib.nullcontext()
+        stage = self._smp_links().stage
         users = self.staged_graph.weight_users()
         elsewhere = [w for w, stages in users.items()
-                     if len(stages) > 1 and min(stages) != links.stage]
+                     if len(stages) > 1 and min(stages) != stage]
         return patches.across_stages(reduce_sum, elsewhere)
 
     def train_step(self, data):
         run = run_step(self, data, training=True,
                        need_outputs=self._smp_needs_outputs())
-        extra = self._smp_extra_losses()
+        reduce_sum = self._smp_stage_reducer()
+        extra, differentiated = self._smp_extra_losses(reduce_sum)
         grads = dict(run.grads)
         trainable = self.trainable_weights
         if self._smp_multi_process():  # this process trains its stage only
             trainable = [v for v in trainable if id(v) in grads]
-        if extra:
-            reg = tf.add_n(extra)
+        if differentiated:
+            reg = tf.add_n(differentiated)
             if self.optimizer is not None:
                 reg = self.optimizer.scale_loss(reg)
             for v, g in zip(trainable, variable_gradients(reg, trainable)):
                 grads[id(v)] = accumulate(grads.get(id(v)), g)
         self._smp_track_loss(run, extra)
-        with self._smp_across_stages():
+        with self._smp_across_stages(reduce_sum):
             if trainable:
                 self.optimizer.apply_gradients(
                     [(grads.get(id(v)), v) for v in trainable])
@@ -575,7 +599,8 @@ class DistributedModel(keras.Model):
         run = run_step(self, data, training=False,
                        need_outputs=self._smp_needs_outputs())
         if run.losses[0] is not None:
-            self._smp_track_loss(run, self._smp_extra_losses())
+            self._smp_track_loss(
+                run, self._smp_extra_losses(self._smp_stage_reducer())[0])
         return self.compute_metrics(run.x, run.y, run.y_pred,
                                     sample_weight=run.sample_weight)
 

@@ -45,6 +45,7 @@ import tempfile
 import threading
 
 from keras_smp.runtime import errors
+from keras_smp.runtime import tf_private
 
 _lock = threading.Lock()
 _installed = []
@@ -99,7 +100,12 @@ def _patch_make_functions(trainer):
             runtime = _multi_worker_runtime(self)
             fn = getattr(self, _attr, None)
             if runtime is not None and fn is not None:
-                setattr(self, _attr, errors.guard(fn, runtime))
+                fn = errors.guard(fn, runtime)
+                setattr(self, _attr, fn)
+            if (fn is not None and getattr(self, "steps_per_execution", 1) > 1
+                    and _runtime_of(getattr(self, "_distribute_strategy",
+                                            None)) is not None):
+                setattr(self, _attr, tf_private.trace_time_instance_keys(fn))
             return result
 
         make._smp_patched = True

@@ -121,6 +121,12 @@ def _pipeline_mode(config, cluster):
         has_gpus=bool(tf.config.list_physical_devices("GPU")))
 
 
+def task_label(cluster):
+    """`"worker:1 of 2"`: a process's place in its cluster, for messages."""
+    return (f"{cluster.task_type}:{cluster.task_index} of "
+            f"{cluster.world_size}")
+
+
 def start_collectives(cluster, config):
     """Starts TensorFlow's multi-worker collective runtime (once per process).
 
@@ -147,6 +153,16 @@ def start_collectives(cluster, config):
                 "joins one cluster: start a new process for another.")
         return True
     context = tf_private.context
+    if tf_private.tensorflow_started():
+        raise RuntimeError(
+            "keras-smp: TensorFlow already started in this process (a "
+            "tensor, tf.data dataset, Keras model or TensorFlow call ran "
+            f"before the strategy), so this process ({task_label(cluster)}) can no "
+            "longer join the multi-worker collective runtime (TensorFlow "
+            "would say: 'Collective ops must be configured at program "
+            "startup'). Create `keras_smp.SMPStrategy(...)` (or call "
+            "`smp.init(...)`) first, at the top of the script, before any "
+            "other TensorFlow or Keras code.")
     spec = tf_private.multi_worker_util.normalize_cluster_spec(
         tf.train.ClusterSpec(cluster.cluster_spec))
     task_type, task_id = cluster.task_type, cluster.task_index

@@ -52,3 +52,38 @@ def local_replica_index(num_local_replicas):
     if ctx is None:
         return 0
     return ctx._replica_id_in_sync_group % num_local_replicas
+
+
+# --- used by keras_smp.runtime.process / patches ----------------------------
+
+def tensorflow_started():
+    """Whether this process's TensorFlow context is initialised (any op,
+    dataset or model has run; collective ops can no longer be set up)."""
+    return context.context()._context_handle is not None
+
+
+def trace_time_instance_keys(fn):
+    """`fn` with collective instance keys fixed when it is traced.
+
+    TensorFlow's collective launchers feed instance keys at call time
+    (`capture_call_time_value`); the deferred capture is lost when the
+    step function runs inside another function's control flow (Keras'
+    `steps_per_execution > 1` loop), which fails with "You must feed a value
+    for placeholder tensor ... while/cond/Placeholder". Keys fixed at trace
+    time are the same on every worker as long as they trace the same steps,
+    which Keras' SPMD step functions do.
+    """
+    import functools
+
+    launcher = cross_device_utils.CollectiveReplicaLauncher
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        previous = launcher._prefer_unique_instance_key
+        launcher._prefer_unique_instance_key = False
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            launcher._prefer_unique_instance_key = previous
+
+    return run

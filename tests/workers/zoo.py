@@ -75,8 +75,11 @@ def transformer_lm(rng):
     model = keras.Model(tokens, logits)
     x = _tokens(rng)
     y = np.roll(x, -1, axis=1)
+    # global_clipnorm clips (the gradient norm is ~2): the norm counts the
+    # tied embedding once, though two stages hold it.
     compile_args = dict(
-        optimizer=keras.optimizers.Adam(1e-2),
+        optimizer=keras.optimizers.SGD(0.2, momentum=0.9,
+                                       global_clipnorm=0.5),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["sparse_categorical_accuracy"])
     return model, compile_args, (x, y, None), {}
@@ -92,8 +95,12 @@ def bert_classifier(rng):
     model = keras.Model(tokens, layers.Dense(2, name="cls")(h))
     x = _tokens(rng)
     y = (x[:, 0] > VOCAB // 2).astype("int32")
+    # SGD, not Adam: attention's key bias has an exactly zero gradient
+    # (softmax ignores a constant shift), so its computed gradient is pure
+    # rounding noise, which Adam normalises into steps of up to lr: a
+    # comparison of such weights measures noise, not fidelity.
     compile_args = dict(
-        optimizer=keras.optimizers.Adam(1e-2),
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["sparse_categorical_accuracy"])
     return model, compile_args, (x, y, None), {}
@@ -135,6 +142,39 @@ def cnn_bn(rng):
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["sparse_categorical_accuracy"])
     return model, compile_args, (x, y, None), {}
+
+
+def cnn_sync_bn(rng):
+    # BatchNormalization(synchronized=True): statistics over the global
+    # batch across data-parallel replicas.
+    model = keras.Sequential([
+        keras.Input((8, 8, 1)),
+        layers.Conv2D(8, 3, padding="same"),
+        layers.BatchNormalization(synchronized=True),
+        layers.Activation("relu"),
+        layers.GlobalAveragePooling2D(),
+        layers.Dense(3),
+    ])
+    x = rng.randn(SAMPLES, 8, 8, 1).astype("float32")
+    y = _classes(x.reshape(SAMPLES, -1), 3, rng)
+    compile_args = dict(
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["sparse_categorical_accuracy"])
+    return model, compile_args, (x, y, None), {}
+
+
+def dropout(rng):
+    # Dropout masks are random draws: they differ from single-device ones
+    # in every mode (other shapes: microbatches, replicas), so the results
+    # do too (documented); what must hold: training runs, inference is
+    # deterministic (no dropout), every rank agrees.
+    model = keras.Sequential([
+        keras.Input((8,)), layers.Dense(32, activation="relu"),
+        layers.Dropout(0.3), layers.Dense(3)])
+    x = _flat(rng)
+    return (model, _classifier_compile(keras.optimizers.SGD(0.1)),
+            (x, _classes(x, 3, rng), None), {})
 
 
 def resnet(rng):
@@ -199,6 +239,20 @@ def _classifier_compile(optimizer):
         metrics=["sparse_categorical_accuracy"])
 
 
+def regularized(rng):
+    # L2 weight regularizers on layers of both stages (counted once in the
+    # loss, differentiated on the stage holding the weight).
+    reg = keras.regularizers.L2(1e-2)
+    model = keras.Sequential([
+        keras.Input((8,)),
+        layers.Dense(32, activation="tanh", kernel_regularizer=reg),
+        layers.Dense(16, activation="tanh"),
+        layers.Dense(3, kernel_regularizer=reg, bias_regularizer=reg)])
+    x = _flat(rng)
+    return (model, _classifier_compile(keras.optimizers.SGD(0.1)),
+            (x, _classes(x, 3, rng), None), {})
+
+
 def frozen(rng):
     model, data = _mlp(rng, frozen=True)
     return (model, _classifier_compile(keras.optimizers.Adam(1e-2)), data,
@@ -253,7 +307,8 @@ def class_weight_lr(rng):
 
 
 ZOO = {f.__name__: f for f in (
-    transformer_lm, bert_classifier, rnn_text, cnn_bn, resnet, multi_io,
+    transformer_lm, bert_classifier, rnn_text, cnn_bn, cnn_sync_bn,
+    dropout, resnet, multi_io, regularized,
     frozen, mixed_bfloat16, mixed_float16, global_clipnorm, clipnorm,
     clipvalue, class_weight_lr)}
 
