@@ -98,3 +98,18 @@ def test_buckets_respect_threshold_and_dtype_and_order():
 def test_fusion_disabled_gives_one_bucket_per_tensor():
     buckets = plan_buckets([(2,), (3,)], ["float32"] * 2, [4, 4], 0)
     assert [b.indices for b in buckets] == [(0,), (1,)]
+
+
+@pytest.mark.parametrize("rows,dense_rows,replicas,dense", [
+    (512, 1000, 2, True),      # gathered 1024 rows >= a 1000-row table
+    (512, 1025, 2, False),
+    (64, 32, 2, True),         # small vocabulary (the zoo's LM)
+    (512, 50_000, 8, False),   # large vocabulary: stay sparse
+    (None, 1000, 2, False),    # unknown batch: stay sparse
+    (512, 100, 1, False),      # one replica: nothing to sum
+])
+def test_sparse_gradient_summed_dense_when_smaller(rows, dense_rows, replicas,
+                                                   dense):
+    from keras_smp.distribute.fusion import sum_sparse_as_dense
+
+    assert sum_sparse_as_dense(rows, dense_rows, replicas) is dense

@@ -56,7 +56,7 @@ from conftest import scaled_atol
 MODELS = [
     "transformer_lm", "bert_classifier", "rnn_text", "cnn_bn", "cnn_sync_bn",
     "dropout", "resnet", "multi_io", "regularized", "frozen", "mixed_bfloat16",
-    "mixed_float16", "global_clipnorm", "clipnorm", "clipvalue",
+    "mixed_float16", "loss_scale_skip", "global_clipnorm", "clipnorm", "clipvalue",
     "class_weight_lr"]
 MODES = ["dp", "pipe", "stage", "hybrid"]
 RANKS = {"dp": 2, "pipe": 1, "stage": 2, "hybrid": 2}

@@ -234,7 +234,7 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         return out[0] if len(out) == 1 else tf.concat(out, axis=0)
 
     def _all_reduce(self, reduce_op, value, replica_id, options):
-        flat_values = nest.flatten(value)
+        flat_values = [self._maybe_dense(v) for v in nest.flatten(value)]
         dense_values, dense_idx, sparse_values, sparse_idx = (
             cross_device_utils.split_by_sparsity(flat_values))
         options = self._options.merge(options)
@@ -260,6 +260,18 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         flat_results = cross_device_utils.stitch_values(
             ((dense_results, dense_idx), (sparse_results, sparse_idx)))
         return nest.pack_sequence_as(value, flat_results)
+
+    def _maybe_dense(self, value):
+        """A sparse gradient summed densely when that moves less
+        (`fusion.sum_sparse_as_dense`); other values unchanged."""
+        if not isinstance(value, tf.IndexedSlices):
+            return value
+        dense_shape = tf.get_static_value(value.dense_shape)
+        if dense_shape is None or not fusion.sum_sparse_as_dense(
+                value.values.shape[0], int(dense_shape[0]),
+                self.layout.size):
+            return value
+        return tf.convert_to_tensor(value)
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs,
                                     options):

@@ -82,3 +82,24 @@ def unpack(flat, bucket, shapes):
     return {
         i: tf.reshape(p, shapes[i]) for i, p in zip(bucket.indices, parts)
     }
+
+
+def sum_sparse_as_dense(rows, dense_rows, replicas):
+    """Whether a sparse gradient is cheaper to sum densely across replicas.
+
+    A sparse gradient (`tf.IndexedSlices`: `rows` gathered rows of a
+    `dense_rows`-row variable, e.g. an embedding table) is summed by
+    all-gathering every replica's rows: each replica receives
+    `replicas x rows` rows. Summed densely, it is one all-reduce of
+    `dense_rows` rows, fused with the other dense gradients. Dense wins once
+    the gathered rows would be as many as the table's (small vocabularies,
+    large batches); with unknown sizes the gradient stays sparse.
+
+    >>> sum_sparse_as_dense(rows=512, dense_rows=1000, replicas=2)
+    True
+    >>> sum_sparse_as_dense(rows=512, dense_rows=50_000, replicas=8)
+    False
+    """
+    if rows is None or dense_rows is None or replicas <= 1:
+        return False
+    return replicas * rows >= dense_rows

@@ -565,7 +565,7 @@ class DistributedModel(keras.Model):
         users = self.staged_graph.weight_users()
         elsewhere = [w for w, stages in users.items()
                      if len(stages) > 1 and min(stages) != stage]
-        return patches.across_stages(reduce_sum, elsewhere)
+        return patches.across_stages(self.optimizer, reduce_sum, elsewhere)
 
     def train_step(self, data):
         run = run_step(self, data, training=True,

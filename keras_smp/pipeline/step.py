@@ -34,8 +34,8 @@ class StepRun:
         x, y, sample_weight: the unpacked batch.
         y_pred: the model's outputs for the whole batch (on every stage
             process when something uses them), or `None`.
-        losses: per microbatch, its weighted loss (each already scaled by
-            the optimizer's loss scale when training), or `None`s.
+        losses: per microbatch, its weighted loss (not scaled by a loss-
+            scale optimizer: what Keras logs), or `None`s.
         grads: `{id(variable): gradient summed over microbatches}` for the
             variables trained here (empty when not training).
         variables: those variables, in stage order.
@@ -128,7 +128,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             y_pred = graph.pack_outputs(
                 [microbatch.merge([o[i] for o in result.outputs])
                  for i in range(len(graph.outputs))])
-        losses = result.losses
+        losses = _logged(loss_fn, result.losses)
         grads = {}
         if training:
             for s in held:
@@ -137,7 +137,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         return StepRun(x, y, sample_weight, y_pred, losses, grads, variables)
     return _share(model, links, result, x, y, sample_weight, batch, has_loss,
                   need_outputs, training, stage_vars[links.stage], variables,
-                  trackers)
+                  trackers, loss_fn)
 
 
 def _specs(tensors, rows):
@@ -156,7 +156,8 @@ def _specs(tensors, rows):
 
 
 def _share(model, links, result, x, y, sample_weight, batch, has_loss,
-           need_outputs, training, stage_vars, variables, trackers):
+           need_outputs, training, stage_vars, variables, trackers,
+           loss_fn):
     """One stage per process: the last stage's outputs and loss to all.
 
     The last stage shares the merged outputs, the loss and the step's
@@ -176,7 +177,7 @@ def _share(model, links, result, x, y, sample_weight, batch, has_loss,
                   for i in range(len(graph.outputs))]
         mine = list(merged) if need_outputs else []
         if has_loss:
-            mine.append(tf.add_n(result.losses))
+            mine.append(tf.add_n(_logged(loss_fn, result.losses)))
             with tf.control_dependencies([result.done]):
                 mine += [v.value - before for v, before in trackers]
     specs = pred_specs + ([((), tf.float32)] if has_loss else [])
@@ -283,8 +284,19 @@ def _loss_fn(model, ys, sws, sample_weight, m, training):
 
     def loss_fn(out, mb):
         loss = compiled(ys[mb], graph.pack_outputs(out), sws[mb]) * weight
+        loss_fn.logged[mb] = loss
         if training and model.optimizer is not None:
             loss = model.optimizer.scale_loss(loss)
         return loss
 
+    loss_fn.logged = [None] * m
     return loss_fn
+
+
+def _logged(loss_fn, losses):
+    """The microbatch losses Keras logs: before any loss scaling (the
+    pipeline differentiates the scaled ones)."""
+    logged = getattr(loss_fn, "logged", None)
+    if logged is None:
+        return losses
+    return [l if l is not None else s for l, s in zip(logged, losses)]

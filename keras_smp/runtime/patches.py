@@ -241,12 +241,9 @@ def _patch_get_gradients(keras):
 
 # -- optimizer step on the synced gradient -----------------------------------
 
-_stage_state = threading.local()
-
-
 @contextlib.contextmanager
-def across_stages(reduce_sum, counted_elsewhere=()):
-    """Within: optimizer steps see the gradients of every pipeline stage.
+def across_stages(optimizer, reduce_sum, counted_elsewhere=()):
+    """Within: `optimizer`'s steps see the gradients of every stage.
 
     `reduce_sum(tensor)` sums a float32 tensor over the stage processes of
     this model replica (one stage per process: each process applies its
@@ -254,20 +251,30 @@ def across_stages(reduce_sum, counted_elsewhere=()):
     check need the other stages' parts). `counted_elsewhere`: ids of
     variables (tied weights) whose gradient another stage process also
     holds and counts in the norm. `DistributedModel` sets it around its
-    optimizer step.
+    optimizer step. Kept on the optimizer (and the one it wraps), not in a
+    thread-local: TensorFlow may run the replica function in a thread.
     """
-    previous = (getattr(_stage_state, "reduce_sum", None),
-                getattr(_stage_state, "skip", frozenset()))
-    _stage_state.reduce_sum = reduce_sum
-    _stage_state.skip = frozenset(counted_elsewhere)
+    optimizers = [optimizer]
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        optimizers.append(inner)
+    state = (reduce_sum, frozenset(counted_elsewhere))
+    for opt in optimizers:
+        opt._smp_stage_state = state
     try:
         yield
     finally:
-        _stage_state.reduce_sum, _stage_state.skip = previous
+        for opt in optimizers:
+            opt._smp_stage_state = None
 
 
-def _stage_sum(tensor):
-    reduce_sum = getattr(_stage_state, "reduce_sum", None)
+def _stage_state(optimizer):
+    return getattr(optimizer, "_smp_stage_state", None) or (None,
+                                                            frozenset())
+
+
+def _stage_sum(optimizer, tensor):
+    reduce_sum = _stage_state(optimizer)[0]
     return tensor if reduce_sum is None else reduce_sum(tensor)
 
 
@@ -293,10 +300,10 @@ def stage_collectives_without_gradients(optimizer):
     import keras
 
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        _stage_sum(tf.zeros([]))
+        _stage_sum(optimizer, tf.zeros([]))
         optimizer = optimizer.inner_optimizer
     if getattr(optimizer, "global_clipnorm", None):
-        _stage_sum(tf.zeros([]))
+        _stage_sum(optimizer, tf.zeros([]))
 
 
 def _smp_optimizer(optimizer):
@@ -349,8 +356,9 @@ def _patch_optimizer(keras):
 
     @functools.wraps(clip)
     def clip_gradients(self, grads):
+        reduce_sum, skip = _stage_state(self)
         if not (_smp_optimizer(self) and self.global_clipnorm
-                and getattr(_stage_state, "reduce_sum", None)):
+                and reduce_sum is not None):
             return clip(self, grads)
         # keras' clip_by_global_norm, with the norm over every stage.
         variables = getattr(self, "_smp_clip_variables", None)
@@ -360,12 +368,11 @@ def _patch_optimizer(keras):
                 "the optimizer's variables; gradient accumulation "
                 "(`gradient_accumulation_steps`) is not supported with one "
                 "stage per process.")
-        skip = _stage_state.skip
         squares = [tf.reduce_sum(tf.square(tf.cast(
             g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32)))
             for g, v in zip(grads, variables)
             if g is not None and id(v) not in skip]
-        norm = tf.sqrt(_stage_sum(tf.add_n(squares) if squares
+        norm = tf.sqrt(reduce_sum(tf.add_n(squares) if squares
                                   else tf.zeros([])))
         clip_norm = self.global_clipnorm
         scale = clip_norm * tf.minimum(1.0 / norm, 1.0 / clip_norm)
@@ -383,7 +390,7 @@ def _patch_optimizer(keras):
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
             bad = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
-        return tf.equal(_stage_sum(bad), 0.0)
+        return tf.equal(_stage_sum(self, bad), 0.0)
 
     for fn in (backend_apply_gradients, all_reduce_sum_gradients,
                clip_gradients, finite):

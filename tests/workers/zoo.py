@@ -220,11 +220,11 @@ def multi_io(rng):
     return model, compile_args, ({"a": xa, "b": xb}, y, sw), {}
 
 
-def _mlp(rng, frozen=False, dtype=None):
-    dense = [layers.Dense(32, activation="tanh", dtype=dtype),
-             layers.Dense(32, activation="tanh", dtype=dtype),
-             layers.Dense(16, activation="relu", dtype=dtype),
-             layers.Dense(3, dtype=dtype)]
+def _mlp(rng, frozen=False):
+    dense = [layers.Dense(32, activation="tanh"),
+             layers.Dense(32, activation="tanh"),
+             layers.Dense(16, activation="relu"),
+             layers.Dense(3)]
     if frozen:
         dense[1].trainable = False
     model = keras.Sequential([keras.Input((8,))] + dense)
@@ -260,15 +260,50 @@ def frozen(rng):
 
 
 def mixed_bfloat16(rng):
-    model, data = _mlp(rng, dtype="mixed_bfloat16")
+    # The global policy, as users set it (zoo_fit restores it afterwards).
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model, data = _mlp(rng)
     return (model, _classifier_compile(keras.optimizers.SGD(0.1)), data, {})
 
 
 def mixed_float16(rng):
-    model, data = _mlp(rng, dtype="mixed_float16")
-    # With a float16 policy, compile() wraps the optimizer in a
-    # LossScaleOptimizer (dynamic loss scale).
+    # With the global mixed_float16 policy, compile() wraps the optimizer
+    # in a LossScaleOptimizer (dynamic loss scale), the model's and
+    # DistributedModel's alike.
+    keras.config.set_dtype_policy("mixed_float16")
+    model, data = _mlp(rng)
     return (model, _classifier_compile(keras.optimizers.SGD(0.1)), data, {})
+
+
+@keras.saving.register_keras_serializable(package="zoo")
+class SqrtGate(layers.Layer):
+    """Replaces feature 0 by sqrt(x0 * w): the gradient of `w` is NaN for a
+    sample with x0 = 0 (0 / 0), while the forward pass stays finite."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(), initializer="ones", name="w")
+
+    def call(self, x):
+        return ops.concatenate([ops.sqrt(x[:, :1] * self.w), x[:, 1:]],
+                               axis=1)
+
+
+def loss_scale_skip(rng):
+    # A LossScaleOptimizer whose first step of each epoch has a non-finite
+    # gradient on the first stage only (sample 3: x0 = 0) and in one
+    # data-parallel replica's half of the batch only: single-device
+    # training skips the step and halves the scale; so must every stage
+    # and replica, together.
+    model = keras.Sequential([
+        keras.Input((8,)), SqrtGate(name="gate"),
+        layers.Dense(32, activation="tanh"),
+        layers.Dense(16, activation="relu"), layers.Dense(3)])
+    x = _flat(rng)
+    y = _classes(x, 3, rng)
+    x[:, 0] = np.abs(x[:, 0]) + 0.1
+    x[3, 0] = 0.0
+    return (model, _classifier_compile(keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1))), (x, y, None), {})
 
 
 def global_clipnorm(rng):
@@ -309,7 +344,8 @@ def class_weight_lr(rng):
 ZOO = {f.__name__: f for f in (
     transformer_lm, bert_classifier, rnn_text, cnn_bn, cnn_sync_bn,
     dropout, resnet, multi_io, regularized,
-    frozen, mixed_bfloat16, mixed_float16, global_clipnorm, clipnorm,
+    frozen, mixed_bfloat16, mixed_float16, loss_scale_skip, global_clipnorm,
+    clipnorm,
     clipvalue, class_weight_lr)}
 
 

@@ -11,7 +11,8 @@ MODE:
              processes (run under `keras-smp launch -n 2`)
 
 Writes DIR/NAME.rankR.npz: final weights (w0, w1, ...), every History key
-(h:KEY), every evaluate() entry (e:KEY) and predict() outputs (p0, ...);
+(h:KEY), every evaluate() entry (e:KEY), predict() outputs (p0, ...) and
+the optimizer's scalar variables (o:I:NAME: iterations, loss scale, ...);
 or DIR/NAME.rankR.err with the exception when the model fails.
 """
 
@@ -70,6 +71,11 @@ def train(name):
         out[f"h:{k}"] = np.array(v, dtype="float64")
     for k, v in evaluation.items():
         out[f"e:{k}"] = np.array(v, dtype="float64")
+    scalars = [v for v in model.optimizer.variables if len(v.shape) == 0]
+    for i, v in enumerate(scalars):  # iterations, loss scale, ...
+        # By position and name (paths carry the optimizer's name, which
+        # counts the optimizers this process created before).
+        out[f"o:{i}:{v.name}"] = np.array(v.numpy(), dtype="float64")
     for i, v in enumerate(keras.tree.flatten(predictions)):
         out[f"p{i}"] = np.asarray(v, dtype="float64")
     return out
