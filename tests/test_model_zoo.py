@@ -33,10 +33,11 @@ magnitude, at least 1; see conftest.scaled_atol):
 Expected, documented differences (docs/what-works.md), asserted as such:
 - BatchNormalization under a pipeline normalises each microbatch by its own
   statistics and updates the moving statistics once per microbatch (as
-  GPipe and SageMaker's library do); data parallel uses each replica's
-  statistics unless `synchronized=True`. With `microbatches=1` a pipeline
-  matches single-device training (checked); moving statistics are updated
-  (checked).
+  GPipe and SageMaker's library do); data parallel normalises by each
+  replica's batch unless `synchronized=True` (the moving statistics are
+  averaged over the replicas, so every rank holds the same). With
+  `microbatches=1` a pipeline matches single-device training (checked);
+  moving statistics are updated (checked).
 - Dropout draws other masks (other shapes per microbatch or replica).
 """
 
@@ -162,16 +163,19 @@ def test_batchnorm_pipeline_with_one_microbatch_matches_single_device(
 @pytest.mark.slow
 def test_batchnorm_moving_statistics_are_updated_per_stage(
         tmp_path_factory, reference):
-    # One stage per process: the stage holding each BatchNormalization
-    # layer updates its moving mean and variance (gathered for
-    # get_weights); they move from their initial 0 and 1, close to the
-    # single-device ones (microbatch means average to the batch mean).
+    # One stage per process, 2 microbatches: the stage holding each
+    # BatchNormalization layer updates its moving mean and variance once
+    # per microbatch (gathered for get_weights). From 0, after k updates
+    # with momentum 0.99 the moving mean is ~0.01 k x (the batch means), so
+    # twice the single-device one (one update per step) within the spread
+    # of the microbatch means (20%, in norm).
     out, proc = _zoo_run(tmp_path_factory, "stage")
     got, ref = _load(out, "cnn_bn", 0, proc), reference("cnn_bn")
     # cnn_bn's weights: conv kernel, bias, gamma, beta, moving mean,
     # moving variance, ... (Keras' order).
     for mean, var in (("w4", "w5"), ("w10", "w11")):
-        assert np.abs(got[mean]).max() > 1e-3, mean
+        assert np.abs(got[mean]).max() > 1e-4, mean
         assert np.abs(got[var] - 1).max() > 1e-3, var
-        np.testing.assert_allclose(got[mean], ref[mean], rtol=0.2,
-                                   atol=0.2 * np.abs(ref[mean]).max())
+        expected = 2 * ref[mean]
+        assert (np.linalg.norm(got[mean] - expected)
+                < 0.2 * np.linalg.norm(expected)), (got[mean], ref[mean])

@@ -280,6 +280,13 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
         if placement.creating_local():
             kwargs.pop("colocate_with", None)
             return next_creator(**kwargs)
+        if _moving_statistic(kwargs):
+            # BatchNormalization's moving statistics: Keras leaves their
+            # aggregation "none", so each replica keeps its own update and
+            # the ranks drift apart (their predictions too). The mean over
+            # the replicas keeps them equal, and the moving mean equal to
+            # the global batch's.
+            kwargs["aggregation"] = tf.VariableAggregation.MEAN
         stage = placement.current_placement()
         if stage is not None and kwargs.get("colocate_with") is None:
             # Each replica's copy goes on that replica's device for `stage`.
@@ -288,6 +295,23 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
                 layout.stage_device(r, stage)
                 for r in range(layout.num_local_replicas)))
         return super()._create_variable(next_creator, **kwargs)
+
+
+# Names Keras' BatchNormalization gives its moving statistics.
+_MOVING_STATISTICS = ("moving_mean", "moving_variance")
+
+
+def _moving_statistic(kwargs):
+    """A BatchNormalization moving statistic left unaggregated.
+
+    Only these: other non-trainable state (optimizer slots, the loss
+    scale) is updated inside control flow, where an aggregated assignment
+    (a merge_call) is not allowed.
+    """
+    name = str(kwargs.get("name") or "").split("/")[-1].split(":")[0]
+    if name not in _MOVING_STATISTICS or kwargs.get("trainable", True):
+        return False
+    return kwargs.get("aggregation") in (None, tf.VariableAggregation.NONE)
 
 
 class _DeviceSet:

@@ -327,12 +327,15 @@ def clipvalue(rng):
 
 def class_weight_lr(rng):
     # class_weight, a learning-rate schedule callback, ReduceLROnPlateau
-    # on a validation metric, steps_per_execution=2, initial_epoch.
+    # on a validation metric, steps_per_execution=2, initial_epoch,
+    # validation_split.
     model, data = _mlp(rng)
     compile_args = _classifier_compile(keras.optimizers.SGD(0.1))
     compile_args["steps_per_execution"] = 2
+    # validation_split: the last quarter (16 samples) validates, the rest
+    # trains (3 steps: one full steps_per_execution group and one partial).
     fit = dict(class_weight={0: 1.0, 1: 2.0, 2: 0.5}, initial_epoch=1,
-               epochs=EPOCHS + 1, callbacks=[
+               validation_split=0.25, epochs=EPOCHS + 1, callbacks=[
                    keras.callbacks.LearningRateScheduler(
                        lambda epoch, lr: lr * 0.5),
                    keras.callbacks.ReduceLROnPlateau(
@@ -367,5 +370,8 @@ def build(name):
                       if isinstance(t, dict) else t[perm])
     fit_args = dict(fit_args)
     fit_args.setdefault("epochs", EPOCHS)
-    fit_args["validation_data"] = (take(x), take(y))
+    if "validation_split" not in fit_args:
+        fit_args["validation_data"] = (take(x), take(y))
+    # What evaluate() and predict() run on afterwards.
+    fit_args["eval_data"] = (take(x), take(y))
     return model, compile_args, (x, y, sw), fit_args

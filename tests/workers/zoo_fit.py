@@ -60,9 +60,9 @@ def train(name):
     if pipelined:
         model = keras_smp.DistributedModel(model)
     model.compile(**compile_args)
+    vx, vy = fit_args.pop("eval_data")
     history = model.fit(x, y, sample_weight=sw, batch_size=zoo.BATCH,
                         verbose=0, **fit_args)
-    vx, vy = fit_args["validation_data"]
     evaluation = model.evaluate(vx, vy, batch_size=zoo.BATCH, verbose=0,
                                 return_dict=True)
     predictions = model.predict(vx, batch_size=zoo.BATCH, verbose=0)
