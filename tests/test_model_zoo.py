@@ -77,14 +77,19 @@ EXPECTED.update({("dropout", m): DROPOUT for m in MODES})
 _runs = {}
 
 
-def _zoo_run(tmp_path_factory, mode, microbatches=2, models=MODELS):
+# Trained in one mode only (one stage per process), with split points.
+FROZEN_STAGE = "frozen_stage_loss_scale"
+
+
+def _zoo_run(tmp_path_factory, mode, microbatches=2, models=MODELS,
+             split=None):
     """Runs `models` in `mode` once per session; returns the output dir."""
-    key = (mode, microbatches, tuple(models))
+    key = (mode, microbatches, tuple(models), split)
     if key not in _runs:
         out = tmp_path_factory.mktemp(f"zoo_{mode}_m{microbatches}")
         args = [os.path.join(WORKERS, "zoo_fit.py"), "--out", str(out),
                 "--mode", mode, "--microbatches", str(microbatches),
-                *models]
+                *(["--split", split] if split else []), *models]
         if mode in ("dp", "stage", "hybrid"):
             proc = launch(2, args, timeout=900, check=False)
         else:
@@ -118,7 +123,8 @@ def _assert_same(got, ref, name, rtol, atol):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    out, proc = _zoo_run(tmp_path_factory, "reference")
+    out, proc = _zoo_run(tmp_path_factory, "reference",
+                         models=MODELS + [FROZEN_STAGE])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return lambda name: _load(out, name, 0, proc)
 
@@ -179,3 +185,21 @@ def test_batchnorm_moving_statistics_are_updated_per_stage(
         expected = 2 * ref[mean]
         assert (np.linalg.norm(got[mean] - expected)
                 < 0.2 * np.linalg.norm(expected)), (got[mean], ref[mean])
+
+
+@pytest.mark.slow
+def test_frozen_stage_with_loss_scale_and_clipping_matches_single_device(
+        tmp_path_factory, reference):
+    # One stage per process, the first stage frozen (nothing to train) and
+    # a LossScaleOptimizer with global_clipnorm whose gradient is NaN on
+    # the second stage in some steps: the frozen stage still takes part in
+    # every reduction (once hung: its unused gradient receives were pruned
+    # and the sender waited), skips and halves its loss scale with the
+    # other stage, and counts the same iterations (o:* entries).
+    out, proc = _zoo_run(tmp_path_factory, "stage", models=[FROZEN_STAGE],
+                         split="gate")
+    ref = reference(FROZEN_STAGE)
+    assert ref["o:3:dynamic_scale"] < 32768.0, "no step was skipped"
+    for rank in range(2):
+        _assert_same(_load(out, FROZEN_STAGE, rank, proc), ref,
+                     FROZEN_STAGE, RTOL, ATOL)

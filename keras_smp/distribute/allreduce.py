@@ -18,6 +18,7 @@ Algorithms (groups described in `groups.py`):
 
 import tensorflow as tf
 
+from keras_smp import runtime
 from keras_smp.distribute import fusion
 from keras_smp.distribute.groups import ReplicaLayout
 from keras_smp.runtime import tf_private
@@ -264,14 +265,15 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     def _maybe_dense(self, value):
         """A sparse gradient summed densely when that moves less
         (`fusion.sum_sparse_as_dense`); other values unchanged."""
-        if not isinstance(value, tf.IndexedSlices):
+        if not isinstance(value, tf.IndexedSlices) or runtime.keep_sparse():
             return value
         dense_shape = tf.get_static_value(value.dense_shape)
         if dense_shape is None or not fusion.sum_sparse_as_dense(
                 value.values.shape[0], int(dense_shape[0]),
                 self.layout.size):
             return value
-        return tf.convert_to_tensor(value)
+        with tf.device(value.values.device):  # stays on its stage's device
+            return tf.convert_to_tensor(value)
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs,
                                     options):

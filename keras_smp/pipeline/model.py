@@ -502,9 +502,9 @@ class DistributedModel(keras.Model):
 
         In one process both are every layer's regularization losses. With
         one stage per process (`reduce_sum` given) each process
-        differentiates the losses of its own stage's weights (a tied
-        weight's by its first stage only) and logs their sum over the
-        stages. Losses added with `add_loss()` in `call` are refused.
+        differentiates the losses of its own stage's weights and logs
+        their sum over the stages (a tied weight's by its first stage).
+        Losses added with `add_loss()` in `call` are refused.
         """
         if keras_private.own_losses(self):
             raise NotImplementedError(
@@ -521,12 +521,14 @@ class DistributedModel(keras.Model):
             return [], []
         graph, stage = self.staged_graph, self._smp_links().stage
         home = graph.home_stage()
-        local = [aggregate(self, v.regularizer(v))
+        local = [(v, aggregate(self, v.regularizer(v)))
                  for v in graph.stage_weights(stage)
-                 if v.trainable and getattr(v, "regularizer", None) is not None
-                 and home[id(v)] == stage]
-        total = reduce_sum(tf.add_n(local) if local else tf.zeros([]))
-        return [total], local
+                 if v.trainable and getattr(v, "regularizer", None) is not None]
+        # A tied weight's copies each take its regularizer's gradient (so
+        # they stay equal); its loss is logged once, by its first stage.
+        logged = [loss for v, loss in local if home[id(v)] == stage]
+        total = reduce_sum(tf.add_n(logged) if logged else tf.zeros([]))
+        return [total], [loss for _, loss in local]
 
     def _smp_track_loss(self, run, extra):
         """Updates Keras' loss tracker with the step's total loss."""
@@ -588,7 +590,7 @@ class DistributedModel(keras.Model):
                 self.optimizer.apply_gradients(
                     [(grads.get(id(v)), v) for v in trainable])
             elif self._smp_multi_process():  # a stage with nothing to train
-                patches.stage_collectives_without_gradients(self.optimizer)
+                patches.step_without_gradients(self.optimizer)
             else:
                 warnings.warn(
                     "The model does not have any trainable weights.")

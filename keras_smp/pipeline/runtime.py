@@ -315,12 +315,19 @@ class _Builder:
         total = self.grads[s]
         for i, g in enumerate(var_grads):
             total[i] = accumulate(total[i], g)
+        # The received gradients count as done too: a stage with nothing
+        # to train (frozen) uses them for nothing else, and TensorFlow
+        # would prune the receive, leaving the sender waiting.
         self._finish(a, start, [
             g.values if isinstance(g, tf.IndexedSlices) else g
-            for g in list(in_grads) + list(var_grads)])
+            for g in list(in_grads) + list(var_grads) + list(seed or [])])
 
     def _finish(self, a, start, done):
         s = a.stage
+        # The stage's previous action too: an action that computes nothing
+        # (a frozen stage's backward) must not cut the chain, or TensorFlow
+        # prunes what came before it (receives included).
+        done = list(done) + self._chain(s)
         self.last[s] = tf.group(*done) if done else tf.no_op()
         if self.times is not None:
             self.times.append((a, start, self._timestamp([self.last[s]])))

@@ -30,6 +30,7 @@ Example:
 True
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,4 +101,30 @@ def of(strategy):
     return getattr(strategy, "_smp_runtime", None)
 
 
-__all__ = ["Runtime", "current", "of"]
+_sparse_as_is = []
+
+
+@contextlib.contextmanager
+def sparse_gradients_as_is():
+    """Within: gradient all-reduces keep sparse gradients sparse.
+
+    Norm clipping counts a sparse gradient's rows as Keras does (each row
+    as it comes, repeated ids included); summed densely, repeated rows
+    would merge and the norm would differ from single-device training.
+    Process-wide (not thread-local): TensorFlow may run the all-reduce in
+    another thread than the one entering this.
+    """
+    _sparse_as_is.append(True)
+    try:
+        yield
+    finally:
+        _sparse_as_is.pop()
+
+
+def keep_sparse():
+    """Whether `sparse_gradients_as_is` is active."""
+    return bool(_sparse_as_is)
+
+
+__all__ = ["Runtime", "current", "of", "keep_sparse",
+           "sparse_gradients_as_is"]

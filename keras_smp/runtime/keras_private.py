@@ -105,3 +105,56 @@ def own_losses(model):
 def aggregate_additional_loss(model, loss):
     """An additional loss summed and cast as Keras does."""
     return model._aggregate_additional_loss(loss)
+
+
+def loss_scale_after_finite_step(optimizer):
+    """A `LossScaleOptimizer`'s update of its scale after a finite step,
+    without gradients to apply (a pipeline stage with nothing to train)."""
+    optimizer._stateful_handle_finite_grads([], [])
+
+
+def loss_scale_after_non_finite_step(optimizer):
+    """A `LossScaleOptimizer`'s update of its scale after a skipped step."""
+    optimizer._stateful_handle_non_finite_grads()
+
+
+# The private steps of `keras.optimizers.Optimizer.apply` (TensorFlow
+# backend) that keras-smp wraps, by role.
+_OPTIMIZER_STEPS = {
+    "apply_gradients": "_backend_apply_gradients",  # clip, then update
+    "all_reduce": "_all_reduce_sum_gradients",       # in the update step
+    "clip": "_clip_gradients",
+}
+
+
+def optimizer_strategy(optimizer):
+    """The `tf.distribute.Strategy` an optimizer was created under."""
+    return getattr(optimizer, "_distribution_strategy", None)
+
+
+def optimizer_step_wrapped():
+    """Whether `wrap_optimizer_step` has run in this process."""
+    import keras
+
+    return getattr(keras.optimizers.Optimizer._backend_apply_gradients,
+                   "_smp_wrapped", False)
+
+
+def wrap_optimizer_step(apply_gradients, all_reduce, clip, check_finite):
+    """Replaces the optimizer's private steps by `wrap(original)` each
+    (`check_finite`: `LossScaleOptimizer.check_finite`'s)."""
+    import functools
+
+    import keras
+
+    targets = [(keras.optimizers.Optimizer, _OPTIMIZER_STEPS[role], wrap)
+               for role, wrap in (("apply_gradients", apply_gradients),
+                                  ("all_reduce", all_reduce),
+                                  ("clip", clip))]
+    targets.append((keras.optimizers.LossScaleOptimizer, "check_finite",
+                    check_finite))
+    for cls, name, wrap in targets:
+        original = getattr(cls, name)
+        wrapped = functools.wraps(original)(wrap(original))
+        wrapped._smp_wrapped = True
+        setattr(cls, name, wrapped)

@@ -44,6 +44,7 @@ import shutil
 import tempfile
 import threading
 
+import keras_smp.runtime as runtime_package
 from keras_smp.runtime import errors
 from keras_smp.runtime import tf_private
 
@@ -96,13 +97,16 @@ def _patch_make_functions(trainer):
         @functools.wraps(original)
         def make(self, *args, _original=original, _attr=attr, **kwargs):
             check_pipelined(self)
+            before = getattr(self, _attr, None)
             result = _original(self, *args, **kwargs)
-            runtime = _multi_worker_runtime(self)
             fn = getattr(self, _attr, None)
-            if runtime is not None and fn is not None:
+            if fn is None or fn is before:  # Keras returned the cached one
+                return result
+            runtime = _multi_worker_runtime(self)
+            if runtime is not None:
                 fn = errors.guard(fn, runtime)
                 setattr(self, _attr, fn)
-            if (fn is not None and getattr(self, "steps_per_execution", 1) > 1
+            if (getattr(self, "steps_per_execution", 1) > 1
                     and _runtime_of(getattr(self, "_distribute_strategy",
                                             None)) is not None):
                 setattr(self, _attr, tf_private.trace_time_instance_keys(fn))
@@ -260,12 +264,18 @@ def across_stages(optimizer, reduce_sum, counted_elsewhere=()):
         optimizers.append(inner)
     state = (reduce_sum, frozenset(counted_elsewhere))
     for opt in optimizers:
-        opt._smp_stage_state = state
+        _set(opt, "_smp_stage_state", state)
     try:
         yield
     finally:
         for opt in optimizers:
-            opt._smp_stage_state = None
+            _set(opt, "_smp_stage_state", None)
+
+
+def _set(optimizer, name, value):
+    """Sets a keras-smp attribute past Keras' attribute tracking (which
+    would add the variables of a list to the optimizer's own)."""
+    object.__setattr__(optimizer, name, value)
 
 
 def _stage_state(optimizer):
@@ -278,127 +288,165 @@ def _stage_sum(optimizer, tensor):
     return tensor if reduce_sum is None else reduce_sum(tensor)
 
 
-def needs_stage_collectives(optimizer):
-    """Whether `optimizer`'s step reduces over stages (`across_stages`)."""
-    import keras
+def step_without_gradients(optimizer):
+    """The optimizer step of a stage process with nothing to train.
 
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return True
-    return bool(getattr(optimizer, "global_clipnorm", None))
-
-
-def stage_collectives_without_gradients(optimizer):
-    """The stage reductions of a step, for a stage with nothing to train.
-
-    Every stage process must take part in `across_stages` reductions; a
-    stage without trainable weights contributes zero (and "finite").
+    A frozen stage (fine-tuning) still takes part in the other stages'
+    `across_stages` reductions, in the same order and under the same
+    conditions: it contributes zero to the norm and "finite" to the
+    loss-scale check, keeps its loss scale in step with theirs (the last
+    stage scales the loss with it) and counts the step in `iterations`.
     """
+    import keras
     import tensorflow as tf
 
-    if not needs_stage_collectives(optimizer):
-        return
-    import keras
+    from keras_smp.runtime import keras_private
 
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        _stage_sum(optimizer, tf.zeros([]))
-        optimizer = optimizer.inner_optimizer
-    if getattr(optimizer, "global_clipnorm", None):
-        _stage_sum(optimizer, tf.zeros([]))
+    scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    inner = optimizer.inner_optimizer if scaled else optimizer
+
+    def clip_sum():
+        if getattr(inner, "global_clipnorm", None):
+            _stage_sum(inner, tf.zeros([]))
+
+    if not scaled:
+        clip_sum()
+        inner.iterations.assign_add(1)
+        return
+    if not optimizer.built:
+        optimizer.build([])
+    finite = tf.equal(_stage_sum(optimizer, tf.zeros([])), 0.0)
+    # Outside the cond: `iterations` (aggregated "only first replica")
+    # cannot be assigned in a replica context inside control flow.
+    inner.iterations.assign_add(tf.cast(finite, inner.iterations.dtype))
+
+    def on_finite():
+        clip_sum()
+        keras_private.loss_scale_after_finite_step(optimizer)
+        return tf.constant(True)
+
+    def on_non_finite():
+        keras_private.loss_scale_after_non_finite_step(optimizer)
+        return tf.constant(False)
+
+    tf.cond(finite, on_finite, on_non_finite)
 
 
 def _smp_optimizer(optimizer):
-    return _runtime_of(getattr(optimizer, "_distribution_strategy", None)) \
+    from keras_smp.runtime import keras_private
+
+    return _runtime_of(keras_private.optimizer_strategy(optimizer)) \
         is not None
 
 
 def _patch_optimizer(keras):
     import tensorflow as tf
 
-    base = keras.optimizers.Optimizer
-    if getattr(base._backend_apply_gradients, "_smp_patched", False):
+    from keras_smp.runtime import keras_private
+
+    if keras_private.optimizer_step_wrapped():
         return
-    apply_gradients = base._backend_apply_gradients
-    all_reduce = base._all_reduce_sum_gradients
-    clip = base._clip_gradients
-    check_finite = keras.optimizers.LossScaleOptimizer.check_finite
 
     def clips(optimizer):
         return any(getattr(optimizer, a, None)
                    for a in ("clipnorm", "global_clipnorm", "clipvalue"))
 
-    @functools.wraps(apply_gradients)
-    def backend_apply_gradients(self, grads, trainable_variables):
-        if not (_smp_optimizer(self) and clips(self)):
-            return apply_gradients(self, grads, trainable_variables)
-        context = tf.distribute.get_replica_context()
-        grads = list(grads)
-        if context is not None and context.num_replicas_in_sync > 1:
-            # Sum the replicas' gradients first, clip the sum (as one
-            # device would), and skip the all-reduce of the update step.
-            present = [i for i, g in enumerate(grads) if g is not None]
-            summed = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                        [grads[i] for i in present])
-            for i, g in zip(present, summed):
-                grads[i] = g
-            self._smp_synced = True
-        self._smp_clip_variables = list(trainable_variables)
-        try:
-            return apply_gradients(self, grads, trainable_variables)
-        finally:
-            self._smp_synced = False
-            self._smp_clip_variables = None
+    def wrap_apply(apply_gradients):
+        def backend_apply_gradients(self, grads, trainable_variables):
+            if not (_smp_optimizer(self) and clips(self)):
+                return apply_gradients(self, grads, trainable_variables)
+            if (self.global_clipnorm and self.gradient_accumulation_steps
+                    and _stage_state(self)[0] is not None):
+                raise NotImplementedError(
+                    "global_clipnorm with gradient_accumulation_steps="
+                    f"{self.gradient_accumulation_steps} is not supported "
+                    "with one pipeline stage per process (the norm would "
+                    "cover this stage only). Use clipnorm, or run the "
+                    "pipeline in one process (local_devices=partitions).")
+            context = tf.distribute.get_replica_context()
+            grads = list(grads)
+            if context is not None and context.num_replicas_in_sync > 1:
+                # Sum the replicas' gradients first, clip the sum (as one
+                # device would), and skip the all-reduce of the update.
+                present = [i for i, g in enumerate(grads) if g is not None]
+                with runtime_package.sparse_gradients_as_is():
+                    summed = context.all_reduce(
+                        tf.distribute.ReduceOp.SUM,
+                        [grads[i] for i in present])
+                for i, g in zip(present, summed):
+                    grads[i] = g
+                _set(self, "_smp_synced", True)
+            _set(self, "_smp_clip_ids",
+                 tuple(id(v) for v in trainable_variables))
+            try:
+                return apply_gradients(self, grads, trainable_variables)
+            finally:
+                _set(self, "_smp_synced", False)
+                _set(self, "_smp_clip_ids", None)
 
-    @functools.wraps(all_reduce)
-    def all_reduce_sum_gradients(self, grads_and_vars):
-        if getattr(self, "_smp_synced", False):
-            return list(grads_and_vars)
-        return all_reduce(self, grads_and_vars)
+        return backend_apply_gradients
 
-    @functools.wraps(clip)
-    def clip_gradients(self, grads):
-        reduce_sum, skip = _stage_state(self)
-        if not (_smp_optimizer(self) and self.global_clipnorm
-                and reduce_sum is not None):
-            return clip(self, grads)
-        # keras' clip_by_global_norm, with the norm over every stage.
-        variables = getattr(self, "_smp_clip_variables", None)
-        if variables is None or len(variables) != len(grads):
-            raise RuntimeError(
-                "keras-smp: global_clipnorm across pipeline stages needs "
-                "the optimizer's variables; gradient accumulation "
-                "(`gradient_accumulation_steps`) is not supported with one "
-                "stage per process.")
-        squares = [tf.reduce_sum(tf.square(tf.cast(
-            g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32)))
-            for g, v in zip(grads, variables)
-            if g is not None and id(v) not in skip]
-        norm = tf.sqrt(reduce_sum(tf.add_n(squares) if squares
-                                  else tf.zeros([])))
-        clip_norm = self.global_clipnorm
-        scale = clip_norm * tf.minimum(1.0 / norm, 1.0 / clip_norm)
-        scale = scale + (norm - norm)
-        return [None if g is None else _scaled(g, scale) for g in grads]
+    def wrap_all_reduce(all_reduce):
+        def all_reduce_sum_gradients(self, grads_and_vars):
+            if getattr(self, "_smp_synced", False):
+                return list(grads_and_vars)  # summed before clipping
+            return all_reduce(self, grads_and_vars)
 
-    @functools.wraps(check_finite)
-    def finite(self, grads):
-        result = check_finite(self, grads)
-        if not _smp_optimizer(self):
-            return result
-        # One decision everywhere: count the replicas and stages whose
-        # gradients are not finite.
-        bad = 1.0 - tf.cast(result, tf.float32)
-        context = tf.distribute.get_replica_context()
-        if context is not None and context.num_replicas_in_sync > 1:
-            bad = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
-        return tf.equal(_stage_sum(self, bad), 0.0)
+        return all_reduce_sum_gradients
 
-    for fn in (backend_apply_gradients, all_reduce_sum_gradients,
-               clip_gradients, finite):
-        fn._smp_patched = True
-    base._backend_apply_gradients = backend_apply_gradients
-    base._all_reduce_sum_gradients = all_reduce_sum_gradients
-    base._clip_gradients = clip_gradients
-    keras.optimizers.LossScaleOptimizer.check_finite = finite
+    def wrap_clip(clip):
+        def clip_gradients(self, grads):
+            reduce_sum, skip = _stage_state(self)
+            if not (_smp_optimizer(self) and self.global_clipnorm
+                    and reduce_sum is not None):
+                return clip(self, grads)
+            # keras' clip_by_global_norm, with the norm over every stage.
+            ids = getattr(self, "_smp_clip_ids", None)
+            if ids is None or len(ids) != len(grads):
+                raise RuntimeError(
+                    "keras-smp: global_clipnorm across pipeline stages lost "
+                    "track of the optimizer's variables (internal error).")
+            squares = [_squared_norm(g) for g, i in zip(grads, ids)
+                       if g is not None and i not in skip]
+            norm = tf.sqrt(reduce_sum(tf.add_n(squares) if squares
+                                      else tf.zeros([])))
+            clip_norm = self.global_clipnorm
+            scale = clip_norm * tf.minimum(1.0 / norm, 1.0 / clip_norm)
+            scale = scale + (norm - norm)
+            return [None if g is None else _scaled(g, scale) for g in grads]
+
+        return clip_gradients
+
+    def wrap_check_finite(check_finite):
+        def finite(self, grads):
+            result = check_finite(self, grads)
+            if not _smp_optimizer(self):
+                return result
+            # One decision everywhere: count the replicas and stages whose
+            # gradients are not finite.
+            bad = 1.0 - tf.cast(result, tf.float32)
+            context = tf.distribute.get_replica_context()
+            if context is not None and context.num_replicas_in_sync > 1:
+                bad = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
+            return tf.equal(_stage_sum(self, bad), 0.0)
+
+        return finite
+
+    keras_private.wrap_optimizer_step(
+        apply_gradients=wrap_apply, all_reduce=wrap_all_reduce,
+        clip=wrap_clip, check_finite=wrap_check_finite)
+
+
+def _squared_norm(grad):
+    """Sum of squares of a gradient, as Keras' clip_by_global_norm takes
+    it: a sparse gradient's rows as they come (an id repeated in the batch
+    counts once per occurrence; the pipeline's microbatch sum and the
+    sparse all-reduce keep the single-device rows)."""
+    import tensorflow as tf
+
+    if isinstance(grad, tf.IndexedSlices):
+        grad = grad.values
+    return tf.reduce_sum(tf.square(tf.cast(grad, tf.float32)))
 
 
 def _scaled(grad, scale):

@@ -16,6 +16,7 @@ BATCH = 16          # global batch (multiple of microbatches x replicas)
 SAMPLES = 64        # 4 steps per epoch
 EPOCHS = 2
 VOCAB, SEQ, WIDTH = 32, 8, 16
+BIG_VOCAB = 4096    # rows gathered per step (<= 2 x 64) << rows
 
 
 def _tokens(rng, n=SAMPLES):
@@ -29,6 +30,13 @@ def _flat(rng, n=SAMPLES, d=8):
 def _classes(x, k, rng):
     w = rng.randn(x.shape[-1], k).astype("float32")
     return np.argmax(x @ w + 0.1 * rng.randn(len(x), k), axis=1)
+
+
+def _classifier_compile(optimizer):
+    return dict(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["sparse_categorical_accuracy"])
 
 
 @keras.saving.register_keras_serializable(package="zoo")
@@ -86,23 +94,25 @@ def transformer_lm(rng):
 
 
 def bert_classifier(rng):
+    # A large vocabulary: the embedding's sparse gradient stays sparse
+    # across replicas (fusion.sum_sparse_as_dense) and its repeated rows
+    # count once each in global_clipnorm's norm.
     tokens = keras.Input((SEQ,), dtype="int32")
-    h = layers.Embedding(VOCAB, WIDTH, name="tok_emb")(tokens)
+    h = layers.Embedding(BIG_VOCAB, WIDTH, name="tok_emb")(tokens)
     h = PositionEmbedding(name="pos_emb")(h)
     h = _encoder_block(h, False, "enc0")
     h = layers.GlobalAveragePooling1D()(h)
     h = layers.Dense(WIDTH, activation="tanh", name="pooler")(h)
     model = keras.Model(tokens, layers.Dense(2, name="cls")(h))
     x = _tokens(rng)
+    x[:, 1:4] = rng.randint(VOCAB, BIG_VOCAB, size=(SAMPLES, 3))
     y = (x[:, 0] > VOCAB // 2).astype("int32")
     # SGD, not Adam: attention's key bias has an exactly zero gradient
     # (softmax ignores a constant shift), so its computed gradient is pure
     # rounding noise, which Adam normalises into steps of up to lr: a
     # comparison of such weights measures noise, not fidelity.
-    compile_args = dict(
-        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["sparse_categorical_accuracy"])
+    compile_args = _classifier_compile(keras.optimizers.SGD(
+        0.1, momentum=0.9, global_clipnorm=0.1))
     return model, compile_args, (x, y, None), {}
 
 
@@ -123,6 +133,15 @@ def rnn_text(rng):
     return model, compile_args, (x, y, None), {}
 
 
+def _image_classifier(model, rng):
+    """8x8 images, 3 classes, SGD with momentum."""
+    x = rng.randn(SAMPLES, 8, 8, 1).astype("float32")
+    y = _classes(x.reshape(SAMPLES, -1), 3, rng)
+    return (model, _classifier_compile(keras.optimizers.SGD(0.05,
+                                                            momentum=0.9)),
+            (x, y, None), {})
+
+
 def cnn_bn(rng):
     model = keras.Sequential([
         keras.Input((8, 8, 1)),
@@ -135,13 +154,7 @@ def cnn_bn(rng):
         layers.GlobalAveragePooling2D(),
         layers.Dense(3),
     ])
-    x = rng.randn(SAMPLES, 8, 8, 1).astype("float32")
-    y = _classes(x.reshape(SAMPLES, -1), 3, rng)
-    compile_args = dict(
-        optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["sparse_categorical_accuracy"])
-    return model, compile_args, (x, y, None), {}
+    return _image_classifier(model, rng)
 
 
 def cnn_sync_bn(rng):
@@ -155,13 +168,7 @@ def cnn_sync_bn(rng):
         layers.GlobalAveragePooling2D(),
         layers.Dense(3),
     ])
-    x = rng.randn(SAMPLES, 8, 8, 1).astype("float32")
-    y = _classes(x.reshape(SAMPLES, -1), 3, rng)
-    compile_args = dict(
-        optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["sparse_categorical_accuracy"])
-    return model, compile_args, (x, y, None), {}
+    return _image_classifier(model, rng)
 
 
 def dropout(rng):
@@ -186,13 +193,7 @@ def resnet(rng):
     h = layers.Activation("relu")(layers.Add(name="skip")([stem, h]))
     h = layers.GlobalAveragePooling2D()(h)
     model = keras.Model(inputs, layers.Dense(3, name="out")(h))
-    x = rng.randn(SAMPLES, 8, 8, 1).astype("float32")
-    y = _classes(x.reshape(SAMPLES, -1), 3, rng)
-    compile_args = dict(
-        optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["sparse_categorical_accuracy"])
-    return model, compile_args, (x, y, None), {}
+    return _image_classifier(model, rng)
 
 
 def multi_io(rng):
@@ -230,13 +231,6 @@ def _mlp(rng, frozen=False):
     model = keras.Sequential([keras.Input((8,))] + dense)
     x = _flat(rng)
     return model, (x, _classes(x, 3, rng), None)
-
-
-def _classifier_compile(optimizer):
-    return dict(
-        optimizer=optimizer,
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["sparse_categorical_accuracy"])
 
 
 def regularized(rng):
@@ -277,15 +271,15 @@ def mixed_float16(rng):
 
 @keras.saving.register_keras_serializable(package="zoo")
 class SqrtGate(layers.Layer):
-    """Replaces feature 0 by sqrt(x0 * w): the gradient of `w` is NaN for a
+    """Replaces feature 0 by sqrt(x0^2 w): the gradient of `w` is NaN for a
     sample with x0 = 0 (0 / 0), while the forward pass stays finite."""
 
     def build(self, shape):
         self.w = self.add_weight(shape=(), initializer="ones", name="w")
 
     def call(self, x):
-        return ops.concatenate([ops.sqrt(x[:, :1] * self.w), x[:, 1:]],
-                               axis=1)
+        return ops.concatenate(
+            [ops.sqrt(ops.square(x[:, :1]) * self.w), x[:, 1:]], axis=1)
 
 
 def loss_scale_skip(rng):
@@ -304,6 +298,29 @@ def loss_scale_skip(rng):
     x[3, 0] = 0.0
     return (model, _classifier_compile(keras.optimizers.LossScaleOptimizer(
         keras.optimizers.SGD(0.1))), (x, y, None), {})
+
+
+def frozen_stage_loss_scale(rng):
+    # Fine-tuning: the first stage (two frozen layers, split at "gate")
+    # has nothing to train. A LossScaleOptimizer with global_clipnorm;
+    # sample 3 is all zeros, so the frozen layers give it a zero feature
+    # 0 and the gate's gradient is NaN on the second stage: single-device
+    # training skips those steps and halves the scale. The frozen stage
+    # takes part in every decision and keeps its scale in step. Used with
+    # one stage per process (test_model_zoo).
+    model = keras.Sequential([
+        keras.Input((8,)),
+        layers.Dense(32, activation="tanh", trainable=False, name="f1"),
+        layers.Dense(16, activation="tanh", trainable=False, name="f2"),
+        SqrtGate(name="gate"),
+        layers.Dense(16, activation="relu", name="t1"),
+        layers.Dense(3, name="t2")])
+    x = _flat(rng)
+    y = _classes(x, 3, rng)
+    x[3] = 0.0
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1, global_clipnorm=0.5))
+    return model, _classifier_compile(optimizer), (x, y, None), {}
 
 
 def global_clipnorm(rng):
@@ -348,7 +365,7 @@ ZOO = {f.__name__: f for f in (
     transformer_lm, bert_classifier, rnn_text, cnn_bn, cnn_sync_bn,
     dropout, resnet, multi_io, regularized,
     frozen, mixed_bfloat16, mixed_float16, loss_scale_skip, global_clipnorm,
-    clipnorm,
+    frozen_stage_loss_scale, clipnorm,
     clipvalue, class_weight_lr)}
 
 

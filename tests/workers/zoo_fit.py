@@ -28,6 +28,9 @@ p.add_argument("--mode", required=True,
                choices=["reference", "dp", "pipe", "stage", "hybrid"])
 p.add_argument("--microbatches", type=int, default=2)
 p.add_argument("--pipeline", default="1f1b")
+p.add_argument("--split", default=None,
+               help="DistributedModel split_points (comma-separated layer "
+               "names) instead of automatic partitioning")
 p.add_argument("names", nargs="+")
 args = p.parse_args()
 
@@ -40,7 +43,7 @@ pipelined = args.mode in ("pipe", "stage", "hybrid")
 if args.mode != "reference":
     import keras_smp
 
-    config = {"collective_timeout_seconds": 120}
+    config = {"collective_timeout_seconds": int(os.environ.get("ZOO_TIMEOUT", 120))}
     if pipelined:
         config.update(partitions=2, microbatches=args.microbatches,
                       pipeline=args.pipeline)
@@ -58,7 +61,8 @@ rank = strategy.topology.rank if strategy is not None else 0
 def train(name):
     model, compile_args, (x, y, sw), fit_args = zoo.build(name)
     if pipelined:
-        model = keras_smp.DistributedModel(model)
+        model = keras_smp.DistributedModel(
+            model, split_points=args.split.split(",") if args.split else None)
     model.compile(**compile_args)
     vx, vy = fit_args.pop("eval_data")
     history = model.fit(x, y, sample_weight=sw, batch_size=zoo.BATCH,
