@@ -235,7 +235,7 @@ def _mlp(rng, frozen=False):
 
 def regularized(rng):
     # L2 weight regularizers on layers of both stages (counted once in the
-    # loss, differentiated on the stage holding the weight).
+    # loss, differentiated on the stage holding the weight); clipvalue.
     reg = keras.regularizers.L2(1e-2)
     model = keras.Sequential([
         keras.Input((8,)),
@@ -243,14 +243,17 @@ def regularized(rng):
         layers.Dense(16, activation="tanh"),
         layers.Dense(3, kernel_regularizer=reg, bias_regularizer=reg)])
     x = _flat(rng)
-    return (model, _classifier_compile(keras.optimizers.SGD(0.1)),
-            (x, _classes(x, 3, rng), None), {})
+    return (model, _classifier_compile(
+        keras.optimizers.SGD(0.1, clipvalue=0.01)),
+        (x, _classes(x, 3, rng), None), {})
 
 
 def frozen(rng):
+    # A frozen layer; Adam with clipnorm (per-variable clipping of the
+    # synced gradient).
     model, data = _mlp(rng, frozen=True)
-    return (model, _classifier_compile(keras.optimizers.Adam(1e-2)), data,
-            {})
+    return (model, _classifier_compile(
+        keras.optimizers.Adam(1e-2, clipnorm=0.02)), data, {})
 
 
 def mixed_bfloat16(rng):
@@ -323,25 +326,6 @@ def frozen_stage_loss_scale(rng):
     return model, _classifier_compile(optimizer), (x, y, None), {}
 
 
-def global_clipnorm(rng):
-    model, data = _mlp(rng)
-    return (model, _classifier_compile(
-        keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=0.05)),
-        data, {})
-
-
-def clipnorm(rng):
-    model, data = _mlp(rng)
-    return (model, _classifier_compile(
-        keras.optimizers.Adam(1e-2, clipnorm=0.02)), data, {})
-
-
-def clipvalue(rng):
-    model, data = _mlp(rng)
-    return (model, _classifier_compile(
-        keras.optimizers.SGD(0.1, clipvalue=0.01)), data, {})
-
-
 def class_weight_lr(rng):
     # class_weight, a learning-rate schedule callback, ReduceLROnPlateau
     # on a validation metric, steps_per_execution=2, initial_epoch,
@@ -364,9 +348,8 @@ def class_weight_lr(rng):
 ZOO = {f.__name__: f for f in (
     transformer_lm, bert_classifier, rnn_text, cnn_bn, cnn_sync_bn,
     dropout, resnet, multi_io, regularized,
-    frozen, mixed_bfloat16, mixed_float16, loss_scale_skip, global_clipnorm,
-    frozen_stage_loss_scale, clipnorm,
-    clipvalue, class_weight_lr)}
+    frozen, mixed_bfloat16, mixed_float16, loss_scale_skip,
+    frozen_stage_loss_scale, class_weight_lr)}
 
 
 def build(name):
