@@ -43,7 +43,6 @@ Expected, documented differences (docs/what-works.md), asserted as such:
 - Dropout draws other masks (other shapes per microbatch or replica).
 """
 
-import glob
 import os
 
 import numpy as np

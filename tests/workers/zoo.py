@@ -142,33 +142,26 @@ def _image_classifier(model, rng):
             (x, y, None), {})
 
 
-def cnn_bn(rng):
-    model = keras.Sequential([
-        keras.Input((8, 8, 1)),
-        layers.Conv2D(8, 3, padding="same"),
-        layers.BatchNormalization(),
-        layers.Activation("relu"),
-        layers.Conv2D(8, 3, padding="same"),
-        layers.BatchNormalization(),
-        layers.Activation("relu"),
-        layers.GlobalAveragePooling2D(),
-        layers.Dense(3),
-    ])
+def _conv_bn(rng, blocks, synchronized=False):
+    """`blocks` x (Conv2D, BatchNormalization, relu), pooling, 3 logits."""
+    body = []
+    for _ in range(blocks):
+        body += [layers.Conv2D(8, 3, padding="same"),
+                 layers.BatchNormalization(synchronized=synchronized),
+                 layers.Activation("relu")]
+    model = keras.Sequential([keras.Input((8, 8, 1))] + body + [
+        layers.GlobalAveragePooling2D(), layers.Dense(3)])
     return _image_classifier(model, rng)
+
+
+def cnn_bn(rng):
+    return _conv_bn(rng, blocks=2)
 
 
 def cnn_sync_bn(rng):
     # BatchNormalization(synchronized=True): statistics over the global
     # batch across data-parallel replicas.
-    model = keras.Sequential([
-        keras.Input((8, 8, 1)),
-        layers.Conv2D(8, 3, padding="same"),
-        layers.BatchNormalization(synchronized=True),
-        layers.Activation("relu"),
-        layers.GlobalAveragePooling2D(),
-        layers.Dense(3),
-    ])
-    return _image_classifier(model, rng)
+    return _conv_bn(rng, blocks=1, synchronized=True)
 
 
 def dropout(rng):

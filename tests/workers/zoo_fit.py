@@ -17,7 +17,6 @@ or DIR/NAME.rankR.err with the exception when the model fails.
 """
 
 import argparse
-import json
 import os
 import sys
 import traceback
