@@ -18,6 +18,8 @@ is ours:
 - only the chief prints Keras progress.
 """
 
+import itertools
+
 import tensorflow as tf
 
 from keras_smp.distribute import groups
@@ -198,6 +200,15 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
                 sum(blocks[:block]), blocks[block],
                 f"{grad_keys.name}, stage {block}")
         collective_keys = self._collective_keys
+        self._smp_init_group = None
+        if multi:
+            # Initial values are broadcast within each stage's data-parallel
+            # group only: the processes of one stage create the same
+            # variables in the same order, other stages' processes do not.
+            init_keys = keys.allocate("SMPStrategy initial values per stage",
+                                      topology.pp_size)
+            self._smp_init_group = init_keys.key(topology.pp_rank)
+            self._smp_init_instances = itertools.count(1)
         if multi:
             tf_keys = keys.allocate("SMPStrategy CollectiveKeys per stage",
                                     topology.pp_size * TF_KEYS_PER_STAGE)
@@ -227,6 +238,8 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
 
     def _get_variable_creator_initial_value(self, replica_id, device,
                                             primary_var, **kwargs):
+        if self._smp_init_group is not None and replica_id == 0:
+            return self._stage_initial_value(device, kwargs)
         if self._smp_horovod is None or replica_id != 0:
             return super()._get_variable_creator_initial_value(
                 replica_id=replica_id, device=device,
@@ -246,6 +259,37 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
                     return value
                 return horovod.broadcast_initial_value(
                     self._smp_horovod, value)
+
+        return initial_value_fn
+
+    def _stage_initial_value(self, device, kwargs):
+        """One stage per process: a new variable's initial value as this
+        stage's first data-parallel replica has it."""
+        topo = self._smp_topology
+        timeout = self._smp_runtime.config.collective_timeout_seconds
+
+        def initial_value_fn():
+            with tf.device(device):
+                value = kwargs["initial_value"]
+                if callable(value):
+                    value = value()
+                value = getattr(value, "wrapped_value", value)
+                value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+                if topo.dp_size == 1:
+                    return value
+                common = dict(group_size=topo.dp_size,
+                              group_key=self._smp_init_group,
+                              instance_key=next(self._smp_init_instances),
+                              communication_hint="auto",
+                              timeout_seconds=float(timeout or 0))
+                wire = _INIT_WIRE.get(value.dtype, value.dtype)
+                if topo.dp_rank == 0:
+                    send = tf.raw_ops.CollectiveBcastSendV2(
+                        input=tf.cast(value, wire), **common)
+                    with tf.control_dependencies([send]):
+                        return tf.identity(value)
+                return tf.cast(tf.raw_ops.CollectiveBcastRecvV2(
+                    shape=value.shape, T=wire, **common), value.dtype)
 
         return initial_value_fn
 
@@ -295,6 +339,11 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
                 layout.stage_device(r, stage)
                 for r in range(layout.num_local_replicas)))
         return super()._create_variable(next_creator, **kwargs)
+
+
+# Dtypes TensorFlow's collective broadcast has no kernel for, and what they
+# cross as (exactly).
+_INIT_WIRE = {tf.bfloat16: tf.float32, tf.bool: tf.int32}
 
 
 # Names Keras' BatchNormalization gives its moving statistics.

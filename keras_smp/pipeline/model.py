@@ -227,6 +227,8 @@ class DistributedModel(keras.Model):
         self._smp_place_variables()
         if self._smp_multi_process():
             self._smp_allocate_keys()
+            # This stage's weights get storage; other stages' never do.
+            self._smp_residency().materialize()
 
     def _smp_allocate_keys(self):
         """Collective keys of the model's pipeline groups.
@@ -368,7 +370,13 @@ class DistributedModel(keras.Model):
 
     def _symbolic_build(self, *args, **kwargs):
         # Keras may trace the whole model here (shapes only).
-        with self._smp_shaped():
+        residency = self._smp_residency()
+        if residency is None:
+            return super()._symbolic_build(*args, **kwargs)
+        if self.optimizer is not None and not self.optimizer.built:
+            # Other stages' weights get deferred slots (no storage).
+            self.optimizer.build(self.trainable_variables)
+        with residency.symbolic():
             super()._symbolic_build(*args, **kwargs)
 
     def get_weights(self):

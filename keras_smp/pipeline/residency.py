@@ -1,19 +1,26 @@
 """Which weights a stage process holds: its own, and shapes of the others.
 
-With one pipeline stage per process, each process trains only its stage's
-weights and optimizer slots. Its copies of other stages' variables are
-*emptied* (process-local, zero elements) once the optimizer is built, made
-full-size (zeros) while Keras needs shapes (`set_weights`, `load_weights`,
-symbolic builds), and filled with the trained values while the whole model
-is needed (`get_weights`, saves): `StageResidency.gathered()` collects them
-from the stages that own them over the replica's pipeline group.
+With one pipeline stage per process, each process holds and trains only
+its stage's weights and optimizer slots. Layer weights built inside the
+strategy's scope are created deferred (`keras_smp.runtime.deferred`: a
+shape, no storage); `StageResidency.materialize()` gives this stage's
+weights their initial values when the partition plan is set, and other
+stages' weights and their optimizer slots never get storage here:
+Keras traces the whole model with them as uninitialised variables
+(`symbolic()`), `set_weights`/`load_weights` skip them (`shaped()`).
+While the whole model is needed (`get_weights`, saves),
+`StageResidency.gathered()` fills them from the stages that own them over
+the replica's pipeline group and empties them again afterwards.
 """
 
 import contextlib
+import warnings
 import weakref
 
+import keras
 import tensorflow as tf
 
+from keras_smp.runtime import deferred
 from keras_smp.runtime import keras_private
 from keras_smp.runtime import placement
 
@@ -29,11 +36,13 @@ def track_slots(optimizer):
     original = optimizer.add_variable_from_reference
 
     def add_variable_from_reference(reference_variable, *args, **kwargs):
-        if getattr(reference_variable, "_smp_local", False):
-            # Another stage's process-local copy: TensorFlow's optimizer
-            # would colocate the slot with it, outside the strategy.
-            slot = keras_private.BaseOptimizer.add_variable_from_reference(
-                optimizer, reference_variable, *args, **kwargs)
+        if is_local(reference_variable):
+            # Another stage's weight: its slot is deferred like it (never
+            # materialised here). TensorFlow's optimizer would colocate
+            # the slot with the weight's (empty) storage.
+            with tf.variable_creator_scope(deferred.creator):
+                slot = keras_private.BaseOptimizer.add_variable_from_reference(
+                    optimizer, reference_variable, *args, **kwargs)
         else:
             slot = original(reference_variable, *args, **kwargs)
         refs[id(slot)] = reference_variable
@@ -41,6 +50,17 @@ def track_slots(optimizer):
 
     object.__setattr__(optimizer, "add_variable_from_reference",
                        add_variable_from_reference)
+
+
+def is_local(variable):
+    """Whether a Keras variable is another stage's (no storage here)."""
+    return (getattr(variable, "_smp_local", False)
+            or deferred.is_pending(variable))
+
+
+def _drop_assignment(value):
+    """Stands in for `assign` of another stage's variable."""
+    return None
 
 
 def set_local(variable, value):
@@ -96,15 +116,97 @@ class StageResidency:
                 continue
             set_local(v, tf.zeros([0], v.dtype))
 
-    @contextlib.contextmanager
-    def shaped(self):
-        """Full-size (zero) local copies of other stages' variables."""
+    def materialize(self):
+        """Creates this stage's deferred weights; marks the others foreign.
+
+        Called once, when the partition plan is set (the same point of
+        the program on every process). Each weight this stage uses gets
+        its initial value through the strategy (mirrored; broadcast from
+        the first replica of the stage's data-parallel group); a weight
+        several stages use (tied) is then copied from its first stage, so
+        every copy starts equal. Other stages' weights keep no storage
+        here. Weights created outside the strategy's scope already hold
+        their values everywhere: a warning names the fix.
+        """
+        links = self.links()
+        graph = self.model.staged_graph
+        mine = graph.stage_weights(links.stage)
+        eager = [w for w in self.model.weights if not is_local(w)
+                 and w.value.shape.num_elements() > 0
+                 and id(w) not in {id(v) for v in mine}]
+        if eager:
+            warnings.warn(
+                f"{len(eager)} weights of other pipeline stages (e.g. "
+                f"'{eager[0].path}') were created outside the scope of the "
+                "one-stage-per-process SMPStrategy, so this process already "
+                "held the whole model. Build the model inside "
+                "`strategy.scope()`: each stage process then only ever "
+                "holds its own stage's weights.", stacklevel=4)
+        with self.model.distribute_strategy.scope():
+            for w in mine:
+                if deferred.is_pending(w):
+                    deferred.materialize(w)
+                elif not isinstance(w.value, tf.distribute.DistributedValues):
+                    # Made outside the scope (or read before the plan):
+                    # the strategy's copy, with the same values.
+                    value = tf.convert_to_tensor(w.value)
+                    w._value = None
+                    w._initialize(value)
+        self._copy_tied(graph, links)
         for v in self.foreign():
-            set_local(v, tf.zeros(v.shape, v.dtype))
+            v._smp_local = True
+        self.release()
+
+    def _copy_tied(self, graph, links):
+        """Copies each tied weight from its first stage to its others."""
+        home = graph.home_stage()
+        users = graph.weight_users()
+        mine = {id(w): w for w in graph.stage_weights(links.stage)}
+        index = 0
+        for w in self.model.weights:
+            stages = users.get(id(w), [])
+            if len(stages) < 2:
+                continue
+            if links.stage in stages:
+                key = links.keys.tied(links.replica, stages)
+                instance = links.INSTANCE_INIT + index
+                if home[id(w)] == links.stage:
+                    links.send(mine[id(w)].value, key, len(stages), instance)
+                else:
+                    mine[id(w)].assign(links.recv(w.shape, w.dtype, key,
+                                                  len(stages), instance))
+            index += 1
+
+    @contextlib.contextmanager
+    def symbolic(self):
+        """Other stages' weights as Keras' uninitialised variables (shapes
+        only) for the body: Keras traces the whole model in a scratch
+        graph to build metrics, losses and the optimizer; no storage is
+        made for them."""
+        saved = []
+        for v in self.foreign():
+            saved.append((v, v._value, v._initializer))
+            v._value, v._initializer = None, keras.initializers.Zeros()
         try:
             yield
         finally:
+            for v, value, initializer in saved:
+                v._value, v._initializer = value, initializer
             self.release()
+
+    @contextlib.contextmanager
+    def shaped(self):
+        """Assignments to other stages' weights are dropped for the body
+        (`set_weights`, `load_weights` assign every weight; this stage
+        keeps its own)."""
+        foreign = self.foreign()
+        for v in foreign:
+            object.__setattr__(v, "assign", _drop_assignment)
+        try:
+            yield
+        finally:
+            for v in foreign:
+                vars(v).pop("assign", None)
 
     @contextlib.contextmanager
     def gathered(self):

@@ -165,6 +165,7 @@ class StageLinks:
     INSTANCE_SHARE = 500_000     # last stage's outputs and loss
     INSTANCE_STAGE_SUM = 600_000  # optimizer sums over stages (norms)
     INSTANCE_TIED = 700_000      # tied-weight gradient sums
+    INSTANCE_INIT = 800_000      # tied weights' initial values
     INSTANCE_WEIGHTS = 1_000_000  # sync_weights (+ 10,000 per call)
 
     def __init__(self, num_stages, stage, replica, keys, timeout_seconds=0):

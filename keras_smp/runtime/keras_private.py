@@ -158,3 +158,33 @@ def wrap_optimizer_step(apply_gradients, all_reduce, clip, check_finite):
         wrapped = functools.wraps(original)(wrap(original))
         wrapped._smp_wrapped = True
         setattr(cls, name, wrapped)
+
+
+# --- used by keras_smp.runtime.patches (deferred layer weights) -------------
+
+def in_stateless_scope():
+    """Whether Keras is tracing symbolically (`compute_output_spec`):
+    variables are read for their shapes only."""
+    from keras.src.backend.common.stateless_scope import (
+        in_stateless_scope as active)
+
+    return active()
+
+
+def wrap_variable_value(wrap):
+    """Replaces the `value` property of Keras variables by
+    `wrap(original_getter)` (TensorFlow backend)."""
+    from keras.src.backend.common import variables
+
+    cls = variables.Variable
+    original = cls.value.fget
+    if getattr(original, "_smp_wrapped", False):
+        return
+    getter = wrap(original)
+    getter._smp_wrapped = True
+    cls.value = property(getter, doc=cls.value.__doc__)
+
+
+def autocast_value(variable, value):
+    """`value` cast as reading `variable` would be (mixed precision)."""
+    return variable._maybe_autocast(value)

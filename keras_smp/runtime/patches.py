@@ -45,7 +45,9 @@ import tempfile
 import threading
 
 import keras_smp.runtime as runtime_package
+from keras_smp.runtime import deferred
 from keras_smp.runtime import errors
+from keras_smp.runtime import placement
 from keras_smp.runtime import tf_private
 
 _lock = threading.Lock()
@@ -69,6 +71,14 @@ def check_pipelined(model):
     runtime = _runtime_of(model.distribute_strategy)
     if runtime is None or runtime.layout is None:
         return
+    if runtime.layout.mode == "multi_process" and not is_pipelined(model):
+        raise ValueError(
+            f"Model '{model.name}' is a plain {type(model).__name__} under an "
+            f"SMPStrategy running one pipeline stage per process "
+            f"(partitions={runtime.config.partitions}); each process holds "
+            "only its stage's layers' weights. Wrap it before compiling: "
+            "`model = keras_smp.DistributedModel(model)` (or subclass "
+            "keras_smp.DistributedModel).")
     stages = len(runtime.layout.local_stages)
     if stages > 1 and not is_pipelined(model):
         raise ValueError(
@@ -458,6 +468,65 @@ def _scaled(grad, scale):
     return grad * tf.cast(scale, grad.dtype)
 
 
+# -- layer weights ---------------------------------------------------------
+
+
+def defers_layer_weights():
+    """Whether layer weights created now are deferred: inside the scope of
+    an `SMPStrategy` running one pipeline stage per process."""
+    import tensorflow as tf
+
+    if placement.creating_local() or not tf.distribute.has_strategy():
+        return False
+    runtime = _runtime_of(tf.distribute.get_strategy())
+    return runtime is not None and runtime.mode == "multi_process"
+
+
+def _patch_add_weight(keras):
+    """Under a one-stage-per-process strategy, `Layer.add_weight` creates
+    deferred weights (`keras_smp.runtime.deferred`): the stage owning a
+    layer materialises them, the other stages never hold them."""
+    import tensorflow as tf
+
+    from keras_smp.runtime import keras_private
+
+    original = keras.layers.Layer.add_weight
+    if getattr(original, "_smp_patched", False):
+        return
+
+    @functools.wraps(original)
+    def add_weight(self, *args, **kwargs):
+        if not defers_layer_weights():
+            return original(self, *args, **kwargs)
+        with tf.variable_creator_scope(deferred.creator):
+            return original(self, *args, **kwargs)
+
+    add_weight._smp_patched = True
+    keras.layers.Layer.add_weight = add_weight
+
+    def wrap_value(value):
+        def read(self):
+            initial = deferred.initial_value(self)
+            if initial is None:
+                return value(self)
+            if keras_private.in_stateless_scope():
+                # Keras traces shapes: a placeholder, as for its own
+                # uninitialised variables (a graph op, no storage).
+                return keras_private.autocast_value(
+                    self, initial() if callable(initial) else initial)
+            if not getattr(self, "_smp_local", False):
+                # A weight no DistributedModel has claimed (a plain
+                # model built in the scope, read for its values): it
+                # gets its values here, in this process only.
+                with placement.local_variables():
+                    deferred.materialize(self)
+            return value(self)
+
+        return read
+
+    keras_private.wrap_variable_value(wrap_value)
+
+
 def install():
     """Installs every patch (idempotent, thread-safe)."""
     with _lock:
@@ -471,4 +540,5 @@ def install():
         _patch_files(keras)
         _patch_get_gradients(keras)
         _patch_optimizer(keras)
+        _patch_add_weight(keras)
         _installed.append(True)

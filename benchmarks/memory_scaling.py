@@ -1,0 +1,189 @@
+"""Peak resident memory per process: one stage per process, P = 1, 2, 4.
+
+A model whose training state dominates: 8 x Dense(4096) (512 MB of float32
+weights), Adam (2 slots per weight: 1 GB), batch 32, one `fit` epoch of 2
+steps. Measured side by side in one run, each in fresh processes:
+
+- tiny: the same 8 layers 16 wide, plain Keras, 1 process: what TensorFlow,
+  Keras and the data cost before any model state (the baseline);
+- plain: the whole model, plain Keras, 1 process;
+- P stages: `keras_smp.DistributedModel`, partitions=P, one stage per
+  worker process (`keras-smp launch -n P`), microbatches 2.
+
+Memory is each process's measured peak resident set (VmHWM of
+/proc/self/status, read by the process itself at the end: peak over its
+whole life, model building, compile, fit and the checkpoint included), not
+a number computed from shapes. The "state" column is peak minus the tiny
+baseline; the target (issue 17) is state per process <= 1.15 x plain's
+state / P.
+
+    python benchmarks/memory_scaling.py            # ~4 minutes on 2 cores
+    python benchmarks/memory_scaling.py --stages 2 --width 2048
+
+With `--checkpoint`, every run also writes a checkpoint at the end
+(`model.save_weights`: sharded per stage with one stage per process) and
+the peak includes it.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYERS, BATCH, STEPS = 8, 32, 2
+
+
+def peak_mb():
+    """This process's peak resident memory (VmHWM), in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def worker(args):
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    strategy = None
+    if args.mode == "stages":
+        import keras_smp
+
+        strategy = keras_smp.SMPStrategy(
+            partitions=args.stages, microbatches=args.microbatches,
+            collective_timeout_seconds=600)
+    import keras
+    import numpy as np
+
+    width = 16 if args.tiny else args.width
+    layers = LAYERS
+    keras.utils.set_random_seed(0)
+    x = np.random.RandomState(0).randn(BATCH * STEPS, width).astype("float32")
+    y = np.random.RandomState(1).randn(BATCH * STEPS, width).astype("float32")
+
+    def build():
+        model = keras.Sequential(
+            [keras.Input((width,))]
+            + [keras.layers.Dense(width, activation="relu")
+               for _ in range(layers)])
+        if strategy is not None:
+            model = keras_smp.DistributedModel(model)
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    if strategy is not None:
+        with strategy.scope():
+            model = build()
+    else:
+        model = build()
+    built = peak_mb()
+    callbacks = []
+    if os.environ.get("MEMORY_PHASES"):
+        class Steps(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                print("begin", batch, peak_mb(), flush=True)
+
+            def on_train_batch_end(self, batch, logs=None):
+                print("end", batch, peak_mb(), flush=True)
+
+        callbacks.append(Steps())
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,
+              callbacks=callbacks)
+    trained = peak_mb()
+    if args.checkpoint:
+        model.save_weights(os.path.join(args.checkpoint, "ckpt.weights.h5"))
+    rank = strategy.topology.rank if strategy is not None else 0
+    print("RESULT " + json.dumps({"rank": rank, "peak_mb": peak_mb(),
+                                  "built_mb": built, "trained_mb": trained}),
+          flush=True)
+
+
+def run(cmd, timeout=1200):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("TF_CONFIG", "SMP_CONFIG"):
+        env.pop(k, None)
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=timeout)
+    results = [json.loads(line.split("RESULT ", 1)[1])
+               for line in out.stdout.splitlines() if "RESULT " in line]
+    if out.returncode != 0 or not results:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n"
+                           f"{out.stderr[-3000:]}")
+    if os.environ.get("MEMORY_PHASES"):
+        print(results)
+    return [r["peak_mb"] for r in sorted(results, key=lambda r: r["rank"])]
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(l.split(":", 1)[1].strip() for l in f
+                        if l.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or "unknown CPU"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="plain")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--stages", type=int, nargs="*", default=[2, 4])
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--checkpoint", nargs="?", const="", default=None,
+                   help="also save a checkpoint at the end of each run")
+    args = p.parse_args()
+    if args.worker:
+        if args.mode == "stages":
+            args.stages = args.stages[0]
+        return worker(args)
+
+    weights_mb = LAYERS * (args.width * args.width + args.width) * 4 / 2**20
+    print(f"CPU: {cpu_model()}; {os.cpu_count()} cores; every process 1 "
+          "intra-op and 1 inter-op thread")
+    print(f"model: {LAYERS} x Dense({args.width}), {weights_mb:.0f} MB of "
+          f"float32 weights, Adam, batch {BATCH}, {STEPS} steps"
+          + (", checkpoint saved at the end" if args.checkpoint is not None
+             else ""))
+    me = [sys.executable, os.path.abspath(__file__), "--worker",
+          "--width", str(args.width), "--microbatches", str(args.microbatches)]
+
+    def flags(tmp):
+        return [] if args.checkpoint is None else ["--checkpoint", tmp]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = run(me + ["--mode", "plain", "--tiny"] + flags(tmp))[0]
+        plain = run(me + ["--mode", "plain"] + flags(tmp))[0]
+        state = plain - tiny
+        print(f"{'run':>9} {'baseline':>9} {'peak per process (MB)':>27} "
+              f"{'state':>6} {'vs plain':>9} {'target':>7}")
+        print(f"{'plain':>9} {tiny:>9.0f} {plain:>27.0f} {state:>6.0f} "
+              f"{1.0:>8.2f}x")
+        for P in args.stages:
+            def stages(*extra):
+                return run([sys.executable, "-m", "keras_smp.launch", "-n",
+                            str(P), "--timeout", "1100", "--"] + me
+                           + ["--mode", "stages", "--stages", str(P)]
+                           + list(extra) + flags(tmp))
+
+            # The same job with a tiny model: TensorFlow, Keras and
+            # keras-smp's runtime (server, collectives) without model state.
+            base = max(stages("--tiny"))
+            peaks = stages()
+            worst = max(peaks) - base
+            print(f"{f'{P} stages':>9} {base:>9.0f} "
+                  f"{' / '.join(f'{v:.0f}' for v in peaks):>27} "
+                  f"{worst:>6.0f} {worst / state:>8.2f}x "
+                  f"{1.15 / P:>6.2f}x", flush=True)
+
+if __name__ == "__main__":
+    main()

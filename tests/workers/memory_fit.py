@@ -1,0 +1,153 @@
+"""Trains a model whose training state dominates, each stage process under a
+memory limit (issue 17: a model too big for one process).
+
+    --out DIR          results: reference.npz (whole model) or
+                       stage{S}.npz (the weights stage S owns, by their
+                       index in `model.weights`), and peak memory
+    --mode reference   plain Keras, one process, no limit
+    --mode stages      `DistributedModel`, one stage per process
+                       (`keras-smp launch -n P`)
+    --cgroup DIR       a memory cgroup directory (v1 or v2) made by the
+                       test: this process makes DIR/rank{R} with
+                       --limit-mb and moves itself into it before
+                       TensorFlow starts, so exceeding it kills it
+    --limit-mb N       the limit
+    --outside-scope    build the Keras model before entering the
+                       strategy's scope (wrap it inside)
+    --seed-by-rank     seed each process differently (initial values must
+                       come from each stage's first replica)
+
+Data and initial weights are seeded; Adam, 2 epochs of 2 steps.
+"""
+
+import argparse
+import json
+import os
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--mode", choices=("reference", "stages"), required=True)
+parser.add_argument("--stages", type=int, default=4)
+parser.add_argument("--width", type=int, default=4096)
+parser.add_argument("--layers", type=int, default=8)
+parser.add_argument("--cgroup", default=None)
+parser.add_argument("--limit-mb", type=int, default=0)
+parser.add_argument("--outside-scope", action="store_true")
+parser.add_argument("--seed-by-rank", action="store_true")
+args = parser.parse_args()
+
+BATCH, STEPS = 32, 2
+
+
+def join_cgroup(root, name, limit_mb):
+    """Moves this process into a new memory cgroup ROOT/NAME of LIMIT_MB."""
+    path = os.path.join(root, name)
+    os.makedirs(path, exist_ok=True)
+    limit = str(limit_mb * 2**20)
+    if os.path.exists(os.path.join(path, "memory.max")):  # cgroup v2
+        files = [("memory.max", limit), ("memory.swap.max", "0")]
+    else:  # cgroup v1: memory and memory+swap (no escape into swap)
+        files = [("memory.limit_in_bytes", limit),
+                 ("memory.memsw.limit_in_bytes", limit)]
+    for name, value in files:
+        target = os.path.join(path, name)
+        if os.path.exists(target):
+            with open(target, "w") as f:
+                f.write(value)
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def peak_mb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+rank = json.loads(os.environ.get("TF_CONFIG", '{"task": {"index": 0}}'))[
+    "task"]["index"]
+if args.cgroup:
+    join_cgroup(args.cgroup, f"rank{rank}", args.limit_mb)
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+strategy = None
+if args.mode == "stages":
+    import keras_smp  # noqa: E402
+
+    strategy = keras_smp.SMPStrategy(partitions=args.stages, microbatches=2,
+                                     collective_timeout_seconds=300)
+import keras  # noqa: E402
+
+keras.utils.set_random_seed(rank if args.seed_by_rank else 0)
+x = np.random.RandomState(0).randn(BATCH * STEPS, args.width).astype("float32")
+y = np.random.RandomState(1).randn(BATCH * STEPS, args.width).astype("float32")
+x *= 0.1
+
+
+def build():
+    model = keras.Sequential(
+        [keras.Input((args.width,))]
+        + [keras.layers.Dense(args.width, activation="tanh",
+                              kernel_initializer=keras.initializers.
+                              GlorotUniform(
+                                  seed=None if args.seed_by_rank else i))
+           for i in range(args.layers)])
+    return model
+
+
+def wrap(model):
+    if strategy is not None:
+        model = keras_smp.DistributedModel(model)
+    # Adam's memory (two slots per weight) with epsilon=1: its update is
+    # then smooth in the gradient, so float32 rounding differences of the
+    # gradient (microbatch sums) stay rounding-sized in the weights. With a
+    # tiny epsilon a gradient element that cancels to ~0 gets an update of
+    # +-learning_rate whose sign rounding decides.
+    model.compile(optimizer=keras.optimizers.Adam(20.0, epsilon=1.0),
+                  loss="mse")
+    return model
+
+
+if strategy is None:
+    model = wrap(build())
+    initial = [w.numpy() for w in model.weights]
+elif args.outside_scope:
+    model = build()
+    with strategy.scope():
+        model = wrap(model)
+else:
+    with strategy.scope():
+        model = wrap(build())
+    initial = [w.numpy() for w in model.weights]
+history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
+                    shuffle=False)
+os.makedirs(args.out, exist_ok=True)
+result = {"peak_mb": peak_mb(), "loss": history.history["loss"]}
+if strategy is None:
+    np.savez(os.path.join(args.out, "reference.npz"),
+             **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)})
+    result["max_change"] = max(float(np.max(np.abs(w.numpy() - w0)))
+                               for w, w0 in zip(model.weights, initial))
+    name = "reference"
+else:
+    # This stage's own weights only: gathering the whole model here would
+    # break the limit (that is what sharded checkpoints are for).
+    stage = strategy.topology.pp_rank
+    graph = model.staged_graph
+    home = graph.home_stage()
+    owned = {id(w) for w in graph.stage_weights(stage)
+             if home[id(w)] == stage}
+    np.savez(os.path.join(args.out,
+                          f"stage{stage}_dp{strategy.topology.dp_rank}.npz"),
+             **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)
+                if id(w) in owned})
+    name = f"stage{stage}_dp{strategy.topology.dp_rank}"
+with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+    json.dump(result, f)
