@@ -250,11 +250,7 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
             # Rank 0's initial value, broadcast by Horovod (every process
             # creates the same variables in the same order).
             with tf.device(device):
-                value = kwargs["initial_value"]
-                if callable(value):
-                    value = value()
-                value = getattr(value, "wrapped_value", value)
-                value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+                value = _initial_value(kwargs)
                 if self._smp_topology.world_size == 1:
                     return value
                 return horovod.broadcast_initial_value(
@@ -270,11 +266,7 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
 
         def initial_value_fn():
             with tf.device(device):
-                value = kwargs["initial_value"]
-                if callable(value):
-                    value = value()
-                value = getattr(value, "wrapped_value", value)
-                value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+                value = _initial_value(kwargs)
                 if topo.dp_size == 1:
                     return value
                 common = dict(group_size=topo.dp_size,
@@ -339,6 +331,15 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
                 layout.stage_device(r, stage)
                 for r in range(layout.num_local_replicas)))
         return super()._create_variable(next_creator, **kwargs)
+
+
+def _initial_value(kwargs):
+    """The tensor a variable creator's `initial_value` (or callable) gives."""
+    value = kwargs["initial_value"]
+    if callable(value):
+        value = value()
+    value = getattr(value, "wrapped_value", value)
+    return tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
 
 
 # Dtypes TensorFlow's collective broadcast has no kernel for, and what they
