@@ -344,7 +344,9 @@ def _initial_value(kwargs):
 
 # Dtypes TensorFlow's collective broadcast has no kernel for, and what they
 # cross as (exactly).
-_INIT_WIRE = {tf.bfloat16: tf.float32, tf.bool: tf.int32}
+_INIT_WIRE = {tf.bfloat16: tf.float32, tf.bool: tf.int32,
+              tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32,
+              tf.uint16: tf.int32, tf.uint32: tf.int64}
 
 
 # Names Keras' BatchNormalization gives its moving statistics.

@@ -29,10 +29,20 @@ _SLOT_REFS = weakref.WeakKeyDictionary()
 
 
 def track_slots(optimizer):
-    """Records which model variable each optimizer slot is made for."""
+    """Records which model variable each optimizer slot is made for.
+
+    A `LossScaleOptimizer`'s slots are its inner optimizer's: both are
+    tracked, under the outer optimizer.
+    """
     if optimizer is None or optimizer in _SLOT_REFS:
         return
     refs = _SLOT_REFS[optimizer] = {}
+    for target in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if target is not None:
+            _track(target, refs)
+
+
+def _track(optimizer, refs):
     original = optimizer.add_variable_from_reference
 
     def add_variable_from_reference(reference_variable, *args, **kwargs):
@@ -43,6 +53,7 @@ def track_slots(optimizer):
             with tf.variable_creator_scope(deferred.creator):
                 slot = keras_private.BaseOptimizer.add_variable_from_reference(
                     optimizer, reference_variable, *args, **kwargs)
+            slot._smp_local = True
         else:
             slot = original(reference_variable, *args, **kwargs)
         refs[id(slot)] = reference_variable
@@ -58,7 +69,7 @@ def is_local(variable):
             or deferred.is_pending(variable))
 
 
-def _drop_assignment(value):
+def _drop_assignment(*args, **kwargs):
     """Stands in for `assign` of another stage's variable."""
     return None
 
@@ -138,8 +149,9 @@ class StageResidency:
             warnings.warn(
                 f"{len(eager)} weights of other pipeline stages (e.g. "
                 f"'{eager[0].path}') were created outside the scope of the "
-                "one-stage-per-process SMPStrategy, so this process already "
-                "held the whole model. Build the model inside "
+                "one-stage-per-process SMPStrategy (or given values before "
+                "the model was partitioned), so this process already held "
+                "them. Build the model inside "
                 "`strategy.scope()`: each stage process then only ever "
                 "holds its own stage's weights.", stacklevel=4)
         with self.model.distribute_strategy.scope():

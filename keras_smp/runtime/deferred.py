@@ -51,8 +51,14 @@ def creator(next_creator, **kwargs):
 
 def initial_value(variable):
     """The initial value a deferred Keras variable waits for, or `None`."""
-    return getattr(getattr(variable, "_value", None), "_smp_initial_value",
-                   None)
+    # Instance dictionaries only: a distributed variable would delegate an
+    # unknown attribute to its value (a read, for sync-on-read variables
+    # an all-reduce).
+    storage = vars(variable).get("_value") if hasattr(variable, "__dict__") \
+        else None
+    if storage is None or not hasattr(storage, "__dict__"):
+        return None
+    return vars(storage).get("_smp_initial_value")
 
 
 def is_pending(variable):

@@ -188,3 +188,24 @@ def wrap_variable_value(wrap):
 def autocast_value(variable, value):
     """`value` cast as reading `variable` would be (mixed precision)."""
     return variable._maybe_autocast(value)
+
+
+def stateless_value(variable):
+    """The value a Keras stateless scope maps `variable` to, or None."""
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    scope = get_stateless_scope()
+    return None if scope is None else scope.get_current_value(variable)
+
+
+def wrap_variable_direct_assign(wrap):
+    """Replaces `_direct_assign(value)` of Keras variables (TensorFlow
+    backend: where `assign` writes the storage) by `wrap(original)`."""
+    from keras.src.backend.tensorflow.core import Variable
+
+    original = Variable._direct_assign
+    if getattr(original, "_smp_wrapped", False):
+        return
+    wrapped = wrap(original)
+    wrapped._smp_wrapped = True
+    Variable._direct_assign = wrapped

@@ -510,6 +510,9 @@ def _patch_add_weight(keras):
             if initial is None:
                 return value(self)
             if keras_private.in_stateless_scope():
+                mapped = keras_private.stateless_value(self)
+                if mapped is not None:  # stateless_call's given state
+                    return keras_private.autocast_value(self, mapped)
                 # Keras traces shapes: a placeholder, as for its own
                 # uninitialised variables (a graph op, no storage).
                 return keras_private.autocast_value(
@@ -525,6 +528,22 @@ def _patch_add_weight(keras):
         return read
 
     keras_private.wrap_variable_value(wrap_value)
+
+    def wrap_assign(direct_assign):
+        def assign(self, value):
+            if deferred.is_pending(self):
+                if getattr(self, "_smp_local", False):
+                    return None  # another stage's weight: not held here
+                # Not partitioned yet (weights loaded into a model built in
+                # the scope): values here; the owning stage re-creates it
+                # under the strategy with them when the plan is set.
+                with placement.local_variables():
+                    deferred.materialize(self)
+            return direct_assign(self, value)
+
+        return assign
+
+    keras_private.wrap_variable_direct_assign(wrap_assign)
 
 
 def install():
