@@ -44,7 +44,7 @@ LAYERS = {
     1: [
         "keras_smp.runtime.process", "keras_smp.runtime.errors",
         "keras_smp.runtime.patches", "keras_smp.runtime.tf_private",
-        "keras_smp.runtime.keras_private",
+        "keras_smp.runtime.keras_private", "keras_smp.runtime.deferred",
     ],
     2: [
         "keras_smp.distribute", "keras_smp.distribute.allreduce",
