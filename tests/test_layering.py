@@ -57,6 +57,7 @@ LAYERS = {
     3: [
         "keras_smp.smp", "keras_smp.smp.custom_loop",
         "keras_smp.smp.checkpoint", "keras_smp.smp.comms",
+        "keras_smp.pipeline.shards",
     ],
     4: [
         "keras_smp.distribute.strategy", "keras_smp.pipeline.model",

@@ -65,6 +65,8 @@ def _remove_cgroup(path):
 
 @pytest.mark.slow
 def test_four_stages_each_under_a_limit_the_whole_model_exceeds(tmp_path):
+    # ... and checkpoint every epoch under it (sharded: each stage writes
+    # its shard); plain Keras loads the checkpoint.
     ref_dir, out = tmp_path / "ref", tmp_path / "stages"
     run_python([MEMORY_FIT, "--out", str(ref_dir), "--mode", "reference"],
                timeout=600)
@@ -77,7 +79,7 @@ def test_four_stages_each_under_a_limit_the_whole_model_exceeds(tmp_path):
               f"memory is checked against {LIMIT_MB} MB instead")
     try:
         launch(4, [MEMORY_FIT, "--out", str(out), "--mode", "stages",
-                   *flags], timeout=600)
+                   "--checkpoint", *flags], timeout=600)
     finally:
         if cgroup:
             _remove_cgroup(cgroup)
@@ -106,6 +108,20 @@ def test_four_stages_each_under_a_limit_the_whole_model_exceeds(tmp_path):
                                        err_msg=f"stage {stage} weight {key}")
             seen.add(key)
     assert seen == set(ref.files)  # the stages own every weight once
+
+    # The checkpoint saved every epoch under the limit: one shard per stage
+    # (the previous epoch's removed), readable by plain Keras.
+    shards = sorted(p.name for p in out.glob("ckpt_*.weights.h5"))
+    assert shards == [f"ckpt_{i:05d}.weights.h5" for i in (0, 5, 6, 7, 8)], (
+        shards)
+    run_python([MEMORY_FIT, "--out", str(out), "--mode", "load",
+                "--load", str(out / "ckpt.weights.json")], timeout=600)
+    loaded = np.load(out / "loaded.npz")
+    assert int(loaded["iterations"]) == 4  # 2 epochs x 2 steps
+    for key in ref.files:
+        np.testing.assert_allclose(loaded[key], ref[key], rtol=RTOL,
+                                   atol=scaled_atol(ref[key]),
+                                   err_msg=f"checkpointed weight {key}")
 
 
 def _small(out, *flags, n=2):

@@ -3,12 +3,15 @@
 - A process SIGKILLed while saving leaves the previous checkpoint loadable.
 - Weights saved with partitions=2 load with partitions=1 and 4, and with
   another data-parallel size (and from one stage per process).
+- Stage processes write one shard each (Keras' sharded format): plain Keras
+  loads it; a save that fails midway leaves the previous checkpoint.
 - A worker SIGKILLed mid-epoch under `keras-smp launch`: the launcher names
   it and exits non-zero; restarting resumes from BackupAndRestore's last
   backup and ends with an uninterrupted run's weights. (Survivors' own
   errors, without the launcher: tests/test_pipeline_failures.py.)
 """
 
+import json
 import os
 import re
 import signal
@@ -110,6 +113,39 @@ def test_weights_saved_by_stage_processes_load_in_one_process(tmp_path):
         "--load-weights", str(saved / "w.weights.h5")))
     assert_same_training(load(loaded), load(saved),
                          keys=("evaluate", "predict"))
+
+
+@pytest.mark.slow
+def test_stage_processes_write_one_shard_each_that_plain_keras_loads(tmp_path):
+    # 2 stages x 2 replicas, one stage per process: each stage's first
+    # replica writes its own shard (no process gathers the model); the
+    # index is Keras' sharded format: plain Keras (no keras-smp in the
+    # loop) loads it and predicts as the trained pipeline does.
+    saved = tmp_path / "saved"
+    launch(4, fit_model(saved, *DEEP, "--config",
+                        '{"partitions": 2, "microbatches": 2}',
+                        "--save-weights", str(saved / "w.weights.h5")))
+    index = json.loads((saved / "w.weights.json").read_text())
+    layer_shards = {g: f for g, f in index["weight_map"].items()
+                    if g.startswith("/layers/")}
+    assert sorted(set(layer_shards.values())) == [
+        "w_00001.weights.h5", "w_00002.weights.h5"], index
+    assert all(isinstance(f, str) for f in layer_shards.values()), (
+        "a layer's weights split over shards", index)
+    assert sorted(p.name for p in saved.glob("w_*.weights.h5")) == [
+        "w_00000.weights.h5", "w_00001.weights.h5", "w_00002.weights.h5"]
+    plain = tmp_path / "plain"
+    run_python(fit_model(plain, "--model", "deep", "--mode", "reference",
+                         "--load-weights", str(saved / "w.weights.json")))
+    assert_same_training(load(plain), load(saved),
+                         keys=("evaluate", "predict"))
+
+
+@pytest.mark.slow
+def test_a_failed_sharded_save_leaves_the_previous_checkpoint(tmp_path):
+    out = run_python([os.path.join(WORKERS, "sharded_save.py"),
+                      str(tmp_path)]).stdout
+    assert out.strip().endswith("OK"), out
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ optimizer slots here and gathers the whole model for saves.
 """
 
 import contextlib
+import os
 import warnings
 
 import keras
@@ -18,6 +19,7 @@ import tensorflow as tf
 
 from keras_smp import runtime
 from keras_smp.pipeline import microbatch
+from keras_smp.pipeline import shards
 from keras_smp.pipeline.backward import accumulate
 from keras_smp.pipeline.backward import variable_gradients
 from keras_smp.pipeline.graph import StagedGraph
@@ -387,9 +389,55 @@ class DistributedModel(keras.Model):
         with self._smp_gathered():
             return super().save(*args, **kwargs)
 
-    def save_weights(self, *args, **kwargs):
-        with self._smp_gathered():
-            return super().save_weights(*args, **kwargs)
+    def save_weights(self, filepath, overwrite=True, max_shard_size=None):
+        """Saves the weights and optimizer state (Keras' `save_weights`).
+
+        The file is laid out as the wrapped Keras model's own: a plain
+        Keras model of the same architecture loads it. A path ending in
+        `.weights.json`, and any path with one stage per process, gives a
+        sharded checkpoint: each stage writes its own shard and no process
+        gathers the whole model (`keras_smp.pipeline.shards`; with
+        `.weights.h5`, that file points to the shards, for
+        `ModelCheckpoint` and `BackupAndRestore`). It is a collective:
+        every process of the job calls it (Keras callbacks do).
+
+        Example:
+
+        ```python
+        import os, tempfile
+        import keras, numpy as np, keras_smp
+        model = keras_smp.DistributedModel(keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(2)]))
+        path = os.path.join(tempfile.mkdtemp(), "w.weights.h5")
+        model.save_weights(path)
+        plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        plain.load_weights(path)
+        np.testing.assert_array_equal(plain.get_weights()[0],
+                                      model.get_weights()[0])
+        ```
+        """
+        if not isinstance(filepath, (str, os.PathLike)) or (
+                max_shard_size is not None):
+            with self._smp_gathered():
+                return super().save_weights(filepath, overwrite=overwrite,
+                                            max_shard_size=max_shard_size)
+        path = os.fspath(filepath)
+        if not path.endswith((".weights.h5", ".weights.json")):
+            raise ValueError(
+                "DistributedModel.save_weights: the filename must end in "
+                f"'.weights.h5' (one file) or '.weights.json' (one shard "
+                f"per stage); received filepath={path!r}.")
+        if not self.built:
+            raise ValueError(
+                "save_weights: the model has no weights yet. Train it or "
+                "call it on data first.")
+        if not overwrite and os.path.exists(path):
+            raise FileExistsError(
+                f"save_weights: {path!r} exists; pass overwrite=True to "
+                "replace it.")
+        if path.endswith(".weights.json") or self._smp_residency() is not None:
+            return shards.save(self, path)
+        return shards.save_one_file(self, path)
 
     def save_model(self, save_path="/opt/ml/model"):
         """Writes the whole model as one unpartitioned SavedModel (SMP's).
@@ -435,9 +483,26 @@ class DistributedModel(keras.Model):
         with self._smp_shaped():
             return super().set_weights(weights)
 
-    def load_weights(self, *args, **kwargs):
+    def load_weights(self, filepath, skip_mismatch=False, **kwargs):
+        """Loads weights (Keras' `load_weights`) saved with any number of
+        stages and replicas: a sharded checkpoint (`.weights.json`, or the
+        `.weights.h5` pointing to one), a plain Keras model's
+        `.weights.h5`, or a `.keras` file. With one stage per process,
+        each process reads only its stage's weights."""
+        path = (os.fspath(filepath)
+                if isinstance(filepath, (str, os.PathLike)) else None)
         with self._smp_shaped():
-            return super().load_weights(*args, **kwargs)
+            if path is not None and os.path.isfile(path) and (
+                    path.endswith(".weights.json")
+                    or (path.endswith(".weights.h5")
+                        and not shards.is_wrapper_layout(path))):
+                if not self.built:
+                    raise ValueError(
+                        "load_weights: the model has no weights yet to load "
+                        "into. Call it on data (or build it) first.")
+                return shards.load(self, path, skip_mismatch=skip_mismatch)
+            return super().load_weights(filepath,
+                                        skip_mismatch=skip_mismatch, **kwargs)
 
     # -- steps -------------------------------------------------------------
 

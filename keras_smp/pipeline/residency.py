@@ -63,6 +63,12 @@ def _track(optimizer, refs):
                        add_variable_from_reference)
 
 
+def slot_references(optimizer):
+    """`{id(optimizer slot): the model variable it was made for}` (slots
+    made after `track_slots`; empty for `None`)."""
+    return dict(_SLOT_REFS.get(optimizer, {})) if optimizer is not None else {}
+
+
 def is_local(variable):
     """Whether a Keras variable is another stage's (no storage here)."""
     return (getattr(variable, "_smp_local", False)
@@ -100,7 +106,7 @@ class StageResidency:
     def slots_by_weight(self):
         """`id(weight) -> [optimizer slots made for it]`."""
         optimizer = getattr(self.model, "optimizer", None)
-        refs = _SLOT_REFS.get(optimizer, {}) if optimizer else {}
+        refs = slot_references(optimizer)
         by_weight = {}
         for v in (optimizer.variables if optimizer else []):
             ref = refs.get(id(v))

@@ -209,3 +209,47 @@ def wrap_variable_direct_assign(wrap):
     wrapped = wrap(original)
     wrapped._smp_wrapped = True
     Variable._direct_assign = wrapped
+
+
+# --- used by keras_smp.pipeline.shards (sharded checkpoints) ---------------
+from keras.src.saving import saving_lib as _saving_lib  # noqa: E402
+
+#: The base class of Keras' weight stores (`_save_state` / `_load_state`
+#: accept only its subclasses).
+H5IOStore = _saving_lib.H5IOStore
+
+
+def save_state(saveable, store, inner_path, visited):
+    """Walks `saveable` as `save_weights` does, writing into `store`.
+
+    Optimizers store their variables themselves, not `variable.numpy()`
+    copies as Keras' `save_own_variables` does (same keys): the store sees
+    which variable each value is, and nothing is copied yet.
+    """
+    def save_own_variables(self, store):
+        for i, variable in enumerate(self.variables):
+            store[str(i)] = variable
+
+    original = BaseOptimizer.save_own_variables
+    BaseOptimizer.save_own_variables = save_own_variables
+    try:
+        _saving_lib._save_state(saveable, weights_store=store,
+                                assets_store=None, inner_path=inner_path,
+                                visited_saveables=visited)
+    finally:
+        BaseOptimizer.save_own_variables = original
+
+
+def load_state(saveable, store, inner_path, visited, skip_mismatch=False):
+    """Walks `saveable` as `load_weights` does, reading from `store`.
+
+    Raises Keras' own error naming the objects that could not be loaded
+    (a warning with `skip_mismatch`)."""
+    failed, errors = set(), {}
+    _saving_lib._load_state(
+        saveable, weights_store=store, assets_store=None,
+        inner_path=inner_path, skip_mismatch=skip_mismatch,
+        visited_saveables=visited, failed_saveables=failed,
+        error_msgs=errors)
+    if failed:
+        _saving_lib._raise_loading_failure(errors, warn_only=skip_mismatch)

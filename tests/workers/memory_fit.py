@@ -16,6 +16,13 @@ memory limit (issue 17: a model too big for one process).
                        strategy's scope (wrap it inside)
     --seed-by-rank     seed each process differently (initial values must
                        come from each stage's first replica)
+    --checkpoint       stages: `ModelCheckpoint(OUT/ckpt.weights.h5,
+                       save_weights_only=True)` every epoch (sharded: no
+                       process gathers the whole model)
+    --mode load --load PATH
+                       plain Keras, one process: builds the model, its
+                       optimizer, loads PATH (a sharded checkpoint's
+                       .weights.json), writes loaded.npz
 
 Data and initial weights are seeded; Adam, 2 epochs of 2 steps.
 """
@@ -26,7 +33,10 @@ import os
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
-parser.add_argument("--mode", choices=("reference", "stages"), required=True)
+parser.add_argument("--mode", choices=("reference", "stages", "load"),
+                    required=True)
+parser.add_argument("--checkpoint", action="store_true")
+parser.add_argument("--load", default=None)
 parser.add_argument("--stages", type=int, default=4)
 parser.add_argument("--width", type=int, default=4096)
 parser.add_argument("--layers", type=int, default=8)
@@ -115,6 +125,14 @@ def wrap(model):
     return model
 
 
+if args.mode == "load":
+    model = wrap(build())
+    model.optimizer.build(model.trainable_variables)
+    model.load_weights(args.load)
+    np.savez(os.path.join(args.out, "loaded.npz"),
+             **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)},
+             iterations=model.optimizer.iterations.numpy())
+    raise SystemExit(0)
 if strategy is None:
     model = wrap(build())
     initial = [w.numpy() for w in model.weights]
@@ -126,8 +144,12 @@ else:
     with strategy.scope():
         model = wrap(build())
     initial = [w.numpy() for w in model.weights]
+callbacks = []
+if args.checkpoint:
+    callbacks.append(keras.callbacks.ModelCheckpoint(
+        os.path.join(args.out, "ckpt.weights.h5"), save_weights_only=True))
 history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
-                    shuffle=False)
+                    shuffle=False, callbacks=callbacks)
 os.makedirs(args.out, exist_ok=True)
 result = {"peak_mb": peak_mb(), "loss": history.history["loss"]}
 if strategy is None:

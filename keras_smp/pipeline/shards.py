@@ -1,0 +1,518 @@
+"""Sharded checkpoints: each pipeline stage writes its own weights.
+
+With one pipeline stage per process no process holds the whole model, so
+none can write a whole-model file. `save(model, path)` has the first
+data-parallel replica of each stage write its stage's weights and optimizer
+slots into its own HDF5 shard, and rank 0 write the index. The index is
+Keras' own sharded format (`*.weights.json`: a `weight_map` from each
+weight group to the shards holding it, read by `keras.Model.load_weights`),
+laid out as the wrapped Keras model's own `save_weights` lays out a file.
+So:
+
+- a plain Keras model of the same architecture loads it directly:
+  `plain.load_weights("ckpt.weights.json")` (build its optimizer first to
+  load the optimizer state too, as with any Keras weights file);
+- a `DistributedModel` with any number of stages and data-parallel replicas
+  loads it (`load`), each process reading only the weights it holds;
+- `assemble` copies it into one plain `.weights.h5`, a dataset at a time.
+
+A path ending in `.weights.h5` gets the same shards and index, plus that
+file: a small HDF5 file holding the index (`POINTER_ATTR`), so Keras
+callbacks that save and test for `*.weights.h5` (`ModelCheckpoint`,
+`BackupAndRestore`) keep working. Shards get new names at every save; the
+index is replaced last, by rename, and the previous save's shards are
+removed after: a process killed while saving leaves the previous
+checkpoint loadable. Multi-host jobs need a shared filesystem (every
+stage writes into the same folder).
+
+Example (one process, 2 stages; the same code runs one stage per process):
+
+```python
+import os, tempfile
+import keras, numpy as np
+import keras_smp
+
+strategy = keras_smp.SMPStrategy(partitions=2, microbatches=2)
+with strategy.scope():
+    model = keras_smp.DistributedModel(keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)]))
+    model.compile(optimizer="adam", loss="mse")
+model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=8, verbose=0)
+path = os.path.join(tempfile.mkdtemp(), "ckpt.weights.json")
+model.save_weights(path)
+
+plain = keras.Sequential([
+    keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+plain.load_weights(path)
+for a, b in zip(plain.get_weights(), model.get_weights()):
+    np.testing.assert_array_equal(a, b)
+```
+"""
+
+import json
+import os
+import re
+
+import h5py
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_smp.pipeline import residency
+from keras_smp.runtime import keras_private
+from keras_smp.smp import comms
+
+#: Attribute of a `*.weights.h5` file that points to a sharded checkpoint
+#: (holds its index, as JSON).
+POINTER_ATTR = "keras_smp_sharded_index"
+FORMAT = 1
+
+
+def entries(model):
+    """`[(group, key, value)]`: what `save_weights` writes, in its order.
+
+    `group` is the HDF5 group of the value (`"layers/dense/vars"`), laid
+    out as the wrapped Keras model's own file (the `DistributedModel`
+    wrapper adds no level); `value` is usually a Keras variable.
+    """
+    recorder = _Recorder()
+    visited = set()
+    for saveable, path in _roots(model):
+        keras_private.save_state(saveable, recorder, path, visited)
+    return recorder.entries
+
+
+def _roots(model):
+    inner = getattr(model, "inner_model", None)
+    if inner is None:  # a subclassed DistributedModel: its own layout
+        return [(model, "")]
+    roots = [(inner, "")]
+    if getattr(model, "optimizer", None) is not None:
+        roots.append((model.optimizer, "optimizer"))
+    return roots
+
+
+class _Recorder(keras_private.H5IOStore):
+    """A weight store recording `(group, key, value)`; writes nothing."""
+
+    def __init__(self):  # pylint: disable=super-init-not-called
+        self.entries = []
+        self._group = "vars"
+
+    def __bool__(self):
+        return True
+
+    def make(self, path, metadata=None):
+        self._group = f"{path}/vars" if path else "vars"
+        return self
+
+    def __setitem__(self, key, value):
+        self.entries.append((self._group, str(key), value))
+
+    def close(self):
+        pass
+
+
+def _stage_of_entries(model, items):
+    """The pipeline stage owning each entry: a weight's home stage, an
+    optimizer slot's weight's, other values (step counter, loss scale)
+    stage 0's; a computed value, its group's first variable's."""
+    graph = model.staged_graph
+    home = graph.home_stage()
+    slots = residency.slot_references(getattr(model, "optimizer", None))
+    stages, by_group = [], {}
+    for group, _, value in items:
+        if isinstance(value, keras.Variable):
+            ref = slots.get(id(value))
+            stage = home.get(id(ref if ref is not None else value), 0)
+            by_group.setdefault(group, stage)
+        else:
+            stage = by_group.get(group, 0)
+        stages.append(stage)
+    return stages
+
+
+def _layout(model):
+    """`(rank, writes(stage) -> bool)` for this process."""
+    rt = model._smp_runtime()  # pylint: disable=protected-access
+    rank = rt.topology.rank if rt is not None else 0
+    if model._smp_residency() is not None:  # pylint: disable=protected-access
+        links = model._smp_links()  # pylint: disable=protected-access
+        return rank, lambda s: s == links.stage and links.replica == 0
+    return rank, lambda s: rank == 0
+
+
+def _base(filepath):
+    name = os.path.basename(filepath)
+    for suffix in (".weights.json", ".weights.h5"):
+        if name.endswith(suffix):
+            return name[:-len(suffix)]
+    raise ValueError(
+        f"A sharded checkpoint's path must end in '.weights.json' (or "
+        f"'.weights.h5'); received {filepath!r}.")
+
+
+def _to_numpy(value):
+    array = keras.ops.convert_to_numpy(value)
+    if array.size == 0 and getattr(value, "shape", None) is not None and (
+            int(np.prod(value.shape)) > 0):
+        raise RuntimeError(
+            f"Sharded save: {getattr(value, 'path', value)!r} has no "
+            "values in the process that should write it (an internal "
+            "error: please report it).")
+    return array
+
+
+def save(model, filepath):
+    """Writes a sharded checkpoint of `model` (a `DistributedModel`).
+
+    A collective: every process of the job calls it. Returns the path of
+    the index (`*.weights.json`).
+    """
+    filepath = os.path.abspath(os.fspath(filepath))
+    folder, base = os.path.dirname(filepath), _base(filepath)
+    rank, writes = _layout(model)
+    items = entries(model)
+    stages = _stage_of_entries(model, items)
+    num_stages = model.staged_graph.num_stages
+    first = comms.broadcast(
+        _first_number(folder, base, num_stages) if rank == 0 else None)
+    names = [_shard_name(base, first + s) for s in range(num_stages)]
+    error = None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        for s in range(num_stages):
+            mine = [e for e, st in zip(items, stages) if st == s
+                    and not residency.is_local(e[2])]
+            if mine:  # replicas that do not write read alike (collectives)
+                _write_shard(os.path.join(folder, names[s])
+                             if writes(s) else None, mine)
+    except Exception as e:  # pylint: disable=broad-except
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    errors = [e for e in comms.allgather(error) if e]
+    if not errors and rank == 0:
+        try:
+            _write_index(filepath, folder, base, items, stages, names)
+        except Exception as e:  # pylint: disable=broad-except
+            errors = [f"rank 0: {type(e).__name__}: {e}"]
+    errors = comms.broadcast(errors)
+    if errors:
+        raise RuntimeError(
+            f"Saving the sharded checkpoint {filepath!r} failed (the "
+            "previous checkpoint there, if any, is unchanged): "
+            + "; ".join(errors))
+    return os.path.join(folder, base + ".weights.json")
+
+
+def save_one_file(model, filepath):
+    """Writes every weight of `model` into one `.weights.h5` file (rank 0
+    writes, atomically; the other processes read alike, then wait)."""
+    filepath = os.path.abspath(os.fspath(filepath))
+    rank, _ = _layout(model)
+    error = None
+    try:
+        _write_shard(filepath if rank == 0 else None, entries(model))
+    except Exception as e:  # pylint: disable=broad-except
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    errors = [e for e in comms.allgather(error) if e]
+    if errors:
+        raise RuntimeError(f"Saving {filepath!r} failed (the previous file "
+                           "there, if any, is unchanged): "
+                           + "; ".join(errors))
+    return filepath
+
+
+def _write_shard(path, items):
+    """Writes `items` into the HDF5 file `path` atomically; with `path`
+    None, only reads them (a replica that does not write: reads may be
+    collective)."""
+    if path is None:
+        for _, _, value in items:
+            _to_numpy(value)
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(path),
+                       f".tmp-{os.getpid()}-{os.path.basename(path)}")
+    with h5py.File(tmp, "w") as f:
+        for group, key, value in items:
+            array = _to_numpy(value)
+            if keras.backend.standardize_dtype(array.dtype) == "bfloat16":
+                ds = f.require_group(group).create_dataset(key, data=array)
+                ds.attrs["dtype"] = "bfloat16"
+            else:
+                f.require_group(group)[key] = array
+    os.replace(tmp, path)
+
+
+def _shard_name(base, number):
+    # Keras' reader opens `<base>_00000.weights.h5` first: a placeholder.
+    return f"{base}_{number:05d}.weights.h5"
+
+
+def _first_number(folder, base, num_stages):
+    """The number of this save's first shard: shards of the checkpoint in
+    place (its index) are never overwritten, so a save killed midway
+    leaves it whole (double buffering)."""
+    current = set()
+    try:
+        index = read_index(os.path.join(folder, base + ".weights.json"))
+        for files in index["weight_map"].values():
+            for name in [files] if isinstance(files, str) else files:
+                current.add(int(name[len(base) + 1:-len(".weights.h5")]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if not current or min(current) > num_stages:
+        return 1
+    return max(current) + 1
+
+
+def _write_index(filepath, folder, base, items, stages, names):
+    weight_map, total = {}, 0
+    for (group, _, value), stage in zip(items, stages):
+        files = weight_map.setdefault("/" + group, [])
+        if names[stage] not in files:
+            files.append(names[stage])
+        shape = getattr(value, "shape", ())
+        dtype = keras.backend.standardize_dtype(
+            getattr(value, "dtype", "float32"))
+        total += int(np.prod(shape)) * np.dtype(
+            "float16" if dtype == "bfloat16" else dtype).itemsize
+    index = {
+        "metadata": {"total_size": total,
+                     "keras_smp": {"format": FORMAT, "shards": names}},
+        "weight_map": {g: f[0] if len(f) == 1 else f
+                       for g, f in weight_map.items()},
+    }
+    text = json.dumps(index, indent=1)
+    placeholder = os.path.join(folder, _shard_name(base, 0))
+    if not os.path.exists(placeholder):
+        _replace(placeholder, lambda tmp: h5py.File(tmp, "w").close())
+    _replace(os.path.join(folder, base + ".weights.json"),
+             lambda tmp: open(tmp, "w").write(text))
+    if filepath.endswith(".weights.h5"):
+        def pointer(tmp):
+            with h5py.File(tmp, "w") as f:
+                f.attrs[POINTER_ATTR] = text
+        _replace(filepath, pointer)
+    # The new index is in place: the previous saves' shards can go.
+    keep = set(names) | {_shard_name(base, 0)}
+    pattern = re.compile(re.escape(base) + r"_\d{5}\.weights\.h5")
+    for name in os.listdir(folder):
+        if pattern.fullmatch(name) and name not in keep:
+            try:
+                os.remove(os.path.join(folder, name))
+            except OSError:
+                pass
+
+
+def _replace(path, write):
+    tmp = os.path.join(os.path.dirname(path),
+                       f".tmp-{os.getpid()}-{os.path.basename(path)}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def read_index(filepath):
+    """The index of a sharded checkpoint (`*.weights.json`, or a
+    `*.weights.h5` pointing to one), or `None` for another file."""
+    filepath = os.fspath(filepath)
+    if filepath.endswith(".weights.json"):
+        with open(filepath) as f:
+            return json.load(f)
+    if not h5py.is_hdf5(filepath):
+        return None
+    with h5py.File(filepath, "r") as f:
+        text = f.attrs.get(POINTER_ATTR)
+    return None if text is None else json.loads(text)
+
+
+def is_wrapper_layout(filepath):
+    """Whether a `.weights.h5` file was written by Keras' own
+    `save_weights` of a `DistributedModel` (an `inner_model` level)."""
+    with h5py.File(os.fspath(filepath), "r") as f:
+        return "inner_model" in f
+
+
+def load(model, filepath, skip_mismatch=False):
+    """Loads a sharded checkpoint, or a plain Keras `.weights.h5`, into
+    `model`, reading only the weights this process holds.
+
+    Other stages' weights are skipped by the caller (`DistributedModel`
+    drops assignments to them); a value is read from disk only when it is
+    assigned.
+    """
+    filepath = os.path.abspath(os.fspath(filepath))
+    index = read_index(filepath)
+    folder = os.path.dirname(filepath)
+    if index is None:
+        files = _OneFile(filepath)
+    else:
+        files = _ShardFiles(folder, index["weight_map"])
+    store = _LazyReader(files)
+    try:
+        visited = set()
+        for saveable, path in _roots(model):
+            keras_private.load_state(saveable, store, path, visited,
+                                     skip_mismatch=skip_mismatch)
+    finally:
+        files.close()
+
+
+class _OneFile:
+    def __init__(self, path):
+        self.file = h5py.File(path, "r")
+
+    def groups(self, group):
+        return [self.file] if group in self.file else []
+
+    def close(self):
+        self.file.close()
+
+
+class _ShardFiles:
+    def __init__(self, folder, weight_map):
+        self.folder = folder
+        self.weight_map = weight_map
+        self.open = {}
+
+    def groups(self, group):
+        names = self.weight_map.get("/" + group, [])
+        out = []
+        for name in [names] if isinstance(names, str) else names:
+            if name not in self.open:
+                path = os.path.join(self.folder, name)
+                if not os.path.exists(path):
+                    raise FileNotFoundError(
+                        f"Shard {name!r} of the checkpoint in "
+                        f"{self.folder!r} is missing (the index names it "
+                        f"for {group!r}); copy every file of the "
+                        "checkpoint together.")
+                self.open[name] = h5py.File(path, "r")
+            if group in self.open[name]:
+                out.append(self.open[name])
+        return out
+
+    def close(self):
+        for f in self.open.values():
+            f.close()
+
+
+class _LazyReader(keras_private.H5IOStore):
+    """A Keras weight store whose values are read from disk only when used
+    (converted to a tensor or array): assignments dropped for weights of
+    other stages read nothing."""
+
+    def __init__(self, files):  # pylint: disable=super-init-not-called
+        self.files = files
+        self._group = "vars"
+
+    def __bool__(self):
+        return True
+
+    def get(self, path):
+        self._group = f"{path}/vars" if path else "vars"
+        return self
+
+    def has_path(self, path):
+        weight_map = getattr(self.files, "weight_map", None)
+        if weight_map is None:
+            return path in self.files.file
+        return any(k == "/" + path or k.startswith(f"/{path}/")
+                   for k in weight_map)
+
+    def _datasets(self):
+        out = {}
+        for f in self.files.groups(self._group):
+            for key, ds in f[self._group].items():
+                out.setdefault(key, ds)
+        return out
+
+    def keys(self):
+        return list(self._datasets())
+
+    def __len__(self):
+        return len(self._datasets())
+
+    def __contains__(self, key):
+        return key in self._datasets()
+
+    def __getitem__(self, key):
+        datasets = self._datasets()
+        if key not in datasets:
+            raise KeyError(
+                f"{self._group}/{key} is not in the checkpoint (a different "
+                "model architecture?).")
+        return LazyArray(datasets[key])
+
+    def close(self):
+        pass
+
+
+class LazyArray:
+    """An HDF5 dataset read when converted (`np.asarray`, a tensor)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.shape = tuple(dataset.shape)
+        self.dtype = ("bfloat16" if dataset.attrs.get("dtype") == "bfloat16"
+                      else dataset.dtype)
+        self.ndim = len(self.shape)
+
+    def __array__(self, dtype=None, copy=None):
+        array = self.dataset[()]
+        if self.dtype == "bfloat16":
+            import ml_dtypes
+
+            array = np.asarray(array, dtype=ml_dtypes.bfloat16)
+        return np.asarray(array) if dtype is None else array.astype(dtype)
+
+
+tf.register_tensor_conversion_function(
+    LazyArray, lambda value, dtype=None, name=None, as_ref=False:
+    tf.convert_to_tensor(np.asarray(value), dtype=dtype, name=name))
+
+
+def assemble(index_path, out_path):
+    """Copies a sharded checkpoint into one `.weights.h5` file.
+
+    One dataset at a time: the process never holds more than the largest
+    weight. The result is what the wrapped Keras model's own
+    `save_weights` writes: `keras.Model.load_weights` of a plain model
+    reads it.
+
+    Args:
+        index_path: the checkpoint's `*.weights.json` (or the
+            `*.weights.h5` pointing to it).
+        out_path: the file to write (`*.weights.h5`).
+    """
+    out_path = os.fspath(out_path)
+    if not out_path.endswith(".weights.h5"):
+        raise ValueError(
+            f"assemble writes a Keras '.weights.h5' file; received "
+            f"out_path={out_path!r}.")
+    index = read_index(index_path)
+    if index is None:
+        raise ValueError(
+            f"{os.fspath(index_path)!r} is not a sharded checkpoint (no "
+            "'.weights.json' index, and not a '.weights.h5' pointing to "
+            "one).")
+    files = _ShardFiles(os.path.dirname(os.path.abspath(
+        os.fspath(index_path))), index["weight_map"])
+    try:
+        def write(tmp):
+            with h5py.File(tmp, "w") as out:
+                for group in index["weight_map"]:
+                    group = group.lstrip("/")
+                    target = out.require_group(group)
+                    for f in files.groups(group):
+                        for key in f[group]:
+                            if key not in target:
+                                f.copy(f[group][key], target, name=key)
+        _replace(os.path.abspath(out_path), write)
+    finally:
+        files.close()
+    return out_path
