@@ -11,6 +11,8 @@ Public API:
   (see `keras_smp.smp.custom_loop`), `CheckpointManager`, and the
   communication helpers `broadcast`, `allgather`, `send`, `recv_from`,
   `barrier` with `CommGroup` / `RankType` (see `keras_smp.smp.comms`).
+- `assemble_checkpoint(index, out)`: one `.weights.h5` file from a sharded
+  checkpoint (one shard per pipeline stage), streamed weight by weight.
 - `notebook_launcher(fn, num_workers=N, args=...)`: run a training
   function on N local worker processes from a Jupyter notebook.
 - rank helpers with SageMaker smp's names: `rank()`, `size()`,
@@ -44,6 +46,7 @@ _LAZY = {
     "step": "keras_smp.smp.custom_loop",
     "StepOutput": "keras_smp.smp.custom_loop",
     "CheckpointManager": "keras_smp.smp.checkpoint",
+    "assemble_checkpoint": "keras_smp.pipeline.shards",
     "notebook_launcher": "keras_smp.notebook",
     "broadcast": "keras_smp.smp.comms",
     "allgather": "keras_smp.smp.comms",
@@ -77,7 +80,7 @@ __all__ = [
     "SMPConfig", "SMPStrategy", "DistributedModel", "partition", "rank", "size", "local_rank", "local_size",
     "dp_rank", "dp_size", "pp_rank", "pp_size", "mp_rank", "mp_size",
     "is_chief", "init", "step", "StepOutput", "CheckpointManager",
-    "notebook_launcher",
+    "notebook_launcher", "assemble_checkpoint",
     "broadcast", "allgather", "send", "recv_from", "barrier", "dp_barrier",
     "mp_barrier", "pp_barrier", "CommGroup", "RankType", "WORLD", "MP_GROUP",
     "DP_GROUP", "PP_GROUP", "WORLD_RANK", "MP_RANK", "DP_RANK",

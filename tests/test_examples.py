@@ -68,12 +68,14 @@ def test_smp_hybrid_horovod_example_trains(workers):
 
 @pytest.mark.parametrize("name", ["keras_smp.smp.custom_loop",
                                   "keras_smp.smp.comms",
-                                  "keras_smp.smp.checkpoint", "save_model"])
+                                  "keras_smp.smp.checkpoint",
+                                  "keras_smp.pipeline.shards", "save_model",
+                                  "save_weights"])
 def test_smp_api_docstring_examples_run(name):
     # Imported here by source text only: the pytest process stays TF-free.
-    if name == "save_model":
+    if name in ("save_model", "save_weights"):
         src = open(os.path.join(ROOT, "keras_smp", "pipeline", "model.py")).read()
-        doc = src.split("def save_model", 1)[1].split('"""')[1]
+        doc = src.split(f"def {name}", 1)[1].split('"""')[1]
     else:
         path = os.path.join(ROOT, *name.split(".")) + ".py"
         doc = open(path).read().split('"""')[1]

@@ -14,7 +14,7 @@ So:
   load the optimizer state too, as with any Keras weights file);
 - a `DistributedModel` with any number of stages and data-parallel replicas
   loads it (`load`), each process reading only the weights it holds;
-- `assemble` copies it into one plain `.weights.h5`, a dataset at a time.
+- `assemble_checkpoint` (`keras_smp.assemble_checkpoint`) copies it into one plain `.weights.h5`, a dataset at a time.
 
 A path ending in `.weights.h5` gets the same shards and index, plus that
 file: a small HDF5 file holding the index (`POINTER_ATTR`), so Keras
@@ -476,7 +476,7 @@ tf.register_tensor_conversion_function(
     tf.convert_to_tensor(np.asarray(value), dtype=dtype, name=name))
 
 
-def assemble(index_path, out_path):
+def assemble_checkpoint(index_path, out_path):
     """Copies a sharded checkpoint into one `.weights.h5` file.
 
     One dataset at a time: the process never holds more than the largest

@@ -83,7 +83,7 @@ assert shard_files() == ["m_00000.weights.h5", "m_00003.weights.h5",
 assert list(loaded_values()) == [2.0], loaded_values()
 
 # One plain file, streamed from the shards.
-whole = shards.assemble(path, os.path.join(folder, "whole.weights.h5"))
+whole = shards.assemble_checkpoint(path, os.path.join(folder, "whole.weights.h5"))
 plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
                           keras.layers.Dense(8), keras.layers.Dense(1)])
 plain.load_weights(whole)
