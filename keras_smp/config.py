@@ -43,6 +43,7 @@ CONFIG_KEYS: tuple[str, ...] = (
     "fusion_threshold_mb",
     "collective_timeout_seconds",
     "local_devices",
+    "activation_checkpointing",
 )
 
 #: Alternative spellings accepted on input, mapped to their canonical key.
@@ -117,6 +118,22 @@ def _check_bool(key, value, origins) -> bool:
     return value
 
 
+def _check_checkpointing(value, partitions, origins):
+    """`activation_checkpointing`: a bool, or the stages (distinct ints in
+    0..partitions-1) that recompute, as a sorted tuple."""
+    if isinstance(value, bool):
+        return value
+    expected = (f"True, False, or a list of stage indices in 0..{partitions - 1}")
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) for s in value):
+        raise _bad("activation_checkpointing", value, expected, origins)
+    stages = tuple(sorted(set(value)))
+    if len(stages) != len(value) or any(not 0 <= s < partitions for s in stages):
+        raise _bad("activation_checkpointing", value, expected, origins,
+                   "Each stage at most once, and below 'partitions'.")
+    return stages
+
+
 def _check_choice(key, value, choices, origins) -> str:
     shown = " | ".join(repr(c) for c in choices)
     if not isinstance(value, str) or value.strip().lower() not in choices:
@@ -159,6 +176,8 @@ def _normalise(values: Mapping[str, Any], origins: Mapping[str, str] | None = No
                 origins, "Use None to drive all visible GPUs (or 1 CPU device).",
             ) from None
     out["local_devices"] = local_devices
+    out["activation_checkpointing"] = _check_checkpointing(
+        values["activation_checkpointing"], out["partitions"], origins)
 
     # Cross-field checks.
     if out["default_partition"] >= out["partitions"]:
@@ -268,6 +287,12 @@ class SMPConfig:
         local_devices: Devices driven by each process (int >= 1), or None to
             use all visible GPUs, or 1 CPU device when there are none. On CPU
             this many logical devices are created.
+        activation_checkpointing: Recompute a stage's forward pass in its
+            backward instead of keeping its activations between the two
+            (less memory, one more forward per microbatch): `True` for every
+            stage, or a list of stage indices. Random layers (`Dropout`)
+            draw the same values and state updates (`BatchNormalization`'s
+            moving statistics) apply once, so training is unchanged.
 
     Example:
 
@@ -292,6 +317,7 @@ class SMPConfig:
     fusion_threshold_mb: float = 64.0
     collective_timeout_seconds: float = 300.0
     local_devices: int | None = None
+    activation_checkpointing: bool | tuple = False
 
     def __post_init__(self):
         raw = {key: getattr(self, key) for key in CONFIG_KEYS}

@@ -39,6 +39,7 @@ def test_defaults():
         "fusion_threshold_mb": 64.0,
         "collective_timeout_seconds": 300.0,
         "local_devices": None,
+        "activation_checkpointing": False,
     }
     assert SMPConfig().to_dict() == expected
     assert build().to_dict() == expected
@@ -230,7 +231,20 @@ BAD_VALUES = [
     ("local_devices", True),
     ("local_devices", "2"),
     ("local_devices", 1.5),
+    ("activation_checkpointing", "yes"),
+    ("activation_checkpointing", 1),
+    ("activation_checkpointing", [0, 0]),
+    ("activation_checkpointing", [1]),  # partitions defaults to 1
+    ("activation_checkpointing", [True]),
 ]
+
+
+def test_activation_checkpointing_stages():
+    config = build({"partitions": 4, "activation_checkpointing": [3, 1]})
+    assert config.activation_checkpointing == (1, 3)
+    assert SMPConfig(**config.to_dict()) == config
+    env = {"SMP_CONFIG": '{"partitions": 2, "activation_checkpointing": true}'}
+    assert SMPConfig.build(environ=env).activation_checkpointing is True
 
 
 @pytest.mark.parametrize("key, value", BAD_VALUES, ids=[f"{k}={v!r}" for k, v in BAD_VALUES])

@@ -47,12 +47,24 @@ class Stage:
         variables: `tf.Variable`s whose gradients the backward computes
             (summed over microbatches); empty for forward-only steps.
         device: where the stage's ops run (`None`: the default device).
+        replay: optional, for activation checkpointing:
+            `(inputs, snapshot, finish) -> finish(outputs)` recomputes the
+            forward pass in the backward action (whose gradients then come
+            from the recomputation: the forward's activations are freed as
+            soon as its outputs exist). `snapshot` is what `snapshot()`
+            returned before the microbatch's forward (the stage's state
+            then: random seeds, statistics); `finish` adds the loss on the
+            last stage.
+        snapshot: `() -> object`, called before each forward (with
+            `replay`).
     """
 
     index: int
     fn: object
     variables: list = dataclasses.field(default_factory=list)
     device: str | None = None
+    replay: object = None
+    snapshot: object = None
 
 
 @dataclasses.dataclass
@@ -192,6 +204,7 @@ class _Builder:
         m = len(inputs)
         self.losses, self.outputs = [None] * m, [None] * m
         self.stage_in, self.stage_out = {}, {}
+        self.snapshots = {}
         self.received = {}
         self.grad_in = {}
         self.grads = {s: [None] * len(st.variables) for s, st in stages.items()}
@@ -278,9 +291,13 @@ class _Builder:
         if self.times is not None:
             start = self._timestamp(deps)
             deps = [start]
+        stage = self.stages[s]
         with tf.control_dependencies(deps):
             ins = [tf.identity(t) for t in _as_list(src)]
-            out = _as_list(self.stages[s].fn(ins))
+            if stage.replay is not None:
+                self.snapshots[(s, mb)] = (stage.snapshot()
+                                           if stage.snapshot else None)
+            out = _as_list(stage.fn(ins))
             done = list(out)
             if s == self.p - 1:
                 self.outputs[mb] = out
@@ -308,7 +325,21 @@ class _Builder:
             start = self._timestamp(deps)
             deps = [start]
         ins = [] if s == 0 else self.stage_in[(s, mb)]
+        stage = self.stages[s]
         with tf.control_dependencies(deps):
+            if stage.replay is not None:
+                # Recompute the forward now (its ops wait for `deps`), and
+                # differentiate the recomputation.
+                ins = self.stage_in[(s, mb)]
+                last = s == self.p - 1
+
+                def finish(out):
+                    out = _as_list(out)
+                    return [self.loss_fn(out, mb)] if last else out
+
+                ys = stage.replay(ins, self.snapshots.pop((s, mb)), finish)
+                if s == 0:
+                    ins = []
             in_grads, var_grads = stage_backward(
                 ys, ins, self.tf_vars[s], seed)
         self.grad_in[(s, mb)] = in_grads

@@ -98,9 +98,14 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     devices = ([None] * p) if links else model._smp_devices()
     stage_vars = {s: [w for w in graph.stage_weights(s) if w.trainable]
                   for s in held}
-    stages = {s: Stage(s, graph.stage_fn(s, training=training),
-                       stage_vars[s] if training else [], devices[s])
-              for s in held}
+    checkpointing = model._smp_config().activation_checkpointing
+    stages = {}
+    for s in held:
+        stages[s] = Stage(s, graph.stage_fn(s, training=training),
+                          stage_vars[s] if training else [], devices[s])
+        if training and (checkpointing is True
+                         or s in (checkpointing or ())):
+            stages[s].snapshot, stages[s].replay = _replay(graph, s)
     if links is None:
         transport = LocalTransport()
     else:
@@ -275,6 +280,34 @@ def loss_weight(compiled_losses, m, sample_weight):
         "reductions.")
 
 
+def _replay(graph, stage):
+    """`(snapshot, replay)` of a stage, for activation checkpointing.
+
+    The recomputation runs in a Keras `StatelessScope` whose state is the
+    stage's non-trainable variables (random seeds, moving statistics) as
+    read before the microbatch's forward: random layers draw what the
+    forward drew, and the state updates it makes are discarded (the
+    forward made them). Trainable weights are read as they are (the
+    optimizer changes them only after the step).
+    """
+    fn = graph.stage_fn(stage, training=True)
+    state, seen = [], set()
+    for node in graph.stage_nodes(stage):
+        for v in getattr(node.operation, "non_trainable_variables", None) or []:
+            if id(v) not in seen:
+                seen.add(id(v))
+                state.append(v)
+
+    def snapshot():
+        return [tf.identity(v.value) for v in state]
+
+    def replay(inputs, values, finish):
+        with keras.StatelessScope(state_mapping=list(zip(state, values))):
+            return finish(fn(inputs))
+
+    return snapshot, replay
+
+
 def _loss_fn(model, ys, sws, sample_weight, m, training):
     """The loss of one microbatch (last stage), weighted for the step."""
     graph = model.staged_graph
@@ -284,7 +317,8 @@ def _loss_fn(model, ys, sws, sample_weight, m, training):
 
     def loss_fn(out, mb):
         loss = compiled(ys[mb], graph.pack_outputs(out), sws[mb]) * weight
-        loss_fn.logged[mb] = loss
+        if loss_fn.logged[mb] is None:  # not a recomputation's
+            loss_fn.logged[mb] = loss
         if training and model.optimizer is not None:
             loss = model.optimizer.scale_loss(loss)
         return loss

@@ -145,6 +145,25 @@ def diff(a, b):
     return float(np.max(d - 1e-5 * np.abs(b))) if d.size else 0.0
 
 
+# Counts recomputations traced (activation checkpointing).
+from keras_smp.pipeline import step as _step_lib  # noqa: E402
+
+_replays = [0]
+_original_replay = _step_lib._replay
+
+
+def _counting_replay(graph, stage):
+    snapshot, replay = _original_replay(graph, stage)
+
+    def counted(*args):
+        _replays[0] += 1
+        return replay(*args)
+
+    return snapshot, counted
+
+
+_step_lib._replay = _counting_replay
+
 references = {}
 for case in CASES:
     key = (case["model"], case["optimizer"])
@@ -155,7 +174,8 @@ for case in CASES:
                   microbatches=case["microbatches"],
                   pipeline=case["pipeline"],
                   auto_partition=case["model"] != "manual",
-                  local_devices=case.get("devices", case["partitions"]))
+                  local_devices=case.get("devices", case["partitions"]),
+                  activation_checkpointing=case.get("recompute", False))
     if "break_loss_weight" in case:  # mutation check: a wrong gradient
         from keras_smp.pipeline import step as step_lib
 
@@ -164,6 +184,7 @@ for case in CASES:
         step_lib.loss_weight = (
             lambda losses, m, sw: factor * original(losses, m, sw))
     strategy = keras_smp.SMPStrategy(**config)
+    _replays[0] = 0
     with strategy.scope():
         model, got = run(case, pipelined=True)
     graph = model.staged_graph
@@ -178,5 +199,6 @@ for case in CASES:
                       for s in range(graph.num_stages)],
         replicas=strategy.num_replicas_in_sync,
         moved=got["moved"],
+        replays=_replays[0],
     )
     print(json.dumps(row), flush=True)

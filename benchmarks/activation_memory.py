@@ -1,0 +1,148 @@
+"""Activation memory per stage process: GPipe vs 1F1B, with and without
+activation checkpointing (recomputation).
+
+A model whose activations dominate: 8 x Dense(1024, relu) (32 MB of
+weights), 2 stages, one stage per worker process (`keras-smp launch -n 2`),
+SGD, microbatches 8 of 2048 rows (batch 16384; input and target 16 wide,
+so the data stays small), one training step. For each
+schedule and checkpointing setting, two runs side by side:
+
+- the job itself;
+- its baseline: the same job (model, schedule, setting) with 8 rows per
+  microbatch, so activations are negligible and everything else (runtime,
+  weights, gradients, the traced step) is the same.
+
+Activation memory of a stage = its process's peak resident memory (VmHWM,
+read by the process at the end) minus the same stage's peak in the
+baseline run: measured, not computed from shapes. What the schedules
+predict: GPipe holds every microbatch's activations (m = 8) on every stage
+before the first backward; 1F1B at most p - s microbatches on stage s
+(2 on stage 0, 1 on stage 1); with recomputation a stage keeps only each
+microbatch's stage inputs and recomputes one microbatch at a time.
+
+    python benchmarks/activation_memory.py        # ~5 minutes on 2 cores
+    python benchmarks/activation_memory.py --only gpipe/off gpipe/on
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYERS, WIDTH, M = 8, 1024, 8
+DATA = 16  # input and target features: the data stays small
+
+
+def peak_mb():
+    """This process's peak resident memory (VmHWM), in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def worker(args):
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import keras_smp
+
+    strategy = keras_smp.SMPStrategy(
+        partitions=2, microbatches=M, pipeline=args.pipeline,
+        activation_checkpointing=args.recompute,
+        collective_timeout_seconds=600)
+    import keras
+    import numpy as np
+
+    batch = M * args.rows
+    x = np.random.RandomState(0).randn(batch, DATA).astype("float32")
+    y = np.random.RandomState(1).randn(batch, DATA).astype("float32")
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras_smp.DistributedModel(keras.Sequential(
+            [keras.Input((DATA,))]
+            + [keras.layers.Dense(WIDTH, activation="relu")
+               for _ in range(LAYERS)] + [keras.layers.Dense(DATA)]))
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+    print("RESULT " + json.dumps({"stage": strategy.topology.pp_rank,
+                                  "peak_mb": peak_mb()}), flush=True)
+
+
+def run(me, *flags):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("TF_CONFIG", "SMP_CONFIG"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "keras_smp.launch", "-n", "2", "--timeout",
+           "900", "--"] + me + list(flags)
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=1000)
+    results = [json.loads(line.split("RESULT ", 1)[1])
+               for line in out.stdout.splitlines() if "RESULT " in line]
+    if out.returncode != 0 or len(results) != 2:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n"
+                           f"{out.stderr[-3000:]}")
+    return [r["peak_mb"] for r in sorted(results, key=lambda r: r["stage"])]
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(l.split(":", 1)[1].strip() for l in f
+                        if l.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or "unknown CPU"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--pipeline", default="1f1b")
+    p.add_argument("--recompute", action="store_true")
+    p.add_argument("--rows", type=int, default=2048,
+                   help="rows per microbatch (default 2048)")
+    p.add_argument("--only", nargs="*", default=None,
+                   help="configurations to run, e.g. gpipe/off 1f1b/on")
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+
+    # A Dense(relu) layer keeps one tensor for its backward: its output
+    # (the relu's gradient and the next layer's weight gradient use it).
+    per_mb = LAYERS // 2 * args.rows * WIDTH * 4 / 2**20
+    print(f"CPU: {cpu_model()}; {os.cpu_count()} cores; every process 1 "
+          "intra-op and 1 inter-op thread")
+    print(f"model: {LAYERS} x Dense({WIDTH}, relu), 2 stages (one per "
+          f"process), SGD, {M} microbatches of {args.rows} rows; one "
+          f"microbatch's stage output alone is "
+          f"{args.rows * WIDTH * 4 / 2**20:.0f} MB (a stage keeps one per "
+          f"layer for its backward: ~{per_mb:.0f} MB per microbatch, the "
+          "unit of the last column)")
+    print(f"{'schedule':>8} {'recompute':>9} {'stage':>5} {'baseline':>8} "
+          f"{'peak':>6} {'activations (MB)':>16} {'in microbatches':>15}")
+    me = [sys.executable, os.path.abspath(__file__), "--worker"]
+    for pipeline in ("gpipe", "1f1b"):
+        for recompute in (False, True):
+            if args.only and f"{pipeline}/{'on' if recompute else 'off'}" \
+                    not in args.only:
+                continue
+            flags = ["--pipeline", pipeline] + (
+                ["--recompute"] if recompute else [])
+            base = run(me, *flags, "--rows", "8")
+            peaks = run(me, *flags, "--rows", str(args.rows))
+            for stage in range(2):
+                act = peaks[stage] - base[stage]
+                print(f"{pipeline:>8} {('on' if recompute else 'off'):>9} "
+                      f"{stage:>5} {base[stage]:>8.0f} {peaks[stage]:>6.0f} "
+                      f"{act:>16.0f} {act / per_mb:>15.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
