@@ -153,6 +153,13 @@ def test_every_variable_lives_on_its_stage_device(placement):
         for s in slots), slots
 
 
+def test_weights_are_created_on_their_stage_device_only(placement):
+    # Layer weights built in the scope are created where they live: no
+    # full-size copy first made on another device (the first GPU) and
+    # moved, so device 0 never holds the whole model.
+    assert placement["discarded"] == [], placement["discarded"]
+
+
 def test_forward_and_backward_ops_run_on_their_stage_device(placement):
     rows = placement["stage_devices"]
     ops = placement["ops"]

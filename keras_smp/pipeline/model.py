@@ -32,6 +32,7 @@ from keras_smp.pipeline.schedule import get_schedule
 from keras_smp.pipeline.step import run_step
 from keras_smp.pipeline.transport import PipelineKeys
 from keras_smp.pipeline.transport import StageLinks
+from keras_smp.runtime import deferred
 from keras_smp.runtime import keras_private
 from keras_smp.runtime import patches
 from keras_smp.runtime import placement
@@ -247,11 +248,19 @@ class DistributedModel(keras.Model):
                                       allocator=rt.keys)
 
     def _smp_place_variables(self):
-        """Puts every weight on the device of the first stage using it."""
+        """Puts every weight on the device of the first stage using it.
+
+        Weights built in the scope are still deferred (shapes): each is
+        created there, with its initial value; weights made elsewhere are
+        moved there."""
         rt = self._smp_runtime()
         layout = rt.layout if rt is not None else None
         if (layout is None or layout.mode != "in_process"
                 or layout.num_stages != self._smp_graph.num_stages):
+            if layout is not None and layout.mode == "in_process":
+                with self.distribute_strategy.scope():
+                    for w in self.weights:
+                        deferred.materialize(w)
             return
         rows = [layout.stage_devices(r)
                 for r in range(layout.num_local_replicas)]
@@ -261,6 +270,10 @@ class DistributedModel(keras.Model):
                 want = [tf_private.canonical_device(row[stage]) for row in rows]
                 for w in self._smp_graph.stage_weights(stage):
                     if home[id(w)] != stage:
+                        continue
+                    if deferred.is_pending(w):
+                        with placement.placing(stage):
+                            deferred.materialize(w)
                         continue
                     value = w.value
                     parts = getattr(value, "values", (value,))
@@ -272,6 +285,8 @@ class DistributedModel(keras.Model):
                     w._value = None
                     with placement.placing(stage):
                         w._initialize(current)
+            for w in self.weights:  # used by no stage
+                deferred.materialize(w)
 
     def build(self, input_shape=None):
         if self._smp_graph is not None:

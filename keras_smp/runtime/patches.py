@@ -473,13 +473,20 @@ def _scaled(grad, scale):
 
 def defers_layer_weights():
     """Whether layer weights created now are deferred: inside the scope of
-    an `SMPStrategy` running one pipeline stage per process."""
+    an `SMPStrategy` running one pipeline stage per process, or several
+    stages on the devices of one process (each weight is then created on
+    its stage's device, never first on another)."""
     import tensorflow as tf
 
     if placement.creating_local() or not tf.distribute.has_strategy():
         return False
     runtime = _runtime_of(tf.distribute.get_strategy())
-    return runtime is not None and runtime.mode == "multi_process"
+    if runtime is None:
+        return False
+    if runtime.mode == "multi_process":
+        return True
+    return (runtime.mode == "in_process" and runtime.layout is not None
+            and runtime.layout.num_stages > 1)
 
 
 def _patch_add_weight(keras):

@@ -3,7 +3,9 @@
 2 model replicas x 2 stages on 4 logical CPUs (or PARTITIONS stages on
 PARTITIONS CPUs). Fits one step, then inspects the traced train step graph:
 prints one JSON object with the placement of every variable copy and of
-every compute op, grouped by (replica, stage, forward/backward).
+every compute op, grouped by (replica, stage, forward/backward), and the
+variables created while the model was built and then thrown away
+("discarded": a weight first made on another device, then moved).
 """
 
 import json
@@ -27,7 +29,17 @@ COMPUTE = {"MatMul", "BiasAdd", "BiasAddGrad", "Tanh", "TanhGrad", "Relu",
            "ReluGrad", "Conv2D", "Conv2DBackpropFilter",
            "Conv2DBackpropInput"}
 
-with strategy.scope():
+created = []
+
+
+def log_creation(next_creator, **kwargs):
+    variable = next_creator(**kwargs)
+    for part in getattr(variable, "values", (variable,)):
+        created.append(part)
+    return variable
+
+
+with strategy.scope(), tf.variable_creator_scope(log_creation):
     model = keras_smp.DistributedModel(keras.Sequential([
         keras.Input((8, 8, 1)),
         keras.layers.Conv2D(4, 3, activation="relu"),
@@ -78,7 +90,12 @@ for op in graphs[0].get_operations():
     replica = int(match.group(1) or 0)
     key = f"{replica}/{match.group(2)}/{match.group(3)}"
     ops.setdefault(key, set()).add(op.device)
+kept = {id(part) for w in model.variables + model.optimizer.variables
+        for part in getattr(w.value, "values", (w.value,))}
+discarded = [{"device": v.device, "shape": list(v.shape)} for v in created
+             if id(v) not in kept and v.shape.num_elements() > 1]
 print(json.dumps({
+    "discarded": discarded,
     "stage_devices": strategy.stage_devices,
     "variables": variables,
     "ops": {k: sorted(v) for k, v in ops.items()},
