@@ -431,11 +431,15 @@ class DistributedModel(keras.Model):
                                       model.get_weights()[0])
         ```
         """
-        if not isinstance(filepath, (str, os.PathLike)) or (
-                max_shard_size is not None):
+        if max_shard_size is not None:
+            raise ValueError(
+                "DistributedModel.save_weights shards by pipeline stage, "
+                f"not by size: drop max_shard_size={max_shard_size!r} and "
+                "give a path ending in '.weights.json' (one shard per "
+                "stage, Keras' sharded format).")
+        if not isinstance(filepath, (str, os.PathLike)):
             with self._smp_gathered():
-                return super().save_weights(filepath, overwrite=overwrite,
-                                            max_shard_size=max_shard_size)
+                return super().save_weights(filepath, overwrite=overwrite)
         path = os.fspath(filepath)
         if not path.endswith((".weights.h5", ".weights.json")):
             raise ValueError(
@@ -515,6 +519,10 @@ class DistributedModel(keras.Model):
                     raise ValueError(
                         "load_weights: the model has no weights yet to load "
                         "into. Call it on data (or build it) first.")
+                if kwargs:
+                    raise TypeError(
+                        f"load_weights of {path!r} takes no "
+                        f"{', '.join(sorted(kwargs))} argument.")
                 return shards.load(self, path, skip_mismatch=skip_mismatch)
             return super().load_weights(filepath,
                                         skip_mismatch=skip_mismatch, **kwargs)

@@ -17,7 +17,7 @@ So:
 - `assemble_checkpoint` (`keras_smp.assemble_checkpoint`) copies it into one plain `.weights.h5`, a dataset at a time.
 
 A path ending in `.weights.h5` gets the same shards and index, plus that
-file: a small HDF5 file holding the index (`POINTER_ATTR`), so Keras
+file: a small HDF5 file naming the index (`POINTER_ATTR`), so Keras
 callbacks that save and test for `*.weights.h5` (`ModelCheckpoint`,
 `BackupAndRestore`) keep working. Shards get new names at every save; the
 index is replaced last, by rename, and the previous save's shards are
@@ -51,7 +51,6 @@ for a, b in zip(plain.get_weights(), model.get_weights()):
 
 import json
 import os
-import re
 
 import h5py
 import keras
@@ -63,17 +62,19 @@ from keras_smp.runtime import keras_private
 from keras_smp.smp import comms
 
 #: Attribute of a `*.weights.h5` file that points to a sharded checkpoint
-#: (holds its index, as JSON).
+#: (the name of its `*.weights.json` index, in the same folder).
 POINTER_ATTR = "keras_smp_sharded_index"
 FORMAT = 1
 
 
 def entries(model):
-    """`[(group, key, value)]`: what `save_weights` writes, in its order.
+    """`[(group, key, value, owner)]`: what `save_weights` writes, in its
+    order.
 
     `group` is the HDF5 group of the value (`"layers/dense/vars"`), laid
     out as the wrapped Keras model's own file (the `DistributedModel`
-    wrapper adds no level); `value` is usually a Keras variable.
+    wrapper adds no level); `value` is usually a Keras variable; `owner`
+    the name of the layer (or optimizer) saving it.
     """
     recorder = _Recorder()
     visited = set()
@@ -98,16 +99,18 @@ class _Recorder(keras_private.H5IOStore):
     def __init__(self):  # pylint: disable=super-init-not-called
         self.entries = []
         self._group = "vars"
+        self._owner = None
 
     def __bool__(self):
         return True
 
     def make(self, path, metadata=None):
         self._group = f"{path}/vars" if path else "vars"
+        self._owner = (metadata or {}).get("name")
         return self
 
     def __setitem__(self, key, value):
-        self.entries.append((self._group, str(key), value))
+        self.entries.append((self._group, str(key), value, self._owner))
 
     def close(self):
         pass
@@ -116,18 +119,21 @@ class _Recorder(keras_private.H5IOStore):
 def _stage_of_entries(model, items):
     """The pipeline stage owning each entry: a weight's home stage, an
     optimizer slot's weight's, other values (step counter, loss scale)
-    stage 0's; a computed value, its group's first variable's."""
+    stage 0's; a value a layer computes, its layer's stage."""
     graph = model.staged_graph
     home = graph.home_stage()
+    layer_stage = {}
+    for s in range(graph.num_stages):
+        for node in graph.stage_nodes(s):
+            layer_stage.setdefault(getattr(node.operation, "name", None), s)
     slots = residency.slot_references(getattr(model, "optimizer", None))
-    stages, by_group = [], {}
-    for group, _, value in items:
+    stages = []
+    for _, _, value, owner in items:
         if isinstance(value, keras.Variable):
             ref = slots.get(id(value))
             stage = home.get(id(ref if ref is not None else value), 0)
-            by_group.setdefault(group, stage)
         else:
-            stage = by_group.get(group, 0)
+            stage = layer_stage.get(owner, 0)
         stages.append(stage)
     return stages
 
@@ -146,7 +152,15 @@ def _base(filepath):
     name = os.path.basename(filepath)
     for suffix in (".weights.json", ".weights.h5"):
         if name.endswith(suffix):
-            return name[:-len(suffix)]
+            base = name[:-len(suffix)]
+            if ".weights" in base:
+                # Keras' reader derives the shard names by removing every
+                # ".weights" from the index's name.
+                raise ValueError(
+                    f"A sharded checkpoint's name may contain '.weights' "
+                    f"only as its suffix; received {filepath!r}. Rename "
+                    "it, e.g. 'model.weights.json'.")
+            return base
     raise ValueError(
         f"A sharded checkpoint's path must end in '.weights.json' (or "
         f"'.weights.h5'); received {filepath!r}.")
@@ -172,8 +186,13 @@ def save(model, filepath):
     filepath = os.path.abspath(os.fspath(filepath))
     folder, base = os.path.dirname(filepath), _base(filepath)
     rank, writes = _layout(model)
-    items = entries(model)
-    stages = _stage_of_entries(model, items)
+    error = None
+    try:
+        items = entries(model)
+        stages = _stage_of_entries(model, items)
+    except Exception as e:  # pylint: disable=broad-except
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    _raise_any(comms.allgather(error), filepath)
     num_stages = model.staged_graph.num_stages
     first = comms.broadcast(
         _first_number(folder, base, num_stages) if rank == 0 else None)
@@ -195,13 +214,17 @@ def save(model, filepath):
             _write_index(filepath, folder, base, items, stages, names)
         except Exception as e:  # pylint: disable=broad-except
             errors = [f"rank 0: {type(e).__name__}: {e}"]
-    errors = comms.broadcast(errors)
+    _raise_any(comms.broadcast(errors), filepath)
+    return os.path.join(folder, base + ".weights.json")
+
+
+def _raise_any(errors, filepath):
+    errors = [e for e in errors if e]
     if errors:
         raise RuntimeError(
             f"Saving the sharded checkpoint {filepath!r} failed (the "
             "previous checkpoint there, if any, is unchanged): "
             + "; ".join(errors))
-    return os.path.join(folder, base + ".weights.json")
 
 
 def save_one_file(model, filepath):
@@ -227,14 +250,14 @@ def _write_shard(path, items):
     None, only reads them (a replica that does not write: reads may be
     collective)."""
     if path is None:
-        for _, _, value in items:
+        for _, _, value, _ in items:
             _to_numpy(value)
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = os.path.join(os.path.dirname(path),
                        f".tmp-{os.getpid()}-{os.path.basename(path)}")
     with h5py.File(tmp, "w") as f:
-        for group, key, value in items:
+        for group, key, value, _ in items:
             array = _to_numpy(value)
             if keras.backend.standardize_dtype(array.dtype) == "bfloat16":
                 ds = f.require_group(group).create_dataset(key, data=array)
@@ -268,7 +291,7 @@ def _first_number(folder, base, num_stages):
 
 def _write_index(filepath, folder, base, items, stages, names):
     weight_map, total = {}, 0
-    for (group, _, value), stage in zip(items, stages):
+    for (group, _, value, _), stage in zip(items, stages):
         files = weight_map.setdefault("/" + group, [])
         if names[stage] not in files:
             files.append(names[stage])
@@ -284,25 +307,37 @@ def _write_index(filepath, folder, base, items, stages, names):
                        for g, f in weight_map.items()},
     }
     text = json.dumps(index, indent=1)
+    json_path = os.path.join(folder, base + ".weights.json")
     placeholder = os.path.join(folder, _shard_name(base, 0))
     if not os.path.exists(placeholder):
         _replace(placeholder, lambda tmp: h5py.File(tmp, "w").close())
-    _replace(os.path.join(folder, base + ".weights.json"),
-             lambda tmp: open(tmp, "w").write(text))
+    previous = _shard_names(json_path)
+    _replace(json_path, lambda tmp: open(tmp, "w").write(text))
     if filepath.endswith(".weights.h5"):
         def pointer(tmp):
             with h5py.File(tmp, "w") as f:
-                f.attrs[POINTER_ATTR] = text
+                f.attrs[POINTER_ATTR] = os.path.basename(json_path)
         _replace(filepath, pointer)
-    # The new index is in place: the previous saves' shards can go.
+    # The new index is in place: the previous save's shards can go.
     keep = set(names) | {_shard_name(base, 0)}
-    pattern = re.compile(re.escape(base) + r"_\d{5}\.weights\.h5")
-    for name in os.listdir(folder):
-        if pattern.fullmatch(name) and name not in keep:
+    for name in previous:
+        if name not in keep:
             try:
                 os.remove(os.path.join(folder, name))
             except OSError:
                 pass
+
+
+def _shard_names(index_path):
+    """The shard files an index names (empty when there is none)."""
+    try:
+        index = read_index(index_path)
+    except (OSError, ValueError):
+        return set()
+    names = set()
+    for files in (index or {}).get("weight_map", {}).values():
+        names.update([files] if isinstance(files, str) else files)
+    return names
 
 
 def _replace(path, write):
@@ -326,8 +361,13 @@ def read_index(filepath):
     if not h5py.is_hdf5(filepath):
         return None
     with h5py.File(filepath, "r") as f:
-        text = f.attrs.get(POINTER_ATTR)
-    return None if text is None else json.loads(text)
+        name = f.attrs.get(POINTER_ATTR)
+    if name is None:
+        return None
+    # The pointer names the index beside it (always the current one).
+    with open(os.path.join(os.path.dirname(os.path.abspath(filepath)),
+                           str(name))) as f:
+        return json.load(f)
 
 
 def is_wrapper_layout(filepath):

@@ -299,13 +299,45 @@ def _replay(graph, stage):
                 state.append(v)
 
     def snapshot():
-        return [tf.identity(v.value) for v in state]
+        seeds = keras_private.global_seed_state()
+        return (seeds, None if seeds is None else tf.identity(seeds.value),
+                [tf.identity(v.value) for v in state])
 
-    def replay(inputs, values, finish):
-        with keras.StatelessScope(state_mapping=list(zip(state, values))):
-            return finish(fn(inputs))
+    def replay(inputs, snap, finish):
+        seeds, seeds_value, values = snap
+        mapping = list(zip(state, values))
+        if seeds is not None:  # unseeded keras.random calls draw again
+            mapping.append((seeds, seeds_value))
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            out = finish(fn(inputs))
+        now = keras_private.global_seed_state()
+        stateful = sorted({op.type for op in graph.get_operations()[first:]
+                           if op.type in _STATEFUL_RANDOM})
+        if stateful or (seeds is None and now is not None
+                        and scope.get_current_value(now) is not None):
+            raise ValueError(
+                f"activation_checkpointing: stage {stage} draws random "
+                f"numbers the recomputation cannot draw again "
+                f"({', '.join(stateful) or 'an unseeded keras.random call'}"
+                "). Use Keras layers (Dropout, GaussianNoise...) or "
+                "keras.random ops with a `keras.random.SeedGenerator` "
+                "attached to the layer, or turn activation_checkpointing "
+                f"off for stage {stage}.")
+        return out
 
     return snapshot, replay
+
+
+# TensorFlow's stateful random ops: a recomputation would draw new values.
+_STATEFUL_RANDOM = {
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal",
+    "TruncatedNormal", "RandomShuffle", "Multinomial", "RandomGamma",
+    "RandomPoisson", "RandomPoissonV2", "StatefulUniform",
+    "StatefulUniformInt", "StatefulUniformFullInt",
+    "StatefulStandardNormalV2", "StatefulTruncatedNormal",
+    "RngReadAndSkip"}
 
 
 def _loss_fn(model, ys, sws, sample_weight, m, training):

@@ -253,3 +253,16 @@ def load_state(saveable, store, inner_path, visited, skip_mismatch=False):
         error_msgs=errors)
     if failed:
         _saving_lib._raise_loading_failure(errors, warn_only=skip_mismatch)
+
+
+# --- used by keras_smp.pipeline.step (activation checkpointing) -------------
+
+def global_seed_state():
+    """The state variable of Keras' global seed generator (what unseeded
+    `keras.random.*` calls draw from), or None while it does not exist
+    (this does not create it)."""
+    from keras.src.random import seed_generator
+
+    gen = global_state.get_global_attribute(
+        seed_generator.GLOBAL_SEED_GENERATOR)
+    return None if gen is None else gen.state
