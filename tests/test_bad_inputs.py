@@ -141,6 +141,9 @@ TF_CASES = {
         "TypeError", r"expects a tf.train.Checkpoint.*received dict"),
     "save_model_before_build": (
         "ValueError", r"save_model: the model has no weights yet"),
+    "save_weights_max_shard_size": (
+        "ValueError", r"shards by pipeline stage, not by size: drop "
+                      r"max_shard_size=1.*'.weights.json'"),
     "wrap_a_non_model": (
         "TypeError", r"expects a keras.Model.*received str 'not a model'"),
     "wrap_an_unbuilt_sequential": (

@@ -327,6 +327,11 @@ def test_recomputation_keeps_dropout_and_batchnorm_training_unchanged():
     assert row["moving_stats_changed"], row
     assert row["weights"] <= 1e-6 * max(1.0, row["scale"]) + 1e-5 * row["scale"], row
     assert row["loss"] <= 1e-6, row
+    # Random numbers a recomputation cannot draw again: a clear error.
+    assert "stage 1 draws random numbers the recomputation cannot draw " \
+        "again (RandomUniform)" in row["random_error"], row
+    assert "turn activation_checkpointing off for stage 1" in \
+        row["random_error"], row
 
 
 @pytest.mark.slow

@@ -114,6 +114,10 @@ def case_save_model_before_build():
     Unbuilt().save_model("/tmp/unused_model")
 
 
+def case_save_weights_max_shard_size():
+    pipelined().save_weights("/tmp/unused.weights.json", max_shard_size=1)
+
+
 def case_wrap_a_non_model():
     keras_smp.DistributedModel("not a model")
 

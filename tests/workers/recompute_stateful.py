@@ -1,8 +1,9 @@
 """Activation checkpointing with random and stateful layers: a model with
 Dropout and BatchNormalization, 2 stages x 4 microbatches in one process,
 trained with and without recomputation. Prints one JSON line: the largest
-differences (weights, BatchNorm's moving statistics included; losses) and
-how many recomputations were traced.
+differences (weights, BatchNorm's moving statistics included; losses), how
+many recomputations were traced, and the error a stage drawing TensorFlow's
+stateful random numbers gets with recomputation on.
 
     recompute_stateful.py
 """
@@ -16,6 +17,7 @@ from keras_smp.pipeline import step as step_lib  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 replays = [0]
 original = step_lib._replay
@@ -37,7 +39,14 @@ x = rng.randn(64, 8).astype("float32")
 y = rng.randint(0, 3, 64)
 
 
-def train(recompute):
+class Noise(keras.layers.Layer):
+    """Multiplies by TensorFlow's stateful random numbers (not Keras')."""
+
+    def call(self, x):
+        return x * tf.random.uniform(tf.shape(x))
+
+
+def train(recompute, noise=False):
     strategy = keras_smp.SMPStrategy(
         partitions=2, microbatches=4, activation_checkpointing=recompute,
         local_devices=2)
@@ -47,7 +56,8 @@ def train(recompute):
             keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
             keras.layers.Dropout(0.3), keras.layers.BatchNormalization(),
             keras.layers.Dense(16, activation="tanh"),
-            keras.layers.Dropout(0.2), keras.layers.Dense(3)]))
+            keras.layers.Dropout(0.2)] + ([Noise()] if noise else [])
+            + [keras.layers.Dense(3)]))
         model.compile(optimizer="adam", loss=keras.losses.
                       SparseCategoricalCrossentropy(from_logits=True))
     history = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
@@ -58,7 +68,13 @@ def train(recompute):
 plain_w, plain_loss = train(False)
 assert replays[0] == 0
 ck_w, ck_loss = train(True)
+try:
+    train(True, noise=True)
+    random_error = "no error"
+except ValueError as e:
+    random_error = str(e)
 print(json.dumps({
+    "random_error": random_error,
     "replays": replays[0],
     "weights": max(float(np.max(np.abs(a - b))) for a, b in zip(plain_w, ck_w)),
     "scale": max(float(np.max(np.abs(a))) for a in plain_w),
