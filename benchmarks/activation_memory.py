@@ -31,17 +31,11 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measure import cpu_model  # noqa: E402
+from measure import peak_mb  # noqa: E402
 LAYERS, WIDTH, M = 8, 1024, 8
 DATA = 16  # input and target features: the data stays small
-
-
-def peak_mb():
-    """This process's peak resident memory (VmHWM), in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def worker(args):
@@ -88,17 +82,6 @@ def run(me, *flags):
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n"
                            f"{out.stderr[-3000:]}")
     return [r["peak_mb"] for r in sorted(results, key=lambda r: r["stage"])]
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(l.split(":", 1)[1].strip() for l in f
-                        if l.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-
-        return platform.processor() or "unknown CPU"
 
 
 def main():

@@ -33,16 +33,10 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measure import cpu_model  # noqa: E402
+from measure import peak_mb  # noqa: E402
 LAYERS, BATCH, STEPS = 8, 32, 2
-
-
-def peak_mb():
-    """This process's peak resident memory (VmHWM), in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def worker(args):
@@ -118,17 +112,6 @@ def run(cmd, timeout=1200):
     if os.environ.get("MEMORY_PHASES"):
         print(results)
     return [r["peak_mb"] for r in sorted(results, key=lambda r: r["rank"])]
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(l.split(":", 1)[1].strip() for l in f
-                        if l.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-
-        return platform.processor() or "unknown CPU"
 
 
 def main():

@@ -145,24 +145,7 @@ def diff(a, b):
     return float(np.max(d - 1e-5 * np.abs(b))) if d.size else 0.0
 
 
-# Counts recomputations traced (activation checkpointing).
-from keras_smp.pipeline import step as _step_lib  # noqa: E402
-
-_replays = [0]
-_original_replay = _step_lib._replay
-
-
-def _counting_replay(graph, stage):
-    snapshot, replay = _original_replay(graph, stage)
-
-    def counted(*args):
-        _replays[0] += 1
-        return replay(*args)
-
-    return snapshot, counted
-
-
-_step_lib._replay = _counting_replay
+from replays import count as _replays  # noqa: E402  (counts recomputations)
 
 references = {}
 for case in CASES:
