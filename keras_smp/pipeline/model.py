@@ -7,7 +7,7 @@ lists through the one pipeline runtime (`keras_smp.pipeline.runtime`) with
 the transport of the setting, and returns the losses, predictions and
 gradients; the optimizer applies them once per step. With one stage per
 process, `keras_smp.pipeline.residency` keeps only this stage's weights and
-optimizer slots here and gathers the whole model for saves.
+optimizer slots here; `keras_smp.pipeline.shards` saves them stage by stage.
 """
 
 import contextlib
@@ -353,11 +353,12 @@ class DistributedModel(keras.Model):
 
         With one pipeline stage per process, each process holds and trains
         only its stage's weights and optimizer slots; its copies of the
-        other stages' are empty. `get_weights`, `save` and `save_weights`
-        gather the whole model (weights and slots) for the duration of the
-        call, so checkpoints hold the whole trained model. It is a
-        collective: every process of the job must call it (Keras callbacks
-        do). No-op otherwise.
+        other stages' are empty. `get_weights`, `save` (`.keras`) and
+        `save_model` gather the whole model (weights and slots) for the
+        duration of the call; `save_weights` writes one shard per stage
+        instead (`keras_smp.pipeline.shards`). It is a collective: every
+        process of the job must call it (Keras callbacks do). No-op
+        otherwise.
         """
         residency = self._smp_residency()
         if residency is not None:

@@ -8,9 +8,10 @@ weights their initial values when the partition plan is set, and other
 stages' weights and their optimizer slots never get storage here:
 Keras traces the whole model with them as uninitialised variables
 (`symbolic()`), `set_weights`/`load_weights` skip them (`shaped()`).
-While the whole model is needed (`get_weights`, saves),
-`StageResidency.gathered()` fills them from the stages that own them over
-the replica's pipeline group and empties them again afterwards.
+While the whole model is needed (`get_weights`, `.keras` saves,
+`save_model`), `StageResidency.gathered()` fills them from the stages that
+own them over the replica's pipeline group and empties them again
+afterwards (`save_weights` writes stage by stage: `pipeline/shards.py`).
 """
 
 import contextlib
