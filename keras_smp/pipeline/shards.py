@@ -14,7 +14,9 @@ So:
   load the optimizer state too, as with any Keras weights file);
 - a `DistributedModel` with any number of stages and data-parallel replicas
   loads it (`load`), each process reading only the weights it holds;
-- `assemble_checkpoint` (`keras_smp.assemble_checkpoint`) copies it into one plain `.weights.h5`, a dataset at a time.
+- `assemble_checkpoint` (`keras_smp.assemble_checkpoint`) copies it into one
+  plain `.weights.h5`, or a `.keras` file of the plain Keras model for
+  export, a dataset at a time.
 
 A path ending in `.weights.h5` gets the same shards and index, plus that
 file: a small HDF5 file naming the index (`POINTER_ATTR`), so Keras
@@ -46,6 +48,14 @@ plain = keras.Sequential([
 plain.load_weights(path)
 for a, b in zip(plain.get_weights(), model.get_weights()):
     np.testing.assert_array_equal(a, b)
+
+# One plain Keras file for export, streamed from the shards:
+keras_file = os.path.join(tempfile.mkdtemp(), "model.keras")
+keras_smp.assemble_checkpoint(path, keras_file, model=model)
+exported = keras.models.load_model(keras_file)
+x = np.ones((2, 4), "float32")
+np.testing.assert_allclose(exported.predict(x, verbose=0),
+                           model.predict(x, verbose=0), rtol=1e-6)
 ```
 """
 
@@ -516,24 +526,66 @@ tf.register_tensor_conversion_function(
     tf.convert_to_tensor(np.asarray(value), dtype=dtype, name=name))
 
 
-def assemble_checkpoint(index_path, out_path):
-    """Copies a sharded checkpoint into one `.weights.h5` file.
+def assemble_checkpoint(index_path, out_path, model=None):
+    """Copies a sharded checkpoint into one `.weights.h5` or `.keras` file.
 
     One dataset at a time: the process never holds more than the largest
-    weight. The result is what the wrapped Keras model's own
-    `save_weights` writes: `keras.Model.load_weights` of a plain model
-    reads it.
+    weight. A `.weights.h5` is what the wrapped Keras model's own
+    `save_weights` writes (`keras.Model.load_weights` of a plain model
+    reads it). A `.keras` file is a plain Keras model for export:
+    `model`'s architecture (a `DistributedModel`'s wrapped model; only its
+    configuration is used, not its weights, so a stage process can write
+    it) with the checkpoint's weights, without optimizer state:
+    `keras.models.load_model` loads it without keras-smp.
 
     Args:
         index_path: the checkpoint's `*.weights.json` (or the
             `*.weights.h5` pointing to it).
-        out_path: the file to write (`*.weights.h5`).
+        out_path: the file to write (`*.weights.h5` or `*.keras`).
+        model: the model the checkpoint is of (for `.keras` only).
+
+    See the module's example.
     """
     out_path = os.fspath(out_path)
+    if out_path.endswith(".keras"):
+        if model is None:
+            raise ValueError(
+                "assemble_checkpoint: a '.keras' file needs the model's "
+                "architecture: pass model=<the DistributedModel or Keras "
+                "model the checkpoint is of>.")
+        return _assemble_keras(index_path, out_path, model)
     if not out_path.endswith(".weights.h5"):
         raise ValueError(
-            f"assemble writes a Keras '.weights.h5' file; received "
-            f"out_path={out_path!r}.")
+            f"assemble_checkpoint writes a '.weights.h5' or '.keras' file; "
+            f"received out_path={out_path!r}.")
+    _replace(os.path.abspath(out_path),
+             lambda tmp: _assemble_h5(index_path, tmp))
+    return out_path
+
+
+def _assemble_keras(index_path, out_path, model):
+    import zipfile
+
+    inner = getattr(model, "inner_model", None) or model
+    config_json, metadata_json = keras_private.model_json(inner)
+
+    def write(tmp):
+        weights = tmp + ".weights.h5"
+        try:
+            _assemble_h5(index_path, weights, skip=("/optimizer",))
+            with zipfile.ZipFile(tmp, "w") as zf:
+                zf.writestr("metadata.json", metadata_json)
+                zf.writestr("config.json", config_json)
+                zf.write(weights, "model.weights.h5")
+        finally:
+            if os.path.exists(weights):
+                os.remove(weights)
+
+    _replace(os.path.abspath(out_path), write)
+    return out_path
+
+
+def _assemble_h5(index_path, out_path, skip=()):
     index = read_index(index_path)
     if index is None:
         raise ValueError(
@@ -543,16 +595,15 @@ def assemble_checkpoint(index_path, out_path):
     files = _ShardFiles(os.path.dirname(os.path.abspath(
         os.fspath(index_path))), index["weight_map"])
     try:
-        def write(tmp):
-            with h5py.File(tmp, "w") as out:
-                for group in index["weight_map"]:
-                    group = group.lstrip("/")
-                    target = out.require_group(group)
-                    for f in files.groups(group):
-                        for key in f[group]:
-                            if key not in target:
-                                f.copy(f[group][key], target, name=key)
-        _replace(os.path.abspath(out_path), write)
+        with h5py.File(out_path, "w") as out:
+            for group in index["weight_map"]:
+                if group.startswith(tuple(skip)):
+                    continue
+                group = group.lstrip("/")
+                target = out.require_group(group)
+                for f in files.groups(group):
+                    for key in f[group]:
+                        if key not in target:
+                            f.copy(f[group][key], target, name=key)
     finally:
         files.close()
-    return out_path

@@ -266,3 +266,9 @@ def global_seed_state():
     gen = global_state.get_global_attribute(
         seed_generator.GLOBAL_SEED_GENERATOR)
     return None if gen is None else gen.state
+
+
+def model_json(model):
+    """`(config.json, metadata.json)` texts of a `.keras` file for `model`
+    (its architecture only: no weight is read)."""
+    return _saving_lib._serialize_model_as_json(model)

@@ -1,6 +1,7 @@
 """Sharded checkpoints in one process (2 stages): a save that fails after
 writing its shards leaves the previous checkpoint whole; saves reuse no
-shard file of the checkpoint in place; stale shards are removed.
+shard file of the checkpoint in place; stale shards are removed; the
+checkpoint assembles into one .weights.h5 and into a .keras export.
 
     sharded_save.py DIR     prints "OK" at the end (asserts on the way)
 """
@@ -88,4 +89,12 @@ plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
                           keras.layers.Dense(8), keras.layers.Dense(1)])
 plain.load_weights(whole)
 assert all(np.all(w == 2.0) for w in plain.get_weights())
+
+# A plain Keras model for export (the architecture from the
+# DistributedModel, the weights streamed from the shards, no optimizer).
+exported = keras.models.load_model(shards.assemble_checkpoint(
+    path, os.path.join(folder, "export.keras"), model=model))
+assert type(exported) is keras.Sequential, type(exported)
+assert getattr(exported, "optimizer", None) is None
+assert all(np.all(w == 2.0) for w in exported.get_weights())
 print("OK")
