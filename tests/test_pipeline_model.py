@@ -74,12 +74,23 @@ GROUPS = {
         + _cases("cnn", (2,), ("gpipe",), (8,), "adam")
         + _cases("skip", (4,), ("1f1b",), (4,), "sgd"),
         (True, [1], True, True))],
+    # XLA (jit_compile=True): each stage's forward and backward compiled,
+    # against plain Keras compiling its whole step; the same bounds.
+    "xla": [dict(c, xla=True) for c in
+            _cases("mlp", (2,), BOTH, (4,), "sgd")
+            + _cases("cnn", (2,), ("1f1b",), (8,), "adam")
+            + _cases("skip", (4,), ("gpipe",), (4,), "sgd")
+            + _cases("mlp", (2,), ("1f1b",), (2,), "sgd", devices=4)],
 }
 
 
 def _run(cases, timeout=900):
+    # Keras refuses XLA while op determinism is on (the worker's default).
+    extra = ({"TF_DETERMINISTIC_OPS": "0"} if any(c.get("xla") for c in cases)
+             else None)
     proc = run_python([os.path.join(WORKERS, "pipeline_fit.py")]
-                      + [json.dumps(c) for c in cases], timeout=timeout)
+                      + [json.dumps(c) for c in cases], timeout=timeout,
+                      extra_env=extra)
     rows = [json.loads(l) for l in proc.stdout.splitlines()
             if l.startswith("{")]
     assert len(rows) == len(cases), proc.stdout + proc.stderr[-3000:]
@@ -114,6 +125,10 @@ def test_pipelined_training_matches_single_device(group):
         # Recomputation was built exactly where asked (its backward
         # differentiates the recomputed forward).
         assert (row["replays"] > 0) == bool(row.get("recompute")), row
+        # Stages were compiled exactly when asked, and the model still
+        # says jit_compile=True (the step around them is not compiled).
+        assert (row["compiled"] > 0) == bool(row.get("xla")), row
+        assert row["jit_compile"] == bool(row.get("xla")), row
 
 
 def test_fidelity_detects_a_wrong_gradient():

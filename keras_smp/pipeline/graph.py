@@ -183,6 +183,18 @@ class StagedGraph:
     def stage_nodes(self, stage):
         return [n for n in self.nodes if self.stage_of[id(n)] == stage]
 
+    def stage_layers(self, stage):
+        """The layers stage `stage` runs (nested layers included)."""
+        out, seen = [], set()
+        for node in self.stage_nodes(stage):
+            op = node.operation
+            for layer in (keras_private.flatten_layers(op)
+                          if hasattr(op, "_flatten_layers") else [op]):
+                if id(layer) not in seen:
+                    seen.add(id(layer))
+                    out.append(layer)
+        return out
+
     def stage_fn(self, stage, training=None):
         """Returns stage `stage`'s function `list[Tensor] -> list[Tensor]`."""
         carry_in = self.inputs if stage == 0 else self.carries[stage - 1]

@@ -22,6 +22,7 @@ from keras_smp.pipeline.runtime import execute
 from keras_smp.pipeline.transport import CollectiveTransport
 from keras_smp.pipeline.transport import LocalTransport
 from keras_smp.runtime import keras_private
+from keras_smp.runtime import xla
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
@@ -99,10 +100,14 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     stage_vars = {s: [w for w in graph.stage_weights(s) if w.trainable]
                   for s in held}
     checkpointing = model._smp_config().activation_checkpointing
+    compiles = xla.wanted(model)
     stages = {}
     for s in held:
-        stages[s] = Stage(s, graph.stage_fn(s, training=training),
-                          stage_vars[s] if training else [], devices[s])
+        fn = graph.stage_fn(s, training=training)
+        if compiles:
+            fn = xla.compiled(fn, f"stage {s}", graph.stage_layers(s))
+        stages[s] = Stage(s, fn, stage_vars[s] if training else [],
+                          devices[s])
         if training and (checkpointing is True
                          or s in (checkpointing or ())):
             stages[s].snapshot, stages[s].replay = _replay(graph, s)

@@ -96,6 +96,11 @@ def regularization_losses(model):
     return model._get_regularization_losses()
 
 
+def flatten_layers(model):
+    """`model` and every layer inside it (Keras' own walk)."""
+    return list(model._flatten_layers())
+
+
 def own_losses(model):
     """Losses added with `add_loss()` inside `call`, of every layer."""
     return [loss for layer in model._flatten_layers()

@@ -49,6 +49,7 @@ from keras_smp.runtime import deferred
 from keras_smp.runtime import errors
 from keras_smp.runtime import placement
 from keras_smp.runtime import tf_private
+from keras_smp.runtime import xla
 
 _lock = threading.Lock()
 _installed = []
@@ -108,10 +109,18 @@ def _patch_make_functions(trainer):
         def make(self, *args, _original=original, _attr=attr, **kwargs):
             check_pipelined(self)
             before = getattr(self, _attr, None)
-            result = _original(self, *args, **kwargs)
+            smp = _runtime_of(getattr(self, "_distribute_strategy",
+                                      None)) is not None
+            compiles = smp and xla.wanted(self)
+            with (xla.uncompiled_step(self) if compiles
+                  else contextlib.nullcontext()):
+                result = _original(self, *args, **kwargs)
             fn = getattr(self, _attr, None)
             if fn is None or fn is before:  # Keras returned the cached one
                 return result
+            if compiles and not is_pipelined(self):
+                fn = xla.compiled_calls(self, fn)
+                setattr(self, _attr, fn)
             runtime = _multi_worker_runtime(self)
             if runtime is not None:
                 fn = errors.guard(fn, runtime)

@@ -41,10 +41,13 @@ p.add_argument("--seed-by-rank", action="store_true",
                "strategy must broadcast rank 0's initial weights")
 p.add_argument("--pipelined", action="store_true",
                help="wrap the model in keras_smp.DistributedModel")
+p.add_argument("--xla", action="store_true",
+               help="compile(jit_compile=True) (op determinism off: Keras "
+               "refuses XLA with it)")
 args = p.parse_args()
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
+os.environ["TF_DETERMINISTIC_OPS"] = "0" if args.xla else "1"
 
 strategy = None
 if args.mode == "strategy":
@@ -52,6 +55,7 @@ if args.mode == "strategy":
 
     strategy = keras_smp.SMPStrategy(
         json.loads(args.config), local_devices=args.local_devices)
+    from compiled import count as compiled_calls  # counts XLA calls traced
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -119,7 +123,7 @@ def build():
     else:
         opt = keras.optimizers.Adam(learning_rate=1e-2)
     model.compile(
-        optimizer=opt,
+        optimizer=opt, jit_compile=args.xla,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=[] if args.no_metrics else ["sparse_categorical_accuracy"])
     return model
@@ -198,6 +202,8 @@ if strategy is not None:
     result["replicas"] = np.array(strategy.num_replicas_in_sync)
     result["buckets_traced"] = np.array(strategy.gradient_sync.buckets_traced)
     result["algorithm"] = np.array(strategy.allreduce_algorithm)
+    result["compiled_calls"] = np.array(compiled_calls[0])
+    result["jit_compile"] = np.array(bool(model.jit_compile))
 os.makedirs(args.out, exist_ok=True)
 np.savez(os.path.join(args.out, f"rank{rank}.npz"), **result)
 print(f"rank {rank} done", flush=True)

@@ -7,7 +7,9 @@ one device with the same global batch.
 
 Usage: pipeline_fit.py CASE [CASE ...], CASE = JSON object with keys
 model (mlp|cnn|skip|manual), partitions, microbatches, pipeline,
-optimizer (sgd|adam), devices (logical CPUs, default = partitions).
+optimizer (sgd|adam), devices (logical CPUs, default = partitions),
+recompute (activation_checkpointing), xla (compile both models with
+jit_compile=True; needs TF_DETERMINISTIC_OPS=0, which Keras requires for XLA).
 """
 
 import json
@@ -112,7 +114,7 @@ def build(case, pipelined):
            if case["optimizer"] == "sgd"
            else keras.optimizers.Adam(learning_rate=1e-3))
     model.compile(
-        optimizer=opt,
+        optimizer=opt, jit_compile=case.get("xla", False),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["sparse_categorical_accuracy"])
     return model
@@ -145,11 +147,12 @@ def diff(a, b):
     return float(np.max(d - 1e-5 * np.abs(b))) if d.size else 0.0
 
 
+from compiled import count as _compiled  # noqa: E402  (counts XLA stages)
 from replays import count as _replays  # noqa: E402  (counts recomputations)
 
 references = {}
 for case in CASES:
-    key = (case["model"], case["optimizer"])
+    key = (case["model"], case["optimizer"], case.get("xla", False))
     if key not in references:
         references[key] = run(case, pipelined=False)[1]
     ref = references[key]
@@ -167,7 +170,7 @@ for case in CASES:
         step_lib.loss_weight = (
             lambda losses, m, sw: factor * original(losses, m, sw))
     strategy = keras_smp.SMPStrategy(**config)
-    _replays[0] = 0
+    _replays[0] = _compiled[0] = 0
     with strategy.scope():
         model, got = run(case, pipelined=True)
     graph = model.staged_graph
@@ -183,5 +186,7 @@ for case in CASES:
         replicas=strategy.num_replicas_in_sync,
         moved=got["moved"],
         replays=_replays[0],
+        compiled=_compiled[0],
+        jit_compile=model.jit_compile,
     )
     print(json.dumps(row), flush=True)

@@ -1,0 +1,106 @@
+"""XLA compilation of keras-smp's compute, with communication outside it.
+
+`model.compile(..., jit_compile=True)` under an `SMPStrategy` does not
+compile Keras' whole step function with XLA, as plain Keras does: the step
+holds collectives (pipeline transfers, gradient all-reduce) and variables of
+several devices, which XLA cannot compile on CPU. Instead the step stays a
+plain `tf.function` and its compute is compiled:
+
+- a pipelined model (`DistributedModel`): each stage's forward of one
+  microbatch is one XLA computation (`compiled(stage_fn)`), and so is its
+  backward: TensorFlow differentiates a call of a compiled function with a
+  compiled backward function that reads the forward's saved activations
+  (nothing is recomputed). Transfers, gradient accumulation and the
+  optimizer run between them, as TensorFlow ops.
+- a plain Keras model under data parallelism: the model's forward
+  (`model.call`) is compiled while Keras traces its step (`compiled_calls`),
+  hence its backward too; the loss, the gradient all-reduce and the
+  optimizer stay outside.
+
+A stage (or model) holding a layer that says it cannot be compiled
+(`layer.supports_jit = False`, Keras' own flag) runs uncompiled, with a
+warning naming the layer.
+
+Every compiled function is traced once per input shape, so a pipeline step
+of `m` microbatches compiles one forward and one backward per stage, not m.
+"""
+
+import contextlib
+import functools
+import warnings
+
+import tensorflow as tf
+
+from keras_smp.runtime import keras_private
+
+
+def wanted(model):
+    """Whether `model`'s compute is to be compiled: `jit_compile=True`."""
+    return (getattr(model, "jit_compile", False) is True
+            and not getattr(model, "run_eagerly", False))
+
+
+@contextlib.contextmanager
+def uncompiled_step(model):
+    """While Keras makes a step function: its outer `tf.function` is not
+    compiled (the compute inside it is, see the module docstring)."""
+    model.jit_compile = False
+    try:
+        yield
+    finally:
+        model.jit_compile = True
+
+
+def blocking_layers(layers):
+    """Names of `layers` that Keras marks as not compilable."""
+    return [layer.name for layer in layers
+            if not getattr(layer, "supports_jit", True)]
+
+
+def compiled(fn, name, layers=()):
+    """`fn` as an XLA-compiled `tf.function`, or `fn` itself (with a
+    warning naming them) when one of `layers` cannot be compiled."""
+    blocking = blocking_layers(layers)
+    if blocking:
+        warnings.warn(
+            f"jit_compile=True: {name} runs without XLA because layer(s) "
+            f"{', '.join(blocking)} cannot be compiled (supports_jit=False). "
+            "Move them to a stage of their own, or compile with "
+            "jit_compile=False to silence this.", stacklevel=3)
+        return fn
+    return tf.function(fn, jit_compile=True, autograph=False)
+
+
+def compiled_calls(model, step_function):
+    """`step_function` tracing `model.call` as a compiled function.
+
+    For a plain Keras model (data parallelism): Keras' own `train_step`
+    (or the user's) calls `model(...)`, whose `call` is then one XLA
+    computation, and so is its gradient. Layers that cannot be compiled
+    keep the whole model uncompiled (with a warning).
+    """
+    original = model.call
+
+    def call(*args, **kwargs):
+        # `training` and `mask` stay Python values (static in the trace).
+        return original(*args, **kwargs)
+
+    fast = compiled(call, f"model {model.name!r}",
+                    keras_private.flatten_layers(model))
+    if fast is call:  # a layer cannot be compiled (warned)
+        return step_function
+
+    @functools.wraps(step_function)
+    def run(*args, **kwargs):
+        # An instance attribute: `Layer.__call__` calls `self.call`.
+        before = model.__dict__.get("call")
+        object.__setattr__(model, "call", fast)
+        try:
+            return step_function(*args, **kwargs)
+        finally:
+            if before is None:
+                object.__delattr__(model, "call")
+            else:
+                object.__setattr__(model, "call", before)
+
+    return run
