@@ -8,7 +8,13 @@ tf-keras-facts.md). Measured side by side in one run:
 - baseline: the whole model, plain Keras, in 1 serial process;
 - pipelined: `keras_smp.DistributedModel`, partitions=2, one stage per
   serial process (`keras-smp launch -n 2`), microbatches 1, 2, 4, 8, 16,
-  schedules gpipe and 1f1b.
+  schedules gpipe and 1f1b;
+- data parallel: the plain model under `SMPStrategy()` in 2 serial
+  processes, the same global batch.
+
+With `--xla` every run (the baseline too) compiles with
+`jit_compile=True`: plain Keras compiles its whole step, keras-smp each
+stage's forward and backward (or, data parallel, the model's call).
 
 Prints the median ms/step, the speedup over the baseline beside the ideal
 m*p/(m+p-1) and beside the bound of this CPU (the same pipelined step run
@@ -44,6 +50,10 @@ def worker(args):
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     strategy = None
+    if args.mode == "dp":
+        import keras_smp
+
+        strategy = keras_smp.SMPStrategy(collective_timeout_seconds=300)
     if args.mode in ("pipeline", "serial"):
         import keras_smp
 
@@ -67,9 +77,9 @@ def worker(args):
             [keras.Input((WIDTH,))]
             + [keras.layers.Dense(WIDTH, activation="relu")
                for _ in range(LAYERS)])
-        if strategy is not None:
+        if args.mode in ("pipeline", "serial"):
             model = keras_smp.DistributedModel(model)
-        model.compile(optimizer="sgd", loss="mse")
+        model.compile(optimizer="sgd", loss="mse", jit_compile=args.xla)
         return model
 
     if strategy is not None:
@@ -120,6 +130,9 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--xla", action="store_true",
+                   help="compile(jit_compile=True) in every run, baseline "
+                   "included")
     p.add_argument("--compare-tree", default=None,
                    help="another keras-smp checkout to time side by side")
     args = p.parse_args()
@@ -140,15 +153,17 @@ def main():
         pass
     print(f"CPU: {cpu}; {os.cpu_count()} cores; every process 1 intra-op "
           "and 1 inter-op thread")
+    print(f"XLA: {'on (jit_compile=True) in every run' if args.xla else 'off'}")
+    xla = ["--xla"] if args.xla else []
     me = [sys.executable, os.path.abspath(__file__), "--worker",
-          "--steps", str(args.steps), "--warmup", str(args.warmup)]
+          "--steps", str(args.steps), "--warmup", str(args.warmup)] + xla
     other = None
     if args.compare_tree:
         other_root = os.path.abspath(args.compare_tree)
         other = [sys.executable,
                  os.path.join(other_root, "benchmarks", "pipeline_cpu.py"),
                  "--worker", "--steps", str(args.steps), "--warmup",
-                 str(args.warmup)]
+                 str(args.warmup)] + xla
     base = run(me + ["--mode", "single"])
     print(f"baseline: whole model, batch {BATCH}, 1 serial process: "
           f"{base:.0f} ms/step")
@@ -198,6 +213,10 @@ def main():
                   + ", ".join(f"stage {s}: {v:.0f} ({sched.peak_in_flight(s)}"
                               f" mb)" for s, v in enumerate(peaks))
                   + compared, flush=True)
+    dp = run([sys.executable, "-m", "keras_smp.launch", "-n", "2",
+              "--timeout", "800", "--"] + me + ["--mode", "dp"])
+    print(f"data parallel, 2 serial processes (batch {BATCH // 2} each): "
+          f"{dp:.0f} ms/step, {base / dp:.2f}x (target >= 1.6x, ideal 2x)")
     again = run(me + ["--mode", "single"])
     print(f"baseline again: {again:.0f} ms/step (noise check)")
     print("ideal = m*p/(m+p-1); bound = the same pipelined step run serially "

@@ -281,7 +281,7 @@ def test_saved_pipelined_model_loads_back_pipelined(tmp_path):
 @pytest.mark.parametrize("workers,pipeline,variant", [
     (2, "1f1b", "callbacks"), (2, "gpipe", "callbacks"), (4, "1f1b", ""),
     (4, "gpipe", ""), (2, "gpipe", "loss-only"), (2, "1f1b", "manual"),
-    (2, "gpipe", "recompute")])
+    (2, "gpipe", "recompute"), (2, "1f1b", "xla")])
 def test_one_stage_per_process_matches_single_device(
         tmp_path, reference, workers, pipeline, variant):
     # partitions=2 over 2 or 4 worker processes (1 or 2 replicas x 2
@@ -306,6 +306,9 @@ def test_one_stage_per_process_matches_single_device(
     if variant == "recompute":  # activation checkpointing on every stage
         flags = ["--pipelined", "--config", json.dumps(
             dict(json.loads(config), activation_checkpointing=True))]
+    if variant == "xla":  # stages compiled; plain Keras compiled whole
+        ref_flags = ("--xla",)
+        flags += ref_flags
     if variant == "manual":
         # Subclassed DistributedModel placed with partition scopes.
         flags = ["--pipelined", "--model", "manual", "--config", json.dumps(
@@ -324,9 +327,53 @@ def test_one_stage_per_process_matches_single_device(
     assert max(held) < full and full <= sum(held) <= full + 16, (held, full)
     if workers == 4:
         assert int(load(tmp_path, 0)["buckets_traced"]) > 0
+    compiled = [int(load(tmp_path, r)["compiled_calls"]) for r in range(2)]
+    assert (min(compiled) > 0) == (variant == "xla"), compiled
     assert "[0] Epoch 3/3" in proc.stdout and "[1] Epoch" not in proc.stdout
     if variant == "callbacks":
         assert (tmp_path / "files" / "ckpt.keras").is_file()
+
+
+XLA_FALLBACK = """
+import warnings
+import numpy as np
+import keras_smp
+strategy = keras_smp.SMPStrategy(partitions=2, microbatches=2,
+                                 local_devices=2)
+import keras
+import compiled
+
+class Host(keras.layers.Dense):  # a layer XLA cannot compile (say)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.supports_jit = False
+
+x = np.random.RandomState(0).randn(32, 4).astype("float32")
+with strategy.scope():
+    model = keras_smp.DistributedModel(keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(4, name="fast"),
+        Host(4, name="host_only")]))
+    model.compile("sgd", "mse", jit_compile=True)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    model.fit(x, x, batch_size=16, epochs=1, verbose=0)
+print("WARN", [str(w.message) for w in caught if "XLA" in str(w.message)])
+print("COMPILED", compiled.count[0])
+"""
+
+
+def test_a_stage_xla_cannot_compile_runs_uncompiled_with_a_warning():
+    # jit_compile=True: stage 1 holds a layer with supports_jit=False
+    # (Keras' flag): it runs uncompiled with a warning naming the layer;
+    # stage 0 is still compiled.
+    out = run_python(["-c", XLA_FALLBACK], extra_env={
+        "TF_DETERMINISTIC_OPS": "0",
+        "PYTHONPATH": WORKERS + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }).stdout
+    warned = out.split("WARN ")[1].splitlines()[0]
+    assert "stage 1 runs without XLA" in warned and "host_only" in warned, out
+    assert "stage 0" not in warned, out
+    assert int(out.split("COMPILED ")[1].split()[0]) > 0, out
 
 
 def test_recomputation_keeps_dropout_and_batchnorm_training_unchanged():

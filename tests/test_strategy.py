@@ -91,6 +91,27 @@ def test_multi_worker_fit_matches_single_device(tmp_path, reference, workers):
         assert f"[{r}] Epoch" not in proc.stdout
 
 
+@pytest.mark.parametrize("where", ["logical_devices", "workers"])
+def test_xla_data_parallel_matches_single_device_xla(tmp_path, reference,
+                                                    where):
+    # compile(jit_compile=True): the model's call (and so its backward) is
+    # compiled with XLA inside the step; the gradient all-reduce and the
+    # optimizer run outside. The reference is plain Keras compiling its
+    # whole step with XLA on one device; the same bounds.
+    if where == "workers":
+        launch(2, fit_model(tmp_path, "--xla"))
+    else:
+        run_python(fit_model(tmp_path, "--xla", "--local-devices", "2"))
+    ref = reference("--xla")
+    for r in range(2 if where == "workers" else 1):
+        got = load(tmp_path, r)
+        assert int(got["replicas"]) == 2
+        assert int(got["compiled_calls"]) > 0, "the model ran uncompiled"
+        assert bool(got["jit_compile"])
+        assert int(got["buckets_traced"]) > 0
+        assert_same_training(got, ref)
+
+
 @pytest.mark.slow
 def test_workers_times_local_devices_hierarchical(tmp_path, reference):
     # 2 processes x 2 logical CPUs on 2 emulated hosts: "auto" picks the

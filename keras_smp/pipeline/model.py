@@ -37,6 +37,7 @@ from keras_smp.runtime import keras_private
 from keras_smp.runtime import patches
 from keras_smp.runtime import placement
 from keras_smp.runtime import tf_private
+from keras_smp.runtime import xla
 from keras_smp.smp import comms
 from keras_smp.smp import custom_loop
 
@@ -382,8 +383,12 @@ class DistributedModel(keras.Model):
         residency = self._smp_residency()
         return residency.gathered() if residency else contextlib.nullcontext()
 
-    def compile(self, *args, **kwargs):
-        super().compile(*args, **kwargs)
+    def compile(self, *args, jit_compile="auto", **kwargs):
+        """Keras' `compile`. With `jit_compile=True` each stage's forward
+        and backward are compiled with XLA (`keras_smp.runtime.xla`); a
+        stage holding a layer XLA cannot compile runs without it."""
+        super().compile(*args, jit_compile=xla.stage_by_stage(
+            self, jit_compile), **kwargs)
         track_slots(self.optimizer)
 
     def _symbolic_build(self, *args, **kwargs):

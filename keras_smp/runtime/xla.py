@@ -35,20 +35,38 @@ from keras_smp.runtime import keras_private
 
 
 def wanted(model):
-    """Whether `model`'s compute is to be compiled: `jit_compile=True`."""
-    return (getattr(model, "jit_compile", False) is True
-            and not getattr(model, "run_eagerly", False))
+    """Whether `model`'s compute is to be compiled: `jit_compile=True`
+    (for a `DistributedModel`, also when Keras turned it off because some
+    layer cannot be compiled: its other stages still are)."""
+    if getattr(model, "run_eagerly", False):
+        return False
+    return (getattr(model, "_smp_xla", False)
+            or getattr(model, "jit_compile", False) is True)
+
+
+def stage_by_stage(model, jit_compile):
+    """`DistributedModel.compile`: the `jit_compile` to give Keras.
+
+    Keras turns XLA off for a whole model when one layer cannot be
+    compiled (`supports_jit=False`); a pipeline compiles stage by stage, so
+    Keras gets `False` and the request is kept in `model._smp_xla`.
+    """
+    blocked = jit_compile is True and bool(blocking_layers(
+        keras_private.flatten_layers(model)))
+    model._smp_xla = blocked
+    return False if blocked else jit_compile
 
 
 @contextlib.contextmanager
 def uncompiled_step(model):
     """While Keras makes a step function: its outer `tf.function` is not
     compiled (the compute inside it is, see the module docstring)."""
+    before = model.jit_compile
     model.jit_compile = False
     try:
         yield
     finally:
-        model.jit_compile = True
+        model.jit_compile = before
 
 
 def blocking_layers(layers):
@@ -76,8 +94,9 @@ def compiled_calls(model, step_function):
 
     For a plain Keras model (data parallelism): Keras' own `train_step`
     (or the user's) calls `model(...)`, whose `call` is then one XLA
-    computation, and so is its gradient. Layers that cannot be compiled
-    keep the whole model uncompiled (with a warning).
+    computation, and so is its gradient. (Keras itself turns
+    `jit_compile` off, with its own warning, for a model holding a layer
+    that cannot be compiled.)
     """
     original = model.call
 
@@ -85,10 +104,7 @@ def compiled_calls(model, step_function):
         # `training` and `mask` stay Python values (static in the trace).
         return original(*args, **kwargs)
 
-    fast = compiled(call, f"model {model.name!r}",
-                    keras_private.flatten_layers(model))
-    if fast is call:  # a layer cannot be compiled (warned)
-        return step_function
+    fast = compiled(call, f"model {model.name!r}")
 
     @functools.wraps(step_function)
     def run(*args, **kwargs):
