@@ -26,7 +26,7 @@ from conftest import run_python
 from conftest import scaled_atol
 
 MEMORY_FIT = os.path.join(WORKERS, "memory_fit.py")
-# Between a stage process's peak (~1.3 GB, +30% headroom for other
+# Between a stage process's cgroup-charged peak (~1.2-1.4 GB; headroom for other
 # CPUs/allocators) and plain Keras' (~2.3 GB, which must exceed it).
 LIMIT_MB = 1700
 
@@ -94,7 +94,17 @@ def test_four_stages_each_under_a_limit_the_whole_model_exceeds(tmp_path):
     for stage in range(4):
         with open(out / f"stage{stage}_dp0.json") as f:
             result = json.load(f)
-        assert result["peak_mb"] < LIMIT_MB, result
+        if cgroup:
+            # The kernel enforced the limit (exceeding it kills the
+            # process); its own record of the peak proves the process ran
+            # inside the cgroup with real accounting. VmHWM is not
+            # compared: it also counts shared library pages (TensorFlow's
+            # ~0.3 GB) charged to whichever process mapped them first.
+            assert result["cgroup_peak_mb"] is not None, result
+            assert 0.25 * LIMIT_MB < result["cgroup_peak_mb"] <= LIMIT_MB, (
+                result)
+        else:
+            assert result["peak_mb"] < LIMIT_MB, result
         # Losses: every stage logs the replica's loss (float32 rounding of
         # microbatch sums, scaled by the loss's magnitude).
         np.testing.assert_allclose(result["loss"], reference["loss"],

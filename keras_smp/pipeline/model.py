@@ -384,9 +384,42 @@ class DistributedModel(keras.Model):
         return residency.gathered() if residency else contextlib.nullcontext()
 
     def compile(self, *args, jit_compile="auto", **kwargs):
-        """Keras' `compile`. With `jit_compile=True` each stage's forward
-        and backward are compiled with XLA (`keras_smp.runtime.xla`); a
-        stage holding a layer XLA cannot compile runs without it."""
+        """Keras' `compile`; `jit_compile=True` compiles stage by stage.
+
+        With `jit_compile=True` each stage's forward and backward of a
+        microbatch are XLA computations (`keras_smp.runtime.xla`), while
+        transfers, gradient accumulation, all-reduce and the optimizer run
+        around them (plain Keras would compile its whole step, which
+        cannot hold keras-smp's collectives). A stage holding a layer XLA
+        cannot compile (`supports_jit=False`) runs uncompiled, with a
+        warning naming the layer. `jit_compile="auto"` is off under a
+        strategy, as in Keras.
+
+        Example (2 stages on logical CPUs of one process):
+
+        ```python
+        import numpy as np
+        import tensorflow as tf
+
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        import keras
+        import keras_smp
+
+        strategy = keras_smp.SMPStrategy(partitions=2, microbatches=2,
+                                         local_devices=2)
+        with strategy.scope():
+            model = keras_smp.DistributedModel(keras.Sequential([
+                keras.Input((8,)), keras.layers.Dense(8, activation="relu"),
+                keras.layers.Dense(1)]))
+            model.compile("sgd", "mse", jit_compile=True)
+        x = np.random.RandomState(0).randn(64, 8).astype("float32")
+        history = model.fit(x, x[:, :1], batch_size=16, epochs=3, verbose=0)
+        assert model.jit_compile
+        assert history.history["loss"][-1] < history.history["loss"][0]
+        ```
+        """
         super().compile(*args, jit_compile=xla.stage_by_stage(
             self, jit_compile), **kwargs)
         track_slots(self.optimizer)

@@ -68,6 +68,22 @@ def join_cgroup(root, name, limit_mb):
         f.write(str(os.getpid()))
 
 
+def cgroup_peak_mb():
+    """The peak the kernel charged to this process's cgroup (what its limit
+    bounds: anonymous memory and the page cache it touched first; shared
+    library pages another process loaded first are not in it), or None."""
+    if not args.cgroup:
+        return None
+    path = os.path.join(args.cgroup, f"rank{rank}")
+    for name in ("memory.peak", "memory.max_usage_in_bytes"):  # v2, v1
+        try:
+            with open(os.path.join(path, name)) as f:
+                return int(f.read()) / 2**20
+        except OSError:
+            continue
+    return None
+
+
 def peak_mb():
     with open("/proc/self/status") as f:
         for line in f:
@@ -143,7 +159,6 @@ elif args.outside_scope:
 else:
     with strategy.scope():
         model = wrap(build())
-    initial = [w.numpy() for w in model.weights]
 callbacks = []
 if args.checkpoint:
     callbacks.append(keras.callbacks.ModelCheckpoint(
@@ -151,7 +166,8 @@ if args.checkpoint:
 history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
                     shuffle=False, callbacks=callbacks)
 os.makedirs(args.out, exist_ok=True)
-result = {"peak_mb": peak_mb(), "loss": history.history["loss"]}
+result = {"peak_mb": peak_mb(), "cgroup_peak_mb": cgroup_peak_mb(),
+          "loss": history.history["loss"]}
 if strategy is None:
     np.savez(os.path.join(args.out, "reference.npz"),
              **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)})
