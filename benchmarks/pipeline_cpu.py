@@ -25,7 +25,22 @@ of that stage). Target: >= 1.6x at m = 8 (ideal 1.78x). Results of the last
 run on the CI machine: benchmarks/results_pipeline_cpu.txt.
 
     python benchmarks/pipeline_cpu.py            # ~12 minutes on 2 cores
-    python benchmarks/pipeline_cpu.py --quick    # m = 1, 8 only
+    python benchmarks/pipeline_cpu.py --quick    # m = 1, 4, 8 only
+
+Rows beside keras-smp's, when their environments exist (each skipped with
+a printed reason otherwise; neither is a dependency of keras-smp):
+
+- Horovod data parallel (`allreduce="horovod"`, Gloo) in the Horovod lane
+  (`.venv-hvd`, TF 2.15.1: built by `make test` or
+  `scripts/horovod-env.sh`), beside that lane's own 1-process baseline
+  (another TensorFlow release: its ratio is to its own baseline);
+- PyTorch's `torch.distributed.pipelining` (GPipe, 1F1B) and DDP on the same
+  workload (`../shared/peers/`, a venv with torch, `--peer-python`), beside
+  PyTorch's own 1-process baseline.
+
+The baseline is measured three times (start, middle, end of the run) and
+every ratio uses their median: on a shared host the machine's speed drifts
+by 10-20% over a run of minutes.
 
 With `--compare-tree DIR` (another checkout of keras-smp, e.g. `git worktree
 add /tmp/before HEAD~3`) every pipelined configuration also runs with DIR's
@@ -53,7 +68,8 @@ def worker(args):
     if args.mode == "dp":
         import keras_smp
 
-        strategy = keras_smp.SMPStrategy(collective_timeout_seconds=300)
+        strategy = keras_smp.SMPStrategy(collective_timeout_seconds=300,
+                                         allreduce=args.allreduce)
     if args.mode in ("pipeline", "serial"):
         import keras_smp
 
@@ -121,6 +137,88 @@ def run(cmd, timeout=900, root=ROOT):
                        f"{out.stderr[-3000:]}")
 
 
+def run_peer(python, script, *args, timeout=900):
+    """A `../shared/peers` script's median ms/step ("RESULT ... <ms>")."""
+    out = subprocess.run([python, script, *args], capture_output=True,
+                         text=True, timeout=timeout)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return float(line.split()[-1])
+    raise RuntimeError(f"{script} {' '.join(args)} failed:\n"
+                       f"{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+
+
+def horovod_rows(python, me_args, base):
+    """Horovod data parallel (Gloo) in the Horovod lane, beside that lane's
+    own 1-process baseline; prints its rows or why they are skipped."""
+    if not python or not os.path.exists(python):
+        print(f"horovod data parallel: skipped (no Horovod lane at {python}; "
+              "`make test` or scripts/horovod-env.sh builds .venv-hvd)")
+        return
+    me = [python, os.path.abspath(__file__)] + me_args
+    try:
+        hvd_base = run(me + ["--mode", "single"])
+        hvd = run([python, "-m", "keras_smp.launch", "--horovod", "-n", "2",
+                   "--timeout", "800", "--"] + me
+                  + ["--mode", "dp", "--allreduce", "horovod"])
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"horovod data parallel: failed: {str(e)[-400:]}")
+        return
+    print(f"data parallel, allreduce='horovod' (Gloo; the Horovod lane's "
+          f"TensorFlow): {hvd:.0f} ms/step, {hvd_base / hvd:.2f}x its own "
+          f"1-process baseline ({hvd_base:.0f} ms; this lane's baseline "
+          f"{base:.0f} ms)")
+
+
+def peer_rows(python, peers, ms_list, keras_rows):
+    """PyTorch's pipelining and DDP on the same workload; prints ratios to
+    PyTorch's own baseline and keras-smp's ratio to the peer's."""
+    if not python or not os.path.exists(python) or not os.path.isdir(peers):
+        print(f"peer (PyTorch): skipped (needs a Python with torch, "
+              f"--peer-python, found {python!r}, and the peer scripts, "
+              f"--peers, found {peers!r}; see ../shared/peers/README.md)")
+        return
+    pipe = os.path.join(peers, "torch_pipeline_bench.py")
+    ddp = os.path.join(peers, "torch_ddp_bench.py")
+    try:
+        single = run_peer(python, pipe, "single")
+        print(f"peer (PyTorch {_torch_version(python)}): 1 serial process "
+              f"{single:.0f} ms/step")
+        for schedule in ("gpipe", "1f1b"):
+            for m in ms_list:
+                if schedule == "1f1b" and m < STAGES:
+                    print(f"  torch pipelining  1f1b m={m:>2}: not run (its "
+                          f"Schedule1F1B needs m >= {STAGES} stages)")
+                    continue
+                try:
+                    ms = run_peer(python, pipe, "pipe", schedule, str(m))
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    print(f"  torch pipelining {schedule:>5} m={m:>2}: "
+                          f"failed: {str(e)[-300:]}")
+                    continue
+                ours = keras_rows.get((schedule, m))
+                line = (f"  torch pipelining {schedule:>5} m={m:>2}: {ms:.0f} "
+                        f"ms/step, {single / ms:.2f}x its baseline")
+                if ours is not None:
+                    line += (f"; keras-smp's speedup / the peer's: "
+                             f"{ours / (single / ms):.2f}")
+                print(line, flush=True)
+        ms = run_peer(python, ddp, "ddp")
+        line = f"  torch DDP, 2 processes: {ms:.0f} ms/step, {single / ms:.2f}x"
+        if ("dp", 0) in keras_rows:
+            line += (f"; keras-smp's speedup / the peer's: "
+                     f"{keras_rows[('dp', 0)] / (single / ms):.2f}")
+        print(line, flush=True)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"peer (PyTorch): failed: {str(e)[-400:]}")
+
+
+def _torch_version(python):
+    out = subprocess.run([python, "-c", "import torch; print(torch.__version__)"],
+                         capture_output=True, text=True, timeout=300)
+    return out.stdout.strip() or "?"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -133,6 +231,17 @@ def main():
     p.add_argument("--xla", action="store_true",
                    help="compile(jit_compile=True) in every run, baseline "
                    "included")
+    p.add_argument("--allreduce", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--hvd-python",
+                   default=os.path.join(ROOT, ".venv-hvd", "bin", "python"),
+                   help="the Horovod lane's Python (a Horovod DP row)")
+    p.add_argument("--peer-python",
+                   default=os.path.join(ROOT, ".venv-torch", "bin", "python"),
+                   help="a Python with torch (PyTorch peer rows)")
+    p.add_argument("--peers",
+                   default=os.path.join(os.path.dirname(ROOT), "shared",
+                                        "peers"),
+                   help="the folder of the PyTorch peer scripts")
     p.add_argument("--compare-tree", default=None,
                    help="another keras-smp checkout to time side by side")
     args = p.parse_args()
@@ -164,10 +273,12 @@ def main():
                  os.path.join(other_root, "benchmarks", "pipeline_cpu.py"),
                  "--worker", "--steps", str(args.steps), "--warmup",
                  str(args.warmup)] + xla
-    base = run(me + ["--mode", "single"])
+    bases = [run(me + ["--mode", "single"])]
+    base = bases[0]
     print(f"baseline: whole model, batch {BATCH}, 1 serial process: "
-          f"{base:.0f} ms/step")
-    ms_list = (1, 8) if args.quick else (1, 2, 4, 8, 16)
+          f"{base:.0f} ms/step (measured again mid-run and at the end; "
+          "ratios use the median of the three)")
+    ms_list = (1, 4, 8) if args.quick else (1, 2, 4, 8, 16)
     # Small matmuls are less efficient than big ones: the pipelined step's
     # own work, run serially in 1 process, bounds what overlap can reach.
     serial = {m: run(me + ["--mode", "serial", "--microbatches", str(m)])
@@ -185,6 +296,8 @@ def main():
           f"{'ideal':>6} {'bound':>6}  peak activations per stage (MB)")
     rows = []
     for schedule in ("gpipe", "1f1b"):
+        if schedule == "1f1b":
+            bases.append(run(me + ["--mode", "single"]))
         for m in ms_list:
             ms_other = None
             if other is not None and len(rows) % 2:
@@ -215,10 +328,24 @@ def main():
                   + compared, flush=True)
     dp = run([sys.executable, "-m", "keras_smp.launch", "-n", "2",
               "--timeout", "800", "--"] + me + ["--mode", "dp"])
+    bases.append(run(me + ["--mode", "single"]))
+    median = sorted(bases)[1]
+    print(f"baseline runs: {', '.join(f'{b:.0f}' for b in bases)} ms/step "
+          f"(median {median:.0f}; the rows above used the first, "
+          f"{base:.0f})")
+    # Ratios against the median baseline: drift over the run cancels out.
+    rows = [(sc, m, ms, median / ms, ideal, peaks)
+            for sc, m, ms, _, ideal, peaks in rows]
+    print("speedups over the median baseline: " + ", ".join(
+        f"{sc} m={m}: {r:.2f}x" for sc, m, _, r, _, _ in rows))
     print(f"data parallel, 2 serial processes (batch {BATCH // 2} each): "
-          f"{dp:.0f} ms/step, {base / dp:.2f}x (target >= 1.6x, ideal 2x)")
-    again = run(me + ["--mode", "single"])
-    print(f"baseline again: {again:.0f} ms/step (noise check)")
+          f"{dp:.0f} ms/step, {median / dp:.2f}x (target >= 1.6x, ideal 2x)")
+    worker_args = ["--worker", "--steps", str(args.steps), "--warmup",
+                   str(args.warmup)] + xla
+    horovod_rows(args.hvd_python, worker_args, median)
+    keras_rows = {(sc, m): r for sc, m, _, r, _, _ in rows}
+    keras_rows[("dp", 0)] = median / dp
+    peer_rows(args.peer_python, args.peers, ms_list, keras_rows)
     print("ideal = m*p/(m+p-1); bound = the same pipelined step run serially "
           "in 1 process, overlapped ideally (microbatches of BATCH/m rows "
           "make smaller, slower matmuls)")
