@@ -36,13 +36,19 @@ def worker():
     import numpy as np
     import tensorflow as tf
 
+    from keras_smp.runtime.keys import process_keys
+
     rank = strategy.topology.rank
-    group_key = 90_000  # far from keras-smp's own keys
+    # Group keys from keras-smp's allocator (every rank allocates alike).
+    keys = process_keys().allocate("allreduce_cost",
+                                   len(SIZES_MB) * len(PARTS))
+    index = 0
     device = f"/job:worker/replica:0/task:{rank}/device:CPU:0"
     for size_mb in SIZES_MB:
         n = size_mb * 2**20 // 4
         for parts in PARTS:
-            group_key += 1
+            group_key = keys.key(index)
+            index += 1
             pieces = [tf.ones([n // parts]) for _ in range(parts)]
 
             @tf.function
@@ -85,7 +91,8 @@ def main():
     if out.returncode or not lines:
         raise SystemExit(f"workers failed:\n{out.stdout[-2000:]}\n"
                          f"{out.stderr[-2000:]}")
-    for line in sorted(lines):
+    for line in sorted(lines, key=lambda l: (l.split()[1],
+                                             int(l.split()[2]))):
         print(line)
 
 

@@ -24,7 +24,7 @@ schedule's peak in-flight microbatches x one microbatch's stored activations
 of that stage). Target: >= 1.6x at m = 8 (ideal 1.78x). Results of the last
 run on the CI machine: benchmarks/results_pipeline_cpu.txt.
 
-    python benchmarks/pipeline_cpu.py            # ~12 minutes on 2 cores
+    python benchmarks/pipeline_cpu.py            # ~30 minutes on 2 cores
     python benchmarks/pipeline_cpu.py --quick    # m = 1, 4, 8 only
 
 Rows beside keras-smp's, when their environments exist (each skipped with
@@ -38,9 +38,12 @@ a printed reason otherwise; neither is a dependency of keras-smp):
   workload (`../shared/peers/`, a venv with torch, `--peer-python`), beside
   PyTorch's own 1-process baseline.
 
-The baseline is measured three times (start, middle, end of the run) and
-every ratio uses their median: on a shared host the machine's speed drifts
-by 10-20% over a run of minutes.
+The baseline is measured three times (start, middle, end of the run): on a
+shared host the machine's speed drifts by 10-20% over a run of minutes. The
+table, printed as the runs go, uses the first (as does the serial "bound",
+measured right after it); the summary lines after it use the median of the
+three. The Horovod and PyTorch rows measure their own baselines before and
+after their runs and use the mean.
 
 With `--compare-tree DIR` (another checkout of keras-smp, e.g. `git worktree
 add /tmp/before HEAD~3`) every pipelined configuration also runs with DIR's
@@ -157,10 +160,11 @@ def horovod_rows(python, me_args, base):
         return
     me = [python, os.path.abspath(__file__)] + me_args
     try:
-        hvd_base = run(me + ["--mode", "single"])
+        before = run(me + ["--mode", "single"])
         hvd = run([python, "-m", "keras_smp.launch", "--horovod", "-n", "2",
                    "--timeout", "800", "--"] + me
                   + ["--mode", "dp", "--allreduce", "horovod"])
+        hvd_base = (before + run(me + ["--mode", "single"])) / 2
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"horovod data parallel: failed: {str(e)[-400:]}")
         return
@@ -181,9 +185,9 @@ def peer_rows(python, peers, ms_list, keras_rows):
     pipe = os.path.join(peers, "torch_pipeline_bench.py")
     ddp = os.path.join(peers, "torch_ddp_bench.py")
     try:
-        single = run_peer(python, pipe, "single")
-        print(f"peer (PyTorch {_torch_version(python)}): 1 serial process "
-              f"{single:.0f} ms/step")
+        # Its baseline before and after its runs (the mean; see above).
+        first = run_peer(python, pipe, "single")
+        rows = []
         for schedule in ("gpipe", "1f1b"):
             for m in ms_list:
                 if schedule == "1f1b" and m < STAGES:
@@ -191,24 +195,25 @@ def peer_rows(python, peers, ms_list, keras_rows):
                           f"Schedule1F1B needs m >= {STAGES} stages)")
                     continue
                 try:
-                    ms = run_peer(python, pipe, "pipe", schedule, str(m))
+                    rows.append((f"torch pipelining {schedule:>5} m={m:>2}",
+                                 (schedule, m),
+                                 run_peer(python, pipe, "pipe", schedule,
+                                          str(m))))
                 except (RuntimeError, subprocess.TimeoutExpired) as e:
                     print(f"  torch pipelining {schedule:>5} m={m:>2}: "
                           f"failed: {str(e)[-300:]}")
-                    continue
-                ours = keras_rows.get((schedule, m))
-                line = (f"  torch pipelining {schedule:>5} m={m:>2}: {ms:.0f} "
-                        f"ms/step, {single / ms:.2f}x its baseline")
-                if ours is not None:
-                    line += (f"; keras-smp's speedup / the peer's: "
-                             f"{ours / (single / ms):.2f}")
-                print(line, flush=True)
-        ms = run_peer(python, ddp, "ddp")
-        line = f"  torch DDP, 2 processes: {ms:.0f} ms/step, {single / ms:.2f}x"
-        if ("dp", 0) in keras_rows:
-            line += (f"; keras-smp's speedup / the peer's: "
-                     f"{keras_rows[('dp', 0)] / (single / ms):.2f}")
-        print(line, flush=True)
+        rows.append(("torch DDP, 2 processes", ("dp", 0),
+                     run_peer(python, ddp, "ddp")))
+        last = run_peer(python, pipe, "single")
+        single = (first + last) / 2
+        print(f"peer (PyTorch {_torch_version(python)}): 1 serial process "
+              f"{first:.0f} and {last:.0f} ms/step (mean {single:.0f})")
+        for name, key, ms in rows:
+            line = f"  {name}: {ms:.0f} ms/step, {single / ms:.2f}x"
+            if key in keras_rows:
+                line += (f"; keras-smp's speedup / the peer's: "
+                         f"{keras_rows[key] / (single / ms):.2f}")
+            print(line, flush=True)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"peer (PyTorch): failed: {str(e)[-400:]}")
 

@@ -29,6 +29,12 @@ MEMORY_FIT = os.path.join(WORKERS, "memory_fit.py")
 # Between a stage process's cgroup-charged peak (~1.2-1.4 GB; headroom for other
 # CPUs/allocators) and plain Keras' (~2.3 GB, which must exceed it).
 LIMIT_MB = 1700
+# One stage's weights and Adam's two slots (2 of the 8 layers of
+# 4096 x 4096 float32): what a stage process must hold.
+STAGE_STATE_MB = 3 * 2 * 4096 * 4096 * 4 / 2**20
+# TensorFlow's shared libraries, resident in every process (VmHWM counts
+# them; a cgroup charges them to the process that mapped them first).
+SHARED_LIBRARIES_MB = 300
 
 
 def _memory_cgroup_root():
@@ -96,15 +102,24 @@ def test_four_stages_each_under_a_limit_the_whole_model_exceeds(tmp_path):
             result = json.load(f)
         if cgroup:
             # The kernel enforced the limit (exceeding it kills the
-            # process); its own record of the peak proves the process ran
-            # inside the cgroup with real accounting. VmHWM is not
+            # process, and the job fails above): the limit in force is
+            # read back, and where the kernel keeps a peak, the peak
+            # charged must at least hold the stage's own state (so the
+            # process really ran inside the cgroup). VmHWM is not
             # compared: it also counts shared library pages (TensorFlow's
             # ~0.3 GB) charged to whichever process mapped them first.
-            assert result["cgroup_peak_mb"] is not None, result
-            assert 0.25 * LIMIT_MB < result["cgroup_peak_mb"] <= LIMIT_MB, (
-                result)
+            assert result["cgroup_limit_mb"] == LIMIT_MB, result
+            if result["cgroup_peak_mb"] is None:
+                print(f"stage {stage}: the kernel keeps no cgroup peak "
+                      "(cgroup v2 before Linux 5.19): the limit alone "
+                      "is checked")
+            else:
+                assert STAGE_STATE_MB < result["cgroup_peak_mb"] <= LIMIT_MB, (
+                    result)
         else:
-            assert result["peak_mb"] < LIMIT_MB, result
+            # VmHWM includes the shared libraries the cgroup would not
+            # charge to this process.
+            assert result["peak_mb"] < LIMIT_MB + SHARED_LIBRARIES_MB, result
         # Losses: every stage logs the replica's loss (float32 rounding of
         # microbatch sums, scaled by the loss's magnitude).
         np.testing.assert_allclose(result["loss"], reference["loss"],

@@ -68,20 +68,31 @@ def join_cgroup(root, name, limit_mb):
         f.write(str(os.getpid()))
 
 
-def cgroup_peak_mb():
-    """The peak the kernel charged to this process's cgroup (what its limit
-    bounds: anonymous memory and the page cache it touched first; shared
-    library pages another process loaded first are not in it), or None."""
-    if not args.cgroup:
-        return None
+def _cgroup_read(*names):
+    """The first of this process's cgroup files `names` that exists, as an
+    integer, or None."""
     path = os.path.join(args.cgroup, f"rank{rank}")
-    for name in ("memory.peak", "memory.max_usage_in_bytes"):  # v2, v1
+    for name in names:
         try:
             with open(os.path.join(path, name)) as f:
-                return int(f.read()) / 2**20
-        except OSError:
+                return int(f.read().strip())
+        except (OSError, ValueError):
             continue
     return None
+
+
+def cgroup_report():
+    """What the kernel recorded for this process's cgroup: the limit in
+    force (MiB) and the peak it charged (what the limit bounds: anonymous
+    memory and the page cache this process touched first; shared library
+    pages another process mapped first are not in it; None where the
+    kernel keeps no peak: cgroup v2 before Linux 5.19)."""
+    if not args.cgroup:
+        return {}
+    limit = _cgroup_read("memory.max", "memory.limit_in_bytes")
+    peak = _cgroup_read("memory.peak", "memory.max_usage_in_bytes")
+    return {"cgroup_limit_mb": None if limit is None else limit / 2**20,
+            "cgroup_peak_mb": None if peak is None else peak / 2**20}
 
 
 def peak_mb():
@@ -166,8 +177,8 @@ if args.checkpoint:
 history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
                     shuffle=False, callbacks=callbacks)
 os.makedirs(args.out, exist_ok=True)
-result = {"peak_mb": peak_mb(), "cgroup_peak_mb": cgroup_peak_mb(),
-          "loss": history.history["loss"]}
+result = {"peak_mb": peak_mb(), "loss": history.history["loss"],
+          **cgroup_report()}
 if strategy is None:
     np.savez(os.path.join(args.out, "reference.npz"),
              **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)})
