@@ -1,22 +1,37 @@
-"""Local multi-worker process launcher: `keras-smp launch -n N -- CMD ...`.
+"""Multi-worker process launcher: `keras-smp launch -n N -- CMD ...`.
 
 Starts `N` copies of a command on this machine, each with its own
-`TF_CONFIG` describing a localhost `MultiWorkerMirroredStrategy`-style
-cluster, prefixes their output with the worker index, and supervises them:
-if one worker fails, or the launcher is interrupted, every worker (and every
-process a worker started in its process group) is stopped.
+`TF_CONFIG` describing the job's cluster, prefixes their output with the
+worker's world rank, and supervises them: if one worker fails, or the
+launcher is interrupted, every worker (and every process a worker started
+in its process group) is stopped. Workers die with their launcher (Linux).
+
+- `--max-restarts K`: after a worker fails, the whole job is stopped and
+  started again (same ranks, new ports), at most `K` times; each restart
+  and its cause are printed and workers see `SMP_RESTART_COUNT`. Scripts
+  resume from their `BackupAndRestore` / `CheckpointManager` state.
+- `--nnodes H --node-rank R --master ADDR:PORT`: run the same command on
+  each of `H` nodes; the launchers meet at node 0's `ADDR:PORT`
+  (`keras_smp.rendezvous`: no SSH, no shared filesystem) and every worker
+  gets one `TF_CONFIG` naming all nodes' workers. A failure or restart on
+  one node stops or restarts every node; a node whose launcher dies ends
+  the job on the others.
 
 Command line:
 
 ```
 keras-smp launch -n 2 -- python train.py --epochs 3
+keras-smp launch -n 2 --max-restarts 3 -- python train.py
 python -m keras_smp.launch -n 2 --host-map a,a -- python train.py
+# on each of 2 nodes (R = 0, 1):
+keras-smp launch --nnodes 2 --node-rank R --master 10.0.0.1:29400 -n 4 -- python train.py
 ```
 
 Exit status: `0` when all workers succeed; the failed worker's exit code
-(`128 + signal` if it was killed by a signal); `124` when `--timeout`
-expires; `130` / `143` when the launcher receives SIGINT / SIGTERM; `2` for
-invalid arguments; `127` / `126` when the command cannot be started.
+(`128 + signal` if it was killed by a signal) once no restart is left (on
+every node of the job); `124` when `--timeout` expires; `130` / `143` when
+the launcher receives SIGINT / SIGTERM; `2` for invalid arguments; `127` /
+`126` when the command cannot be started; `1` when the rendezvous fails.
 
 This module uses only the standard library (it never imports TensorFlow), so
 it is cheap to import from notebooks and tests.
@@ -35,15 +50,19 @@ import threading
 import time
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["free_ports", "make_tf_config", "worker_env", "run", "main"]
+from keras_smp import rendezvous
+
+__all__ = ["free_ports", "make_tf_config", "tf_config_for", "worker_env", "run",
+           "main"]
 
 _PROG = "keras-smp launch"
 _POLL_INTERVAL = 0.05
 EXIT_TIMEOUT = 124
 
 
-def free_ports(n: int) -> list[int]:
-    """Finds `n` distinct free TCP ports on the loopback interface.
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """Finds `n` distinct free TCP ports on the loopback interface (or on
+    `host`; `""` probes every interface, for workers other nodes reach).
 
     All `n` sockets are bound to `127.0.0.1:0` at the same time before being
     closed, so the returned ports are guaranteed to be distinct. As with any
@@ -69,7 +88,7 @@ def free_ports(n: int) -> list[int]:
         for _ in range(n):
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sockets.append(sock)
-            sock.bind(("127.0.0.1", 0))
+            sock.bind((host, 0))
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
@@ -97,12 +116,28 @@ def make_tf_config(ports: Sequence[int], index: int, host: str = "localhost") ->
     ports = [int(p) for p in ports]
     if not ports:
         raise ValueError("`ports` must contain at least one port.")
+    return tf_config_for([f"{host}:{p}" for p in ports], index)
+
+
+def tf_config_for(workers: Sequence[str], index: int) -> str:
+    """The `TF_CONFIG` JSON of worker `index` of a cluster of `workers`
+    (`"addr:port"` each, in world-rank order).
+
+    Example:
+
+    >>> import json
+    >>> json.loads(tf_config_for(["a:1", "b:2"], 1))["cluster"]
+    {'worker': ['a:1', 'b:2']}
+    """
+    workers = [str(w) for w in workers]
+    if not workers:
+        raise ValueError("`workers` must contain at least one address.")
     index = int(index)
-    if not 0 <= index < len(ports):
-        raise ValueError(f"`index` must be in [0, {len(ports)}), got {index}.")
+    if not 0 <= index < len(workers):
+        raise ValueError(f"`index` must be in [0, {len(workers)}), got {index}.")
     return json.dumps(
         {
-            "cluster": {"worker": [f"{host}:{p}" for p in ports]},
+            "cluster": {"worker": workers},
             "task": {"type": "worker", "index": index},
         }
     )
@@ -113,6 +148,7 @@ def worker_env(
     index: int,
     host_map: Optional[Sequence[str]] = None,
     base_env: Optional[Mapping[str, str]] = None,
+    workers: Optional[Sequence[str]] = None,
 ) -> dict[str, str]:
     """Returns the environment the launcher gives worker `index`.
 
@@ -122,6 +158,9 @@ def worker_env(
         host_map: Optional host label per worker, exported as the
             comma-separated `SMP_HOST_MAP`.
         base_env: Environment to start from; defaults to `os.environ`.
+        workers: The whole cluster's `"addr:port"` addresses (several
+            nodes); `ports` and `index` are then ignored for the cluster,
+            `index` is the world rank.
 
     Returns:
         A new dict with `TF_CONFIG`, `SMP_LAUNCHED=1`, `PYTHONUNBUFFERED=1`
@@ -134,15 +173,17 @@ def worker_env(
     '1'
     """
     env = dict(os.environ if base_env is None else base_env)
-    env["TF_CONFIG"] = make_tf_config(ports, index)
+    env["TF_CONFIG"] = (make_tf_config(ports, index) if workers is None
+                        else tf_config_for(workers, index))
     env["SMP_LAUNCHED"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     if host_map is not None:
         host_map = list(host_map)
-        if len(host_map) != len(ports):
+        size = len(ports) if workers is None else len(workers)
+        if len(host_map) != size:
             raise ValueError(
                 f"`host_map` has {len(host_map)} entries but there are "
-                f"{len(ports)} workers."
+                f"{size} workers."
             )
         env["SMP_HOST_MAP"] = ",".join(host_map)
     return env
@@ -290,21 +331,49 @@ def horovod_rendezvous(num_workers: int):
     return server, envs
 
 
+def _die_with_parent():  # pragma: no cover (runs in the forked child)
+    """Linux: the worker gets SIGKILL when its launcher dies, so a killed
+    launcher never leaves workers that hold the job's ports."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
 class _Launcher:
     def __init__(self, command, num_workers, host_map, grace_seconds, timeout, prefix,
-                 horovod=False):
+                 horovod=False, max_restarts=0, restart_delay=1.0, nodes=None):
         self.horovod = horovod
-        self.rendezvous = None
+        self.hvd_server = None  # Horovod's Gloo rendezvous (one node)
+        self.server = None  # keras-smp's rendezvous (node 0 of several)
         self.command = list(command)
         self.num_workers = num_workers
         self.host_map = host_map
         self.grace_seconds = grace_seconds
         self.timeout = timeout
         self.prefix = prefix
+        self.max_restarts = max_restarts
+        self.restart_delay = restart_delay
+        # Several nodes: dict(nnodes, node_rank, master, rendezvous_timeout,
+        # node_addr); None: this machine is the whole job.
+        self.nodes = nodes
         self.procs: list[subprocess.Popen] = []
         self.readers: list[threading.Thread] = []
         self.signals: list[int] = []
         self.out = _Output(sys.stdout)
+        self.deadline = None
 
     # -- signal handling --------------------------------------------------
 
@@ -330,18 +399,51 @@ class _Launcher:
             except (ValueError, OSError, TypeError):
                 pass
 
+    def _interrupted(self):
+        """A stop decision of this launcher's own (signal, timeout), or None."""
+        if self.signals:
+            signum = self.signals[0]
+            return rendezvous.Decision(
+                "stop", code=128 + signum,
+                cause=f"received {_signal_name(signum)}")
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return rendezvous.Decision(
+                "stop", code=EXIT_TIMEOUT,
+                cause=f"timeout of {self.timeout:g}s expired")
+        return None
+
     # -- lifecycle --------------------------------------------------------
 
-    def _spawn(self) -> Optional[int]:
-        ports = free_ports(self.num_workers)
+    def _coordination(self):
+        if self.nodes is None:
+            return rendezvous.LocalCoordination(self.num_workers, self.max_restarts)
+        nodes = self.nodes
+        if nodes["node_rank"] == 0:
+            host, port = rendezvous.parse_master(nodes["master"])
+            self.server = rendezvous.RendezvousServer(
+                host, port, nodes["nnodes"], self.max_restarts,
+                nodes["rendezvous_timeout"])
+        return rendezvous.NodeClient(
+            nodes["master"], nodes["node_rank"], nodes["nnodes"], self.num_workers,
+            nodes["rendezvous_timeout"], nodes.get("node_addr"))
+
+    def _spawn(self, plan, round_) -> Optional[int]:
+        self.procs, self.readers = [], []
         hvd_envs = [{}] * self.num_workers
         if self.horovod:
-            self.rendezvous, hvd_envs = horovod_rendezvous(self.num_workers)
+            if self.hvd_server is not None:
+                self.hvd_server.stop()
+            self.hvd_server, hvd_envs = horovod_rendezvous(self.num_workers)
         for i in range(self.num_workers):
             if self.signals:
                 return None
-            env = worker_env(ports, i, self.host_map)
+            rank = plan.first_rank + i
+            env = worker_env([], rank, self.host_map, workers=plan.workers)
             env.update(hvd_envs[i])
+            env["SMP_RESTART_COUNT"] = str(round_)
+            if self.nodes is not None:
+                env["SMP_NODE_RANK"] = str(self.nodes["node_rank"])
+                env["SMP_NNODES"] = str(self.nodes["nnodes"])
             try:
                 proc = subprocess.Popen(
                     self.command,
@@ -350,16 +452,18 @@ class _Launcher:
                     stderr=subprocess.STDOUT,
                     env=env,
                     start_new_session=True,
+                    preexec_fn=_die_with_parent if _PRCTL is not None else None,
                 )
             except OSError as e:
-                _message(f"cannot start worker {i}: {e}")
+                _message(f"cannot start worker {rank}: {e}")
                 self.teardown(signal.SIGTERM)
                 return 127 if isinstance(e, FileNotFoundError) else 126
+            proc.rank = rank
             self.procs.append(proc)
             reader = threading.Thread(
                 target=_pump,
-                args=(proc.stdout, f"[{i}] " if self.prefix else "", self.out),
-                name=f"keras-smp-worker-{i}-output",
+                args=(proc.stdout, f"[{rank}] " if self.prefix else "", self.out),
+                name=f"keras-smp-worker-{rank}-output",
                 daemon=True,
             )
             reader.start()
@@ -403,14 +507,19 @@ class _Launcher:
         for t in self.readers:
             t.join(max(0.0, deadline - time.monotonic()))
 
-    def _supervise(self) -> int:
-        start = time.monotonic()
+    def _supervise(self, coord):
+        """Runs until this node's workers end or the job decides.
+
+        Returns `(decision, None)` when a decision arrived (from the master,
+        or this launcher's own signal or timeout), or `(None, (code, cause))`
+        for this node's own outcome (workers all succeeded: code 0)."""
         while True:
-            if self.signals:
-                signum = self.signals[0]
-                _message(f"received {_signal_name(signum)}; stopping all workers")
-                self.teardown(signum)
-                return 128 + signum
+            own = self._interrupted()
+            if own is not None:
+                return own, None
+            decision = coord.poll()
+            if decision is not None:
+                return decision, None
             codes = [p.poll() for p in self.procs]
             for i, code in enumerate(codes):
                 if code is not None and code != 0:
@@ -421,27 +530,80 @@ class _Launcher:
                         how = f"was killed by {_signal_name(-code)}"
                     else:
                         how = f"exited with code {code}"
-                    others = "; stopping the other workers" if self.num_workers > 1 else ""
-                    _message(f"worker {i} (pid {proc.pid}) {how}{others}")
+                    cause = f"worker {proc.rank} (pid {proc.pid}) {how}"
+                    others = ("; stopping the other workers"
+                              if self.num_workers > 1 or self.nodes else "")
+                    _message(cause + others)
                     self.teardown(signal.SIGTERM)
-                    return _exit_code(code) or 1
+                    return None, (_exit_code(code) or 1, cause)
             if all(code == 0 for code in codes):
                 # Stop stray processes the workers left in their groups.
                 self.teardown(signal.SIGTERM, only_alive=True)
-                return 0
-            if self.timeout is not None and time.monotonic() - start >= self.timeout:
-                _message(f"timeout of {self.timeout:g}s expired; stopping all workers")
-                self.teardown(signal.SIGTERM)
-                return EXIT_TIMEOUT
+                return None, (0, "")
             time.sleep(_POLL_INTERVAL)
+
+    def _job(self, coord) -> int:
+        round_ = 0
+        while True:
+            host = "" if self.nodes is not None else "127.0.0.1"
+            plan = coord.join(round_, free_ports(self.num_workers, host),
+                              wait=self._interrupted)
+            if plan.op == "start":
+                code = self._spawn(plan, round_)
+                if code is not None:
+                    coord.report(round_, code, f"cannot start the command on "
+                                 f"node {self._node()}", False, wait=lambda: _NOWAIT)
+                    return code
+                decision, outcome = self._supervise(coord)
+                if decision is None:
+                    code, cause = outcome
+                    if code != 0 and self.nodes is not None:
+                        cause = f"node {self._node()}: {cause}"
+                    decision = coord.report(round_, code, cause, code != 0,
+                                            wait=self._interrupted)
+                if decision.op == "restart" or decision.code != 0:
+                    if self.signals:
+                        _message(f"received {_signal_name(self.signals[0])}; "
+                                 "stopping all workers")
+                    elif decision.code == EXIT_TIMEOUT and self.deadline and (
+                            time.monotonic() >= self.deadline):
+                        _message(f"timeout of {self.timeout:g}s expired; "
+                                 "stopping all workers")
+                    self.teardown(self.signals[0] if self.signals
+                                  else signal.SIGTERM)
+            else:
+                decision = plan
+            if decision.op == "restart":
+                _message(f"restarting the job in {self.restart_delay:g}s "
+                         f"after: {decision.cause}")
+                round_ = decision.round
+                time.sleep(self.restart_delay)
+                continue
+            own = self._interrupted()
+            if own is not None and decision.code == own.code:
+                # Tell the other nodes (without waiting for an answer).
+                coord.report(round_, own.code, own.cause, False,
+                             wait=lambda: _NOWAIT)
+                return own.code
+            if decision.code != 0 and (self.nodes is not None or self.max_restarts):
+                _message(f"the job stopped: {decision.cause}")
+            return decision.code
+
+    def _node(self):
+        return self.nodes["node_rank"] if self.nodes is not None else 0
 
     def run(self) -> int:
         old = self._install_handlers()
+        coord = None
+        if self.timeout is not None:
+            self.deadline = time.monotonic() + self.timeout
         try:
-            code = self._spawn()
-            if code is None:
-                code = self._supervise()
-            return code
+            try:
+                coord = self._coordination()
+            except (OSError, ValueError) as e:
+                _message(str(e))
+                return 1
+            return self._job(coord)
         finally:
             try:
                 # Safety net for unexpected errors: never leave workers behind.
@@ -450,8 +612,16 @@ class _Launcher:
                 self._join_readers()
             finally:
                 self._restore_handlers(old)
-                if self.rendezvous is not None:
-                    self.rendezvous.stop()
+                if coord is not None:
+                    coord.close()
+                if self.hvd_server is not None:
+                    self.hvd_server.stop()
+                if self.server is not None:
+                    self.server.close()
+
+
+# `wait` callback that gives up at once (a report whose answer is not needed).
+_NOWAIT = rendezvous.Decision("stop", code=0, cause="not waiting")
 
 
 def run(
@@ -463,6 +633,13 @@ def run(
     timeout: Optional[float] = None,
     prefix: bool = True,
     horovod: bool = False,
+    max_restarts: int = 0,
+    restart_delay: float = 1.0,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master: Optional[str] = None,
+    rendezvous_timeout: float = rendezvous.DEFAULT_RENDEZVOUS_TIMEOUT,
+    node_addr: Optional[str] = None,
 ) -> int:
     """Runs `num_workers` local copies of `command` and supervises them.
 
@@ -483,6 +660,22 @@ def run(
         horovod: Also start Horovod's Gloo rendezvous and give each worker
             its `HOROVOD_*` variables (as `horovodrun --gloo` would), for
             `horovod=True` configs; keras-smp calls `hvd.init()` itself.
+        max_restarts: After a worker fails, stop the job and start it
+            again (same ranks, new ports) up to this many times; workers
+            see the count in `SMP_RESTART_COUNT` (0 for the first run).
+        restart_delay: Seconds between stopping a failed job and
+            starting it again.
+        nnodes: Nodes in the job; with more than 1, run `run` (or
+            `keras-smp launch`) on every node with the same `master`.
+        node_rank: This node's index in `[0, nnodes)`; node 0 hosts the
+            rendezvous, its workers are the first world ranks.
+        master: `"ADDR:PORT"` of node 0's rendezvous (needed with
+            `nnodes > 1`): an address of node 0 every node reaches, and a
+            free port there.
+        rendezvous_timeout: Seconds the nodes wait for each other (each
+            start and restart); then the job stops, naming missing nodes.
+        node_addr: The address other nodes reach this node's workers at
+            (default: the address the master sees this node connect from).
 
     Returns:
         The exit status (see the module docstring): `0` on success.
@@ -510,8 +703,40 @@ def run(
         raise ValueError(f"`grace_seconds` must be >= 0, got {grace_seconds}.")
     if timeout is not None and timeout <= 0:
         raise ValueError(f"`timeout` must be > 0, got {timeout}.")
+    if int(max_restarts) < 0:
+        raise ValueError(f"`max_restarts` must be >= 0, got {max_restarts}.")
+    if restart_delay < 0:
+        raise ValueError(f"`restart_delay` must be >= 0, got {restart_delay}.")
+    nodes = None
+    if int(nnodes) < 1 or not 0 <= int(node_rank) < int(nnodes):
+        raise ValueError(
+            f"`node_rank` must be in [0, nnodes) with nnodes >= 1; got "
+            f"node_rank={node_rank}, nnodes={nnodes}.")
+    if int(nnodes) > 1 or master is not None:
+        if master is None:
+            raise ValueError(
+                f"nnodes={nnodes} needs `master`: node 0's rendezvous "
+                "address and a free port there, e.g. master='10.0.0.1:29400', "
+                "the same on every node.")
+        rendezvous.parse_master(master)
+        if horovod:
+            raise ValueError(
+                "horovod=True starts Horovod's rendezvous for one node only; "
+                "across nodes start the workers with `horovodrun` (or your "
+                "scheduler) and give them TF_CONFIG (docs/multi-host.md).")
+        if host_map is not None:
+            raise ValueError(
+                "`host_map` emulates hosts on one machine; with several "
+                "nodes each node is a host already. Remove host_map.")
+        if rendezvous_timeout <= 0:
+            raise ValueError(
+                f"`rendezvous_timeout` must be > 0, got {rendezvous_timeout}.")
+        nodes = dict(nnodes=int(nnodes), node_rank=int(node_rank), master=master,
+                     rendezvous_timeout=float(rendezvous_timeout),
+                     node_addr=node_addr)
     launcher = _Launcher(command, int(num_workers), host_map, grace_seconds, timeout, prefix,
-                         horovod=horovod)
+                         horovod=horovod, max_restarts=int(max_restarts),
+                         restart_delay=float(restart_delay), nodes=nodes)
     return launcher.run()
 
 
@@ -539,6 +764,16 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer: {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = _non_negative_float(text)
     if value == 0:
@@ -551,8 +786,9 @@ def _build_parser() -> argparse.ArgumentParser:
         prog=_PROG,
         usage=f"{_PROG} -n N [options] -- CMD [ARGS...]",
         description=(
-            "Start N local workers running CMD, each with TF_CONFIG for a "
-            "localhost cluster, and stop all of them if one fails."
+            "Start N local workers running CMD, each with TF_CONFIG for the job's "
+            "cluster (this machine, or H nodes meeting at --master), stop all of "
+            "them if one fails, and restart the job up to --max-restarts times."
         ),
     )
     parser.add_argument(
@@ -580,6 +816,39 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-prefix", action="store_true",
         help='do not prefix output lines with "[i] "',
+    )
+    parser.add_argument(
+        "--max-restarts", type=_non_negative_int, default=0, metavar="K",
+        help="after a worker fails, stop the job and start it again, at most K "
+        "times (workers see SMP_RESTART_COUNT; default: 0)",
+    )
+    parser.add_argument(
+        "--restart-delay", type=_non_negative_float, default=1.0, metavar="S",
+        help="seconds between stopping a failed job and restarting it (default: 1)",
+    )
+    parser.add_argument(
+        "--nnodes", type=_positive_int, default=1, metavar="H",
+        help="nodes in the job: run the same command on each (default: 1)",
+    )
+    parser.add_argument(
+        "--node-rank", type=_non_negative_int, default=0, metavar="R",
+        help="this node's index in [0, H); node 0 hosts the rendezvous",
+    )
+    parser.add_argument(
+        "--master", metavar="ADDR:PORT",
+        help="node 0's address (reachable from every node) and a free port "
+        "there for the rendezvous; required with --nnodes > 1",
+    )
+    parser.add_argument(
+        "--node-addr", metavar="ADDR",
+        help="address other nodes reach this node's workers at (default: the "
+        "address the master sees this node connect from)",
+    )
+    parser.add_argument(
+        "--rendezvous-timeout", type=_positive_float,
+        default=rendezvous.DEFAULT_RENDEZVOUS_TIMEOUT, metavar="S",
+        help="seconds the nodes wait for each other at each (re)start "
+        f"(default: {rendezvous.DEFAULT_RENDEZVOUS_TIMEOUT:g})",
     )
     return parser
 
@@ -609,6 +878,24 @@ def _parse(argv: list[str]):
             parser.error(
                 f"--host-map has {len(host_map)} entries but -n is {args.num_workers}"
             )
+    if args.node_rank >= args.nnodes:
+        parser.error(f"--node-rank {args.node_rank} must be < --nnodes {args.nnodes}")
+    if args.nnodes > 1 or args.master is not None:
+        if args.master is None:
+            parser.error(
+                f"--nnodes {args.nnodes} needs --master ADDR:PORT (node 0's address "
+                "and a free port there, the same on every node)")
+        try:
+            rendezvous.parse_master(args.master)
+        except ValueError as e:
+            parser.error(str(e))
+        if args.horovod:
+            parser.error(
+                "--horovod starts Horovod's rendezvous for one node only; across "
+                "nodes use horovodrun (docs/multi-host.md)")
+        if host_map is not None:
+            parser.error("--host-map emulates hosts on one machine; with --nnodes "
+                         "each node is a host. Remove --host-map")
     return args, command, host_map
 
 
@@ -646,6 +933,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         timeout=args.timeout,
         prefix=not args.no_prefix,
         horovod=args.horovod,
+        max_restarts=args.max_restarts,
+        restart_delay=args.restart_delay,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master=args.master,
+        rendezvous_timeout=args.rendezvous_timeout,
+        node_addr=args.node_addr,
     )
 
 

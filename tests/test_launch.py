@@ -336,6 +336,16 @@ def test_signal_to_launcher_stops_workers(tmp_path, signum, expected):
         (["-n", "2", "--host-map", "a,", "--", "true"], "empty entry"),
         (["-n", "1", "--timeout", "0", "--", "true"], "must be > 0"),
         (["-n", "1", "--grace-seconds", "-1", "--", "true"], "must be >= 0"),
+        (["-n", "1", "--max-restarts", "-1", "--", "true"], "must be >= 0"),
+        (["-n", "1", "--nnodes", "2", "--", "true"], "--nnodes 2 needs --master ADDR:PORT"),
+        (["-n", "1", "--nnodes", "2", "--node-rank", "2", "--master", "h:1", "--", "true"],
+         "--node-rank 2 must be < --nnodes 2"),
+        (["-n", "1", "--nnodes", "2", "--master", "node0", "--", "true"],
+         "--master must be ADDR:PORT"),
+        (["-n", "1", "--nnodes", "2", "--master", "h:1", "--horovod", "--", "true"],
+         "across nodes use horovodrun"),
+        (["-n", "2", "--nnodes", "2", "--master", "h:1", "--host-map", "a,b", "--", "true"],
+         "Remove --host-map"),
     ],
 )
 def test_bad_arguments_in_process(capsys, args, message):
@@ -364,3 +374,139 @@ def test_missing_executable():
     result = _run("module", "-n", "2", "--", "/nonexistent/keras-smp-no-such-program")
     assert result.returncode == 127
     assert "cannot start worker 0" in result.stderr
+
+
+# --------------------------------------------------------------------------
+# Restarts (--max-restarts) and several nodes (--nnodes, --master).
+
+# Prints its rank, restart count and cluster; fails (exit 3) while the
+# restart count is below FAILS if its rank is FAIL_RANK.
+RESTART_WORKER = r"""
+import json, os, sys
+c = json.loads(os.environ["TF_CONFIG"])
+rank, count = c["task"]["index"], int(os.environ["SMP_RESTART_COUNT"])
+print(f"rank {rank} run {count} node {os.environ.get('SMP_NODE_RANK')} "
+      f"cluster {json.dumps(c['cluster'])}", flush=True)
+if rank == int(os.environ["FAIL_RANK"]) and count < int(os.environ["FAILS"]):
+    sys.exit(3)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_max_restarts_restarts_the_whole_job_after_a_failure():
+    result = _run("module", "-n", "2", "--max-restarts", "2", "--restart-delay", "0.1",
+                  "--", *_worker(RESTART_WORKER), FAIL_RANK=1, FAILS=1)
+    assert result.returncode == 0, result.stderr
+    # Both workers ran twice: the first run (count 0) failed, the restart
+    # (count 1, new ports, same ranks) succeeded.
+    for rank in (0, 1):
+        for count in (0, 1):
+            assert f"[{rank}] rank {rank} run {count} " in result.stdout, result.stdout
+    assert "run 2" not in result.stdout
+    assert re.search(r"restarting the job in 0.1s after: worker 1 \(pid \d+\) exited with "
+                     r"code 3 \(restart 1 of 2\)", result.stderr), result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_max_restarts_exhausted_exits_with_the_workers_code():
+    result = _run("module", "-n", "2", "--max-restarts", "1", "--restart-delay", "0",
+                  "--", *_worker(RESTART_WORKER), FAIL_RANK=0, FAILS=5)
+    assert result.returncode == 3
+    assert result.stderr.count("restarting the job") == 1, result.stderr
+    assert "no restart left (1 used)" in result.stderr
+    assert "[1] rank 1 run 1 " in result.stdout and "run 2" not in result.stdout
+
+
+def _node(rank, nnodes, master, nproc, *extra, **env):
+    """Starts `keras-smp launch --nnodes ... --node-rank rank` (a "node")."""
+    return subprocess.Popen(
+        _launcher("module", "--nnodes", str(nnodes), "--node-rank", str(rank),
+                  "--master", master, "-n", str(nproc), *extra),
+        cwd=ROOT, env=_env(**env), stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(procs, timeout=45):
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        outs.append((p.returncode, out, err))
+    return outs
+
+
+@pytest.mark.timeout(90)
+def test_two_nodes_build_one_cluster_and_restart_together():
+    master = f"127.0.0.1:{launch.free_ports(1)[0]}"
+    args = ("--max-restarts", "1", "--restart-delay", "0.1", "--",
+            *_worker(RESTART_WORKER))
+    # Node 1 starts first: it waits for the master. Rank 2 (node 1's
+    # second worker) fails in the first run: both nodes restart.
+    procs = [_node(1, 2, master, 2, *args, FAIL_RANK=2, FAILS=1)]
+    time.sleep(0.5)
+    procs.insert(0, _node(0, 2, master, 1, *args, FAIL_RANK=2, FAILS=1))
+    (code0, out0, err0), (code1, out1, err1) = _finish(procs)
+    assert code0 == 0 and code1 == 0, (err0, err1)
+    clusters = set()
+    for out, node, ranks in ((out0, 0, [0]), (out1, 1, [1, 2])):
+        for rank in ranks:
+            for count in (0, 1):
+                (line,) = [l for l in out.splitlines()
+                           if l.startswith(f"[{rank}] rank {rank} run {count} node {node} ")]
+                clusters.add((count, line.split(" cluster ", 1)[1]))
+    # One cluster per run, seen by every worker of both nodes: node 0's
+    # worker first, then node 1's two, each at its node's address.
+    assert len(clusters) == 2
+    for _, cluster in clusters:
+        workers = json.loads(cluster)["worker"]
+        assert len(workers) == 3 and len(set(workers)) == 3
+        assert all(w.startswith("127.0.0.1:") for w in workers)
+    for err in (err0, err1):
+        assert "after: node 1: worker 2" in err and "(restart 1 of 1)" in err, err
+
+
+@pytest.mark.timeout(90)
+def test_killing_one_nodes_launcher_ends_the_job_on_the_other(tmp_path):
+    master = f"127.0.0.1:{launch.free_ports(1)[0]}"
+    pid_file = tmp_path / "pid1"
+    sleeper = ("import os, time\n"
+               "if os.environ['SMP_NODE_RANK'] == '1':\n"
+               "    open(os.environ['PID_FILE'], 'w').write(str(os.getpid()))\n"
+               "print('ready', flush=True)\n"
+               "time.sleep(120)\n")
+    node0 = _node(0, 2, master, 1, "--", *_worker(sleeper), PID_FILE=pid_file)
+    node1 = _node(1, 2, master, 1, "--", *_worker(sleeper), PID_FILE=pid_file)
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "node 1's worker never started"
+            time.sleep(0.1)
+        worker1 = int(pid_file.read_text())
+        start = time.monotonic()
+        node1.kill()  # SIGKILL: no teardown by node 1's launcher
+        ((code0, out0, err0),) = _finish([node0], timeout=30)
+        assert time.monotonic() - start < 10
+        assert code0 == 1
+        assert "the job stopped: node 1's launcher disconnected" in err0, err0
+        # Node 1's worker died with its launcher (no orphan holding ports).
+        assert _wait_gone(worker1), "node 1's worker outlived its launcher"
+    finally:
+        for p in (node0, node1):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        _kill_pids_from([pid_file])
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_never_joins_is_named_after_the_rendezvous_timeout():
+    master = f"127.0.0.1:{launch.free_ports(1)[0]}"
+    node0 = _node(0, 3, master, 1, "--rendezvous-timeout", "2", "--", "true")
+    ((code, out, err),) = _finish([node0], timeout=30)
+    assert code == 1
+    assert "node(s) [1, 2] did not join round 0 within --rendezvous-timeout 2s" in err, err
+    assert out == ""  # no worker was started
