@@ -136,6 +136,10 @@ if strategy is not None:
 else:
     model = build()
     rank = 0
+# Under `keras-smp launch --max-restarts`: which run of the job this is.
+restart_count = int(os.environ.get("SMP_RESTART_COUNT", "0"))
+if args.kill_at_epoch is not None:
+    print(f"rank {rank}: run {restart_count}", flush=True)
 
 callbacks = []
 if args.callbacks:
@@ -164,7 +168,9 @@ if args.kill_at_epoch is not None:
             self.epoch = epoch
 
         def on_train_batch_begin(self, batch, logs=None):
-            if self.epoch == args.kill_at_epoch and batch == 2 and rank == 1:
+            # Only in the job's first run (a restart resumes and finishes).
+            if (self.epoch == args.kill_at_epoch and batch == 2 and rank == 1
+                    and restart_count == 0):
                 print(f"rank {rank}: SIGKILL in epoch {self.epoch}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
     callbacks.append(Kill())
