@@ -549,6 +549,12 @@ class _Launcher:
             plan = coord.join(round_, free_ports(self.num_workers, host),
                               wait=self._interrupted)
             if plan.op == "start":
+                if self.nodes is not None:
+                    first = plan.first_rank
+                    _message(
+                        f"node {self._node()} of {self.nodes['nnodes']}: world ranks "
+                        f"{first}-{first + self.num_workers - 1} of {len(plan.workers)}; "
+                        f"cluster {', '.join(plan.workers)}")
                 code = self._spawn(plan, round_)
                 if code is not None:
                     coord.report(round_, code, f"cannot start the command on "
