@@ -72,7 +72,21 @@ def __getattr__(name):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        try:
+            module = importlib.import_module(_LAZY[name])
+        except ModuleNotFoundError as e:
+            if e.name != "tensorflow":
+                raise
+            import sys
+
+            raise ModuleNotFoundError(
+                f"keras_smp.{name} needs TensorFlow, which is not installed "
+                f"in this environment ({sys.executable}). keras-smp leaves "
+                "the choice of distribution to you: `pip install "
+                "keras-smp[cpu]` (tensorflow-cpu), `keras-smp[gpu]` "
+                "(tensorflow[and-cuda]) or `keras-smp[tf]` (tensorflow); "
+                "install only one of them.", name="tensorflow") from e
+        return getattr(module, name)
     raise AttributeError(f"module 'keras_smp' has no attribute {name!r}")
 
 
