@@ -510,3 +510,13 @@ def test_a_node_that_never_joins_is_named_after_the_rendezvous_timeout():
     assert code == 1
     assert "node(s) [1, 2] did not join round 0 within --rendezvous-timeout 2s" in err, err
     assert out == ""  # no worker was started
+
+
+@pytest.mark.parametrize("module", ["launch", "rendezvous"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    mod = importlib.import_module(f"keras_smp.{module}")
+    failed, attempted = doctest.testmod(mod, verbose=False)
+    assert attempted > 0 and failed == 0

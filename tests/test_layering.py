@@ -35,6 +35,7 @@ LAYERS = {
     0: [
         "keras_smp", "keras_smp.config", "keras_smp.topology",
         "keras_smp.ranks", "keras_smp.state", "keras_smp.launch",
+        "keras_smp.rendezvous",
         "keras_smp.runtime", "keras_smp.runtime.keys",
         "keras_smp.runtime.layout", "keras_smp.runtime.placement",
         "keras_smp.distribute.groups", "keras_smp.pipeline",
