@@ -588,7 +588,8 @@ class _Launcher:
             own = self._interrupted()
             if own is not None and decision.code == own.code:
                 # Tell the other nodes (without waiting for an answer).
-                coord.report(round_, own.code, own.cause, False,
+                where = f"node {self._node()}: " if self.nodes is not None else ""
+                coord.report(round_, own.code, where + own.cause, False,
                              wait=lambda: _NOWAIT)
                 return own.code
             if decision.code != 0 and (self.nodes is not None or self.max_restarts):
