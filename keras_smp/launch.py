@@ -4,7 +4,9 @@ Starts `N` copies of a command on this machine, each with its own
 `TF_CONFIG` describing the job's cluster, prefixes their output with the
 worker's world rank, and supervises them: if one worker fails, or the
 launcher is interrupted, every worker (and every process a worker started
-in its process group) is stopped. Workers die with their launcher (Linux).
+in its process group) is stopped. The processes the launcher starts die
+with it (Linux: a killed launcher leaves no worker holding the job's ports;
+a wrapper command such as `bash -c` should `exec` the real program).
 
 - `--max-restarts K`: after a worker fails, the whole job is stopped and
   started again (same ranks, new ports), at most `K` times; each restart
@@ -374,6 +376,7 @@ class _Launcher:
         self.signals: list[int] = []
         self.out = _Output(sys.stdout)
         self.deadline = None
+        self._own = None  # this launcher's own stop decision, once made
 
     # -- signal handling --------------------------------------------------
 
@@ -400,17 +403,19 @@ class _Launcher:
                 pass
 
     def _interrupted(self):
-        """A stop decision of this launcher's own (signal, timeout), or None."""
-        if self.signals:
+        """This launcher's own stop decision (signal, timeout), or None;
+        always the same object once made (`self._own`)."""
+        if self._own is None and self.signals:
             signum = self.signals[0]
-            return rendezvous.Decision(
+            self._own = rendezvous.Decision(
                 "stop", code=128 + signum,
                 cause=f"received {_signal_name(signum)}")
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            return rendezvous.Decision(
+        if (self._own is None and self.deadline is not None
+                and time.monotonic() >= self.deadline):
+            self._own = rendezvous.Decision(
                 "stop", code=EXIT_TIMEOUT,
                 cause=f"timeout of {self.timeout:g}s expired")
-        return None
+        return self._own
 
     # -- lifecycle --------------------------------------------------------
 
@@ -501,6 +506,9 @@ class _Launcher:
             groups = [g for g in groups if _group_alive(g)]
             if groups:
                 time.sleep(_POLL_INTERVAL)
+        # Reaped: never signal these process groups again (their ids may be
+        # reused).
+        self.procs = []
 
     def _join_readers(self, timeout: float = 2.0) -> None:
         deadline = time.monotonic() + timeout
@@ -508,18 +516,20 @@ class _Launcher:
             t.join(max(0.0, deadline - time.monotonic()))
 
     def _supervise(self, coord):
-        """Runs until this node's workers end or the job decides.
+        """Runs until this node's workers end or something decides.
 
-        Returns `(decision, None)` when a decision arrived (from the master,
-        or this launcher's own signal or timeout), or `(None, (code, cause))`
-        for this node's own outcome (workers all succeeded: code 0)."""
+        Returns `("own", decision)` for this launcher's own signal or
+        timeout, `("job", decision)` for a decision of the job (the master:
+        another node failed, restarts, or stops), or `("done", (code,
+        cause))` for this node's workers' outcome (all succeeded: code 0).
+        """
         while True:
             own = self._interrupted()
             if own is not None:
-                return own, None
+                return "own", own
             decision = coord.poll()
             if decision is not None:
-                return decision, None
+                return "job", decision
             codes = [p.poll() for p in self.procs]
             for i, code in enumerate(codes):
                 if code is not None and code != 0:
@@ -535,12 +545,24 @@ class _Launcher:
                               if self.num_workers > 1 or self.nodes else "")
                     _message(cause + others)
                     self.teardown(signal.SIGTERM)
-                    return None, (_exit_code(code) or 1, cause)
+                    if self.nodes is not None:
+                        cause = f"node {self._node()}: {cause}"
+                    return "done", (_exit_code(code) or 1, cause)
             if all(code == 0 for code in codes):
                 # Stop stray processes the workers left in their groups.
                 self.teardown(signal.SIGTERM, only_alive=True)
-                return None, (0, "")
+                return "done", (0, "")
             time.sleep(_POLL_INTERVAL)
+
+    def _stop_own(self, coord, round_, own) -> int:
+        """This launcher's signal or --timeout: the job is told first (it
+        stops every node, never restarts), then this node's workers stop."""
+        where = f"node {self._node()}: " if self.nodes is not None else ""
+        coord.report(round_, own.code, where + own.cause, False,
+                     wait=lambda: _NOWAIT)
+        _message(f"{own.cause}; stopping all workers")
+        self.teardown(self.signals[0] if self.signals else signal.SIGTERM)
+        return own.code
 
     def _job(self, coord) -> int:
         round_ = 0
@@ -548,6 +570,9 @@ class _Launcher:
             host = "" if self.nodes is not None else "127.0.0.1"
             plan = coord.join(round_, free_ports(self.num_workers, host),
                               wait=self._interrupted)
+            if plan is self._own:
+                return self._stop_own(coord, round_, plan)
+            decision = plan
             if plan.op == "start":
                 if self.nodes is not None:
                     first = plan.first_rank
@@ -560,38 +585,24 @@ class _Launcher:
                     coord.report(round_, code, f"cannot start the command on "
                                  f"node {self._node()}", False, wait=lambda: _NOWAIT)
                     return code
-                decision, outcome = self._supervise(coord)
-                if decision is None:
-                    code, cause = outcome
-                    if code != 0 and self.nodes is not None:
-                        cause = f"node {self._node()}: {cause}"
+                kind, value = self._supervise(coord)
+                if kind == "own":
+                    return self._stop_own(coord, round_, value)
+                if kind == "job":
+                    decision = value
+                    self.teardown(signal.SIGTERM)
+                else:
+                    code, cause = value
                     decision = coord.report(round_, code, cause, code != 0,
                                             wait=self._interrupted)
-                if decision.op == "restart" or decision.code != 0:
-                    if self.signals:
-                        _message(f"received {_signal_name(self.signals[0])}; "
-                                 "stopping all workers")
-                    elif decision.code == EXIT_TIMEOUT and self.deadline and (
-                            time.monotonic() >= self.deadline):
-                        _message(f"timeout of {self.timeout:g}s expired; "
-                                 "stopping all workers")
-                    self.teardown(self.signals[0] if self.signals
-                                  else signal.SIGTERM)
-            else:
-                decision = plan
+                    if decision is self._own:
+                        return self._stop_own(coord, round_, decision)
             if decision.op == "restart":
                 _message(f"restarting the job in {self.restart_delay:g}s "
                          f"after: {decision.cause}")
                 round_ = decision.round
                 time.sleep(self.restart_delay)
                 continue
-            own = self._interrupted()
-            if own is not None and decision.code == own.code:
-                # Tell the other nodes (without waiting for an answer).
-                where = f"node {self._node()}: " if self.nodes is not None else ""
-                coord.report(round_, own.code, where + own.cause, False,
-                             wait=lambda: _NOWAIT)
-                return own.code
             if decision.code != 0 and (self.nodes is not None or self.max_restarts):
                 _message(f"the job stopped: {decision.cause}")
             return decision.code

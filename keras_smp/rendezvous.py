@@ -35,6 +35,7 @@ import dataclasses
 import json
 import queue
 import socket
+import struct
 import threading
 import time
 from typing import Optional
@@ -91,8 +92,8 @@ class Coordinator:
     >>> c = Coordinator(2, max_restarts=1)
     >>> c.join(0, 0, 1, "10.0.0.1", [2222])
     []
-    >>> [d.op for _, d in c.join(1, 0, 1, "10.0.0.2", [2222])]
-    ['start', 'start']
+    >>> [(r, d.op, d.first_rank) for r, d in c.join(1, 0, 1, "10.0.0.2", [2222])]
+    [(0, 'start', 0), (1, 'start', 1)]
     >>> [(d.op, d.round) for _, d in c.exit(1, 0, 1, "worker 1 failed", True)]
     [('restart', 1), ('restart', 1)]
     """
@@ -107,9 +108,14 @@ class Coordinator:
         self.final: Optional[Decision] = None
 
     def _all(self, decision):
-        return [(r, decision) for r in range(self.nnodes)]
+        # Node 0 last: its launcher hosts the server, and must not end
+        # before every other node has the decision.
+        return [(r, decision) for r in range(self.nnodes - 1, -1, -1)]
 
-    def join(self, node_rank, round_, nproc, addr, ports):
+    def join(self, node_rank, round_, nproc, addr, ports, public=None):
+        """`addr`: where the node's workers are reached; `public`: for node
+        0's own connection, which comes from loopback when `--master`
+        names node 0 itself, the address other nodes reached it at."""
         if self.final is not None:
             return [(node_rank, self.final)]
         if round_ != self.round or node_rank in self.joined or not (
@@ -117,12 +123,19 @@ class Coordinator:
             return self.stop(1, f"node {node_rank} joined round {round_} "
                                 f"out of turn (the job is in round "
                                 f"{self.round})")
-        self.joined[node_rank] = (addr, list(ports))
+        self.joined[node_rank] = (addr, list(ports), public)
         if len(self.joined) < self.nnodes:
             return []
+        # A node seen from loopback (node 0 reaching its own server via a
+        # name that resolves to 127.0.x.x) is addressed, when other nodes
+        # are not, at the address those nodes reached the master at.
+        seen = [(a, pub) for a, _, pub in self.joined.values()]
+        remote = [pub for a, pub in seen if not _loopback(a) and pub]
         workers, firsts = [], {}
         for r in range(self.nnodes):
-            addr, ports = self.joined[r]
+            addr, ports, _ = self.joined[r]
+            if _loopback(addr) and remote:
+                addr = remote[0]
             firsts[r] = len(workers)
             host = f"[{addr}]" if ":" in addr else addr
             workers += [f"{host}:{p}" for p in ports]
@@ -135,8 +148,10 @@ class Coordinator:
         return [r for r in range(self.nnodes) if r not in self.joined]
 
     def exit(self, node_rank, round_, code, cause, restartable):
-        if self.final is not None or round_ != self.round:
-            return []  # a late report of a round already decided
+        if self.final is not None:
+            return [(node_rank, self.final)]
+        if round_ != self.round:
+            return []  # a late report of a round already restarted
         self.exits[node_rank] = code
         if code != 0:
             if restartable and self.restarts < self.max_restarts:
@@ -175,12 +190,41 @@ class LocalCoordination:
 
     def report(self, round_, code, cause, restartable, wait=None):
         got = self.coordinator.exit(0, round_, code, cause, restartable)
-        return got[0][1]
+        return got[0][1] if got else self.coordinator.final
 
     def poll(self):
         return None
 
     def close(self):
+        pass
+
+
+def _unmapped(addr):
+    """An IPv4 address as seen by a dual-stack socket, as IPv4."""
+    return addr[7:] if addr.startswith("::ffff:") else addr
+
+
+def _loopback(addr):
+    return addr.startswith("127.") or addr in ("::1", "localhost")
+
+
+# TCP keepalive (Linux option names): a node or master that vanishes
+# without closing its connection (powered off, partitioned) is noticed in
+# about a minute; a blocked send gives up after _SEND_TIMEOUT seconds.
+_KEEPALIVE = (("TCP_KEEPIDLE", 20), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 6))
+_SEND_TIMEOUT = 10
+
+
+def _tune(conn):
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in _KEEPALIVE:
+        if hasattr(socket, name):
+            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    try:  # a blocking socket (the reader thread waits in recv) with a
+        # bounded send: SO_SNDTIMEO, struct timeval {seconds, microseconds}
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", _SEND_TIMEOUT, 0))
+    except (OSError, struct.error):
         pass
 
 
@@ -223,19 +267,25 @@ class RendezvousServer:
         self.timeout = float(timeout)
         self._lock = threading.Lock()
         self._conns: dict[int, socket.socket] = {}
+        self._open = 0  # connections not yet closed by their node
         self._closed = threading.Event()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Every interface: `host` may be a name that resolves only later
+        # (a Kubernetes pod's DNS record) or to loopback on node 0 itself.
         try:
-            self._sock.bind((host, port))
+            if socket.has_dualstack_ipv6():
+                self._sock = socket.create_server(
+                    ("", port), family=socket.AF_INET6, dualstack_ipv6=True,
+                    backlog=64, reuse_port=False)
+            else:
+                self._sock = socket.create_server(("", port), backlog=64)
         except OSError as e:
-            self._sock.close()
             raise OSError(
-                f"the rendezvous cannot listen on {host}:{port} ({e}); "
-                "--master must be an address of node 0 and a free port "
+                f"the rendezvous cannot listen on port {port} of node 0 "
+                f"({e}); --master {host}:{port} must name a free port "
                 "there.") from e
-        self._sock.listen(64)
+        # When the current round's joins are timed: from the start, and
+        # from a restarted round's first join (not from the decision, which
+        # is followed by teardown and --restart-delay).
         self._round_started = time.monotonic()
         threading.Thread(target=self._accept, daemon=True,
                          name="keras-smp-rendezvous").start()
@@ -252,46 +302,80 @@ class RendezvousServer:
             except OSError:
                 pass
             if decision.op == "restart":
-                self._round_started = time.monotonic()
+                self._round_started = None
 
     def _accept(self):
         while not self._closed.is_set():
             try:
                 conn, (addr, *_) = self._sock.accept()
+                addr = _unmapped(addr)
             except OSError:
                 return
             threading.Thread(target=self._serve, args=(conn, addr),
                              daemon=True).start()
 
     def _serve(self, conn, addr):
+        _tune(conn)
         rank = None
-        for msg in _lines(conn):
-            with self._lock:
-                if msg.get("op") == "join":
-                    if rank is None:
-                        rank = int(msg["node_rank"])
-                        if (msg.get("nnodes") != self.coordinator.nnodes
-                                or rank in self._conns):
-                            self._conns.setdefault(rank, conn)
-                            self._deliver(self.coordinator.stop(1, (
-                                f"node {rank} started with --nnodes "
-                                f"{msg.get('nnodes')} (the master has "
-                                f"{self.coordinator.nnodes}), or twice")))
-                            continue
-                        self._conns[rank] = conn
-                    self._deliver(self.coordinator.join(
-                        rank, int(msg["round"]), int(msg["nproc"]),
-                        msg.get("addr") or addr, list(msg["ports"])))
-                elif msg.get("op") == "exit" and rank is not None:
-                    self._deliver(self.coordinator.exit(
-                        rank, int(msg["round"]), int(msg["code"]),
-                        str(msg.get("cause", "")),
-                        bool(msg.get("restartable"))))
         with self._lock:
-            if rank is not None and self.coordinator.final is None:
-                self._conns.pop(rank, None)
-                self._deliver(self.coordinator.stop(
-                    1, f"node {rank}'s launcher disconnected"))
+            self._open += 1
+        try:
+            for msg in _lines(conn):
+                with self._lock:
+                    if msg.get("op") == "join":
+                        if rank is None:
+                            rank = self._admit(conn, msg)
+                            if rank is None:
+                                return
+                        if self._round_started is None:
+                            self._round_started = time.monotonic()
+                        self._deliver(self.coordinator.join(
+                            rank, int(msg["round"]), int(msg["nproc"]),
+                            msg.get("addr") or addr, list(msg["ports"]),
+                            public=_unmapped(conn.getsockname()[0])))
+                    elif msg.get("op") == "exit" and rank is not None:
+                        self._deliver(self.coordinator.exit(
+                            rank, int(msg["round"]), int(msg["code"]),
+                            str(msg.get("cause", "")),
+                            bool(msg.get("restartable"))))
+        except (KeyError, TypeError, ValueError):
+            pass  # a malformed message: handled as a disconnect
+        finally:
+            with self._lock:
+                self._open -= 1
+                if rank is not None and self._conns.get(rank) is conn:
+                    del self._conns[rank]
+                    if self.coordinator.final is None:
+                        self._deliver(self.coordinator.stop(
+                            1, f"node {rank}'s launcher disconnected"))
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _admit(self, conn, msg):
+        """The node rank of a new connection's first join, or None (the
+        node is told why and the job stops)."""
+        c = self.coordinator
+        rank = int(msg["node_rank"])
+        why = None
+        if msg.get("nnodes") != c.nnodes:
+            why = (f"node {rank} started with --nnodes {msg.get('nnodes')}, "
+                   f"node 0 with --nnodes {c.nnodes}")
+        elif not 0 <= rank < c.nnodes:
+            why = f"node rank {rank} is not in [0, {c.nnodes})"
+        elif rank in self._conns:
+            why = f"two launchers started with --node-rank {rank}"
+        if why is None:
+            self._conns[rank] = conn
+            return rank
+        decisions = c.stop(1, why)
+        try:
+            _send(conn, dataclasses.asdict(decisions[0][1]))
+        except OSError:
+            pass
+        self._deliver(decisions)
+        return None
 
     def _watch(self):
         while not self._closed.wait(0.5):
@@ -300,19 +384,30 @@ class RendezvousServer:
                 if c.final is not None:
                     continue
                 late = c.missing()
-                if late and time.monotonic() - self._round_started > self.timeout:
+                started = self._round_started
+                if late and started is not None and (
+                        time.monotonic() - started > self.timeout):
                     self._deliver(c.stop(1, (
                         f"node(s) {late} did not join round {c.round} within "
                         f"--rendezvous-timeout {self.timeout:g}s; start "
                         "`keras-smp launch` with the same --master and "
                         "--nnodes on every node")))
 
-    def close(self):
+    def close(self, linger=10.0):
+        """Stops listening; waits (at most `linger` seconds) until every
+        node has closed its connection, so that a decision already sent
+        reaches every node before node 0's launcher exits."""
         self._closed.set()
         try:
             self._sock.close()
         except OSError:
             pass
+        deadline = time.monotonic() + linger
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._open == 0 or self.coordinator.final is None:
+                    return
+            time.sleep(0.05)
 
 
 class NodeClient:
@@ -343,7 +438,7 @@ class NodeClient:
                         "check that this node can reach that address") from e
                 time.sleep(0.5)
         self._conn.settimeout(None)
-        self._conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        _tune(self._conn)
         self._decisions: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True,
                          name="keras-smp-rendezvous-client").start()
@@ -389,10 +484,14 @@ class NodeClient:
             return None
 
     def close(self):
-        try:
-            self._conn.close()
-        except OSError:
-            pass
+        # shutdown first: it sends the FIN and wakes the reader thread's
+        # recv (close alone does neither while that recv is blocked).
+        for step in (lambda: self._conn.shutdown(socket.SHUT_RDWR),
+                     self._conn.close):
+            try:
+                step()
+            except OSError:
+                pass
 
 
 def _send_quiet(conn, obj):

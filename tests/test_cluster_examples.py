@@ -121,6 +121,9 @@ def test_kubernetes_manifest_wiring():
     spec, pod = job["spec"], job["spec"]["template"]
     # The headless Service selects the Job's pods and names them.
     assert service["spec"]["clusterIP"] == "None"
+    # Pod 0's name must resolve before the pods are ready (the rendezvous
+    # runs before any readiness).
+    assert service["spec"]["publishNotReadyAddresses"] is True
     labels = pod["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     assert pod["spec"]["subdomain"] == service["metadata"]["name"]

@@ -380,22 +380,31 @@ def test_missing_executable():
 # Restarts (--max-restarts) and several nodes (--nnodes, --master).
 
 # Prints its rank, restart count and cluster; fails (exit 3) while the
-# restart count is below FAILS if its rank is FAIL_RANK.
+# restart count is below FAILS if its rank is FAIL_RANK, after every worker
+# of the run has printed (marker files in MARKERS, at most 20 s).
 RESTART_WORKER = r"""
-import json, os, sys
+import json, os, sys, time
 c = json.loads(os.environ["TF_CONFIG"])
 rank, count = c["task"]["index"], int(os.environ["SMP_RESTART_COUNT"])
 print(f"rank {rank} run {count} node {os.environ.get('SMP_NODE_RANK')} "
       f"cluster {json.dumps(c['cluster'])}", flush=True)
+marks = os.environ["MARKERS"]
+open(os.path.join(marks, f"{rank}-{count}"), "w").close()
 if rank == int(os.environ["FAIL_RANK"]) and count < int(os.environ["FAILS"]):
+    deadline = time.time() + 20
+    while time.time() < deadline and not all(
+            os.path.exists(os.path.join(marks, f"{r}-{count}"))
+            for r in range(len(c["cluster"]["worker"]))):
+        time.sleep(0.05)
     sys.exit(3)
 """
 
 
 @pytest.mark.timeout(60)
-def test_max_restarts_restarts_the_whole_job_after_a_failure():
+def test_max_restarts_restarts_the_whole_job_after_a_failure(tmp_path):
     result = _run("module", "-n", "2", "--max-restarts", "2", "--restart-delay", "0.1",
-                  "--", *_worker(RESTART_WORKER), FAIL_RANK=1, FAILS=1)
+                  "--", *_worker(RESTART_WORKER), FAIL_RANK=1, FAILS=1,
+                  MARKERS=tmp_path)
     assert result.returncode == 0, result.stderr
     # Both workers ran twice: the first run (count 0) failed, the restart
     # (count 1, new ports, same ranks) succeeded.
@@ -408,13 +417,28 @@ def test_max_restarts_restarts_the_whole_job_after_a_failure():
 
 
 @pytest.mark.timeout(60)
-def test_max_restarts_exhausted_exits_with_the_workers_code():
+def test_max_restarts_exhausted_exits_with_the_workers_code(tmp_path):
     result = _run("module", "-n", "2", "--max-restarts", "1", "--restart-delay", "0",
-                  "--", *_worker(RESTART_WORKER), FAIL_RANK=0, FAILS=5)
+                  "--", *_worker(RESTART_WORKER), FAIL_RANK=0, FAILS=5,
+                  MARKERS=tmp_path)
     assert result.returncode == 3
     assert result.stderr.count("restarting the job") == 1, result.stderr
     assert "no restart left (1 used)" in result.stderr
     assert "[1] rank 1 run 1 " in result.stdout and "run 2" not in result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_signal_to_the_launcher_is_never_restarted(tmp_path):
+    # The worker and its launcher get SIGTERM together (as from a batch
+    # system's time limit): exit 143, no restart, no traceback.
+    code = ("import os, signal, time\n"
+            "print('ready', flush=True)\n"
+            "os.kill(os.getppid(), signal.SIGTERM)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n")
+    result = _run("module", "-n", "1", "--max-restarts", "3", "--", *_worker(code))
+    assert result.returncode == 143, result.stderr
+    assert "restarting" not in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout.count("ready") == 1
 
 
 def _node(rank, nnodes, master, nproc, *extra, **env):
@@ -440,15 +464,16 @@ def _finish(procs, timeout=45):
 
 
 @pytest.mark.timeout(90)
-def test_two_nodes_build_one_cluster_and_restart_together():
+def test_two_nodes_build_one_cluster_and_restart_together(tmp_path):
     master = f"127.0.0.1:{launch.free_ports(1)[0]}"
     args = ("--max-restarts", "1", "--restart-delay", "0.1", "--",
             *_worker(RESTART_WORKER))
     # Node 1 starts first: it waits for the master. Rank 2 (node 1's
     # second worker) fails in the first run: both nodes restart.
-    procs = [_node(1, 2, master, 2, *args, FAIL_RANK=2, FAILS=1)]
+    procs = [_node(1, 2, master, 2, *args, FAIL_RANK=2, FAILS=1, MARKERS=tmp_path)]
     time.sleep(0.5)
-    procs.insert(0, _node(0, 2, master, 1, *args, FAIL_RANK=2, FAILS=1))
+    procs.insert(0, _node(0, 2, master, 1, *args, FAIL_RANK=2, FAILS=1,
+                          MARKERS=tmp_path))
     (code0, out0, err0), (code1, out1, err1) = _finish(procs)
     assert code0 == 0 and code1 == 0, (err0, err1)
     clusters = set()
@@ -500,6 +525,32 @@ def test_killing_one_nodes_launcher_ends_the_job_on_the_other(tmp_path):
                 p.kill()
             p.wait()
         _kill_pids_from([pid_file])
+
+
+@pytest.mark.timeout(90)
+def test_a_signal_on_one_node_stops_every_node_without_restart():
+    master = f"127.0.0.1:{launch.free_ports(1)[0]}"
+    sleeper = "print('ready', flush=True); import time; time.sleep(120)"
+    nodes = [_node(r, 2, master, 1, "--max-restarts", "2", "--", *_worker(sleeper))
+             for r in (0, 1)]
+    try:
+        deadline = time.monotonic() + 30
+        # Both nodes' workers run (node 1's launcher printed its cluster).
+        line = nodes[1].stderr.readline()
+        assert "node 1 of 2: world ranks 1-1 of 2" in line, line
+        assert nodes[1].stdout.readline() == "[1] ready\n"
+        assert time.monotonic() < deadline
+        nodes[1].send_signal(signal.SIGTERM)
+        (code0, out0, err0), (code1, out1, err1) = _finish(nodes, timeout=30)
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert code1 == 143 and "received SIGTERM; stopping all workers" in err1, err1
+    assert code0 == 143, err0
+    assert "the job stopped: node 1: received SIGTERM" in err0, err0
+    assert "restarting" not in err0 + err1
 
 
 @pytest.mark.timeout(60)

@@ -11,8 +11,8 @@ failed instead under CI as root.
 - A data-parallel fit and a pipelined fit (one stage per node) across the
   two nodes match single-device training.
 - SIGKILL to one node's launcher while training ends the other node's job
-  within seconds (not the 300 s collective timeout), and the killed node's
-  workers die with their launcher.
+  within seconds (not the 300 s collective timeout). (That the killed
+  launcher's workers die with it: tests/test_launch.py.)
 """
 
 import os

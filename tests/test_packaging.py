@@ -92,12 +92,9 @@ def test_wheel_imports_without_tensorflow_and_says_what_to_install(wheel_venv):
 
 def test_wheel_trains_with_the_tensorflow_it_is_given(wheel_venv):
     # This test environment's TensorFlow and Keras, made visible to the
-    # fresh venv by a .pth file (keras-smp itself comes from the wheel).
+    # fresh venv by PYTHONPATH (keras-smp itself comes from the wheel: the
+    # editable install's .pth there is not read from PYTHONPATH).
     wheel, venv, python = wheel_venv
-    site = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()"
-                 "['purelib'])"]).stdout.strip()
-    with open(os.path.join(site, "outer.pth"), "w") as f:
-        f.write(sysconfig.get_paths()["purelib"] + "\n")
     code = ("import sys, numpy as np, keras, keras_smp\n"
             "assert keras_smp.__file__.startswith(sys.prefix)\n"
             "s = keras_smp.SMPStrategy()\n"
@@ -106,7 +103,8 @@ def test_wheel_trains_with_the_tensorflow_it_is_given(wheel_venv):
             "    m.compile('sgd', 'mse')\n"
             "h = m.fit(np.ones((8, 2)), np.ones((8, 1)), epochs=2, verbose=0)\n"
             "print('trained', len(h.history['loss']))\n")
-    env = {"PATH": os.environ["PATH"], "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = {"PATH": os.environ["PATH"], "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PYTHONPATH": sysconfig.get_paths()["purelib"]}
     out = _run([python, "-c", code], env=env).stdout
     assert "trained 2" in out, out
 
