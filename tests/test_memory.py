@@ -72,7 +72,9 @@ def _remove_cgroup(path):
 @pytest.mark.slow
 def test_four_stages_each_under_a_limit_the_whole_model_exceeds(tmp_path):
     # ... and checkpoint every epoch under it (sharded: each stage writes
-    # its shard); plain Keras loads the checkpoint.
+    # its shard); plain Keras loads the checkpoint. At the end, the model is
+    # saved as one .keras file under the limit too (streamed from the
+    # stages: gathering it would exceed the limit), and loads whole.
     ref_dir, out = tmp_path / "ref", tmp_path / "stages"
     run_python([MEMORY_FIT, "--out", str(ref_dir), "--mode", "reference"],
                timeout=600)
@@ -85,7 +87,7 @@ def test_four_stages_each_under_a_limit_the_whole_model_exceeds(tmp_path):
               f"memory is checked against {LIMIT_MB} MB instead")
     try:
         launch(4, [MEMORY_FIT, "--out", str(out), "--mode", "stages",
-                   "--checkpoint", *flags], timeout=600)
+                   "--checkpoint", "--keras-file", *flags], timeout=600)
     finally:
         if cgroup:
             _remove_cgroup(cgroup)
@@ -147,6 +149,14 @@ def test_four_stages_each_under_a_limit_the_whole_model_exceeds(tmp_path):
         np.testing.assert_allclose(loaded[key], ref[key], rtol=RTOL,
                                    atol=scaled_atol(ref[key]),
                                    err_msg=f"checkpointed weight {key}")
+    os.rename(out / "loaded.npz", out / "loaded_checkpoint.npz")
+    run_python([MEMORY_FIT, "--out", str(out), "--mode", "load",
+                "--load", str(out / "model.keras")], timeout=600)
+    whole = np.load(out / "loaded.npz")
+    assert int(whole["iterations"]) == 4
+    for key in ref.files:  # the same values as the sharded checkpoint's
+        np.testing.assert_array_equal(whole[key], loaded[key],
+                                      err_msg=f".keras weight {key}")
 
 
 def _small(out, *flags, n=2):
@@ -185,3 +195,52 @@ def test_model_built_outside_the_scope_warns_and_matches(tmp_path):
         for key in got.files:
             np.testing.assert_allclose(got[key], ref[key], rtol=RTOL,
                                        atol=scaled_atol(ref[key]))
+
+
+def test_keras_file_streamed_from_the_stages_equals_keras_own(tmp_path):
+    # 2 stages, one per process: `model.save("x.keras")`,
+    # `keras.saving.save_model` and a per-epoch `ModelCheckpoint` write the
+    # file from the stages' shards (no process gathers the model); Keras'
+    # own writer on the gathered model (`zipped=False`) is the reference:
+    # every weight and optimizer variable equal, bit for bit.
+    launch(2, [os.path.join(WORKERS, "keras_save.py"), str(tmp_path)],
+           timeout=240)
+    out = run_python(["-c", _LOAD_AND_COMPARE, str(tmp_path)], timeout=240)
+    assert "compared 5 files" in out.stdout, out.stdout
+    for rank in (0, 1):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            result = json.load(f)
+        assert "pass overwrite=True" in (result["refused"] or ""), result
+        # Nothing left behind: no staging folder, no temporary file.
+        assert [n for n in result["files"] if n.startswith(".")] == [], result
+
+
+_LOAD_AND_COMPARE = """
+import os, sys, zipfile
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import keras, numpy as np, keras_smp
+keras_smp.DistributedModel  # registers the class for loading
+out = sys.argv[1]
+ref = keras.models.load_model(os.path.join(out, "gathered"))
+x = np.random.RandomState(0).randn(32, 6).astype("float32")
+np.testing.assert_allclose(ref.predict(x, verbose=0),
+                           np.load(os.path.join(out, "predict.npy")),
+                           rtol=1e-6, atol=1e-6)
+assert int(ref.optimizer.iterations) == 8, int(ref.optimizer.iterations)
+names = ["streamed.keras", "api.keras", "epoch2.keras"]
+for name in names:
+    with zipfile.ZipFile(os.path.join(out, name)) as zf:
+        assert sorted(zf.namelist()) == [
+            "config.json", "metadata.json", "model.weights.h5"], zf.namelist()
+    got = keras.models.load_model(os.path.join(out, name))
+    assert type(got) is type(ref), type(got)
+    assert got.get_config() == ref.get_config()
+    for a, b in zip(got.weights + got.optimizer.variables,
+                    ref.weights + ref.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+# The first epoch's file holds the first epoch's state.
+first = keras.models.load_model(os.path.join(out, "epoch1.keras"))
+assert int(first.optimizer.iterations) == 4
+assert not np.array_equal(first.get_weights()[0], ref.get_weights()[0])
+print("compared", len(names) + 2, "files")
+"""

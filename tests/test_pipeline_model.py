@@ -334,6 +334,32 @@ def test_one_stage_per_process_matches_single_device(
         assert (tmp_path / "files" / "ckpt.keras").is_file()
 
 
+
+def test_one_stage_per_process_takes_any_batch_size_in_turn(tmp_path):
+    # fit (batch 8, loss only), predict with 8, 32, 16, 8, 4, evaluate
+    # with 16 and 8, fit with 16: each batch size crosses the stage
+    # boundary with its own shapes. TensorFlow keeps the shape of each
+    # collective (group, instance key) for the life of the process, so
+    # sizes must not share keys: this once failed at the first predict
+    # ("Shape mismatch in the collective instance").
+    launch(2, [os.path.join(WORKERS, "batch_sizes.py"), str(tmp_path)],
+           timeout=240)
+    got = [load(tmp_path, r) for r in range(2)]
+    for r in range(2):
+        # Every process returns the whole model's outputs.
+        for key in got[0]:
+            np.testing.assert_array_equal(got[r][key], got[0][key])
+        # The same weights predict the same, whatever the batch size
+        # (float32 matmuls of different row counts may round differently).
+        for b in (32, 16, 4):
+            np.testing.assert_allclose(got[r][f"predict{b}"],
+                                       got[r]["predict8"], rtol=1e-5,
+                                       atol=1e-6 * np.abs(
+                                           got[r]["predict8"]).max())
+        np.testing.assert_allclose(got[r]["evaluate16"],
+                                   got[r]["evaluate8"], rtol=1e-5)
+        assert not np.allclose(got[r]["after"], got[r]["predict8"])
+
 XLA_FALLBACK = """
 import warnings
 import numpy as np

@@ -424,6 +424,15 @@ class DistributedModel(keras.Model):
             self, jit_compile), **kwargs)
         track_slots(self.optimizer)
 
+    def compile_from_config(self, config):
+        """Keras' `compile_from_config` (what `keras.models.load_model`
+        calls): compiles through `DistributedModel.compile`, and builds the
+        optimizer so that the saved optimizer state loads."""
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
     def _symbolic_build(self, *args, **kwargs):
         # Keras may trace the whole model here (shapes only).
         residency = self._smp_residency()
@@ -439,9 +448,71 @@ class DistributedModel(keras.Model):
         with self._smp_gathered():
             return super().get_weights()
 
-    def save(self, *args, **kwargs):
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        """Saves the model (Keras' `save`).
+
+        With one stage per process, a `.keras` file is streamed: each stage
+        writes its own weights and optimizer state and rank 0 copies them
+        into the archive one weight at a time (`shards.save_keras`), so no
+        process ever holds the whole model, and the file is what Keras
+        would write for the trained model (`keras.models.load_model` loads
+        it, with its optimizer state; `keras.saving.save_model` and
+        `ModelCheckpoint` take the same path). Other formats (a `.h5` file,
+        `zipped=False`) gather the whole model into every process for the
+        call. A collective: every process of the job calls it.
+
+        Example:
+
+        ```python
+        import os, tempfile
+        import keras, numpy as np, keras_smp
+        model = keras_smp.DistributedModel(keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(2)]))
+        model.compile(optimizer="adam", loss="mse")
+        model.fit(np.ones((4, 4)), np.ones((4, 2)), verbose=0)
+        path = os.path.join(tempfile.mkdtemp(), "model.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        np.testing.assert_array_equal(loaded.get_weights()[0],
+                                      model.get_weights()[0])
+        assert int(loaded.optimizer.iterations) == 1
+        ```
+        """
+        if self._smp_streams_keras(filepath, zipped):
+            path = os.fspath(filepath)
+            if not overwrite and os.path.exists(path):
+                raise FileExistsError(
+                    f"save: {path!r} exists; pass overwrite=True to "
+                    "replace it.")
+            if kwargs:
+                raise ValueError(
+                    "The following argument(s) are not supported: "
+                    f"{list(kwargs)}")
+            return shards.save_keras(self, path)
         with self._smp_gathered():
-            return super().save(*args, **kwargs)
+            return super().save(filepath, overwrite=overwrite, zipped=zipped,
+                                **kwargs)
+
+    def _smp_streams_keras(self, filepath, zipped):
+        """Whether saving to `filepath` streams a `.keras` file from the
+        stages (one stage per process) instead of gathering the model."""
+        return (self._smp_residency() is not None
+                and isinstance(filepath, (str, os.PathLike))
+                and os.fspath(filepath).endswith(".keras")
+                and zipped is not False)
+
+    def _smp_save_model(self, original, filepath, *args, **kwargs):
+        """Keras' `saving_lib.save_model(self, ...)` (what
+        `keras.saving.save_model` calls): streamed or gathered, as `save`.
+        """
+        zipped = kwargs.get("zipped", args[1] if len(args) > 1 else True)
+        weights_format = kwargs.get("weights_format",
+                                    args[0] if args else "h5")
+        if weights_format == "h5" and self._smp_streams_keras(filepath,
+                                                              zipped):
+            return shards.save_keras(self, filepath)
+        with self._smp_gathered():
+            return original(self, filepath, *args, **kwargs)
 
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
         """Saves the weights and optimizer state (Keras' `save_weights`).

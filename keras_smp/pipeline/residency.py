@@ -229,12 +229,17 @@ class StageResidency:
 
     @contextlib.contextmanager
     def gathered(self):
-        """The whole trained model in this process, for the `with` body."""
-        self.sync()
+        """The whole trained model in this process, for the `with` body
+        (nested uses gather once)."""
+        self._gathered = getattr(self, "_gathered", 0) + 1
         try:
+            if self._gathered == 1:
+                self.sync()
             yield
         finally:
-            self.release()
+            self._gathered -= 1
+            if self._gathered == 0:
+                self.release()
 
     def sync(self):
         """Copies every stage's weights and slots to all stages of a replica.

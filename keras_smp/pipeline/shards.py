@@ -61,6 +61,9 @@ np.testing.assert_allclose(exported.predict(x, verbose=0),
 
 import json
 import os
+import shutil
+import time
+import zipfile
 
 import h5py
 import keras
@@ -77,25 +80,27 @@ POINTER_ATTR = "keras_smp_sharded_index"
 FORMAT = 1
 
 
-def entries(model):
+def entries(model, own_layout=False):
     """`[(group, key, value, owner)]`: what `save_weights` writes, in its
     order.
 
     `group` is the HDF5 group of the value (`"layers/dense/vars"`), laid
     out as the wrapped Keras model's own file (the `DistributedModel`
-    wrapper adds no level); `value` is usually a Keras variable; `owner`
-    the name of the layer (or optimizer) saving it.
+    wrapper adds no level), or with `own_layout` as Keras lays out the
+    `DistributedModel` itself in a `.keras` file (`"inner_model/..."`);
+    `value` is usually a Keras variable; `owner` the name of the layer (or
+    optimizer) saving it.
     """
     recorder = _Recorder()
     visited = set()
-    for saveable, path in _roots(model):
+    for saveable, path in _roots(model, own_layout):
         keras_private.save_state(saveable, recorder, path, visited)
     return recorder.entries
 
 
-def _roots(model):
+def _roots(model, own_layout=False):
     inner = getattr(model, "inner_model", None)
-    if inner is None:  # a subclassed DistributedModel: its own layout
+    if inner is None or own_layout:  # e.g. a subclassed DistributedModel
         return [(model, "")]
     roots = [(inner, "")]
     if getattr(model, "optimizer", None) is not None:
@@ -187,18 +192,18 @@ def _to_numpy(value):
     return array
 
 
-def save(model, filepath):
+def save(model, filepath, own_layout=False):
     """Writes a sharded checkpoint of `model` (a `DistributedModel`).
 
     A collective: every process of the job calls it. Returns the path of
-    the index (`*.weights.json`).
+    the index (`*.weights.json`). `own_layout`: see `entries`.
     """
     filepath = os.path.abspath(os.fspath(filepath))
     folder, base = os.path.dirname(filepath), _base(filepath)
     rank, writes = _layout(model)
     error = None
     try:
-        items = entries(model)
+        items = entries(model, own_layout)
         stages = _stage_of_entries(model, items)
     except Exception as e:  # pylint: disable=broad-except
         error = f"rank {rank}: {type(e).__name__}: {e}"
@@ -226,6 +231,69 @@ def save(model, filepath):
             errors = [f"rank 0: {type(e).__name__}: {e}"]
     _raise_any(comms.broadcast(errors), filepath)
     return os.path.join(folder, base + ".weights.json")
+
+
+def save_keras(model, filepath):
+    """Writes `model` (a `DistributedModel`) as one `.keras` file, streamed.
+
+    What `model.save("x.keras")` writes (the `DistributedModel`'s
+    configuration, compile configuration, weights and optimizer state,
+    assets), without any process holding the whole model: each stage
+    writes its shard into a temporary folder beside `filepath` (the
+    sharded checkpoint's writer, laid out as Keras lays out the
+    `DistributedModel` in a `.keras` file), then rank 0 copies the shards
+    into the archive one weight at a time, replaces `filepath` (rename)
+    and removes the folder. A collective: every process calls it. Multi-
+    host jobs need `filepath` on a filesystem every host shares.
+    """
+    filepath = os.path.abspath(os.fspath(filepath))
+    folder, name = os.path.split(filepath)
+    rank, _ = _layout(model)
+    token = comms.broadcast(
+        f"{os.getpid()}-{time.time_ns()}" if rank == 0 else None)
+    staging = os.path.join(folder, f".{name}.shards-{token}")
+    try:
+        index = save(model, os.path.join(staging, "model.weights.json"),
+                     own_layout=True)
+        error = None
+        if rank == 0:
+            try:
+                _replace(filepath, lambda tmp: _write_keras_archive(
+                    tmp, model, index))
+            except Exception as e:  # pylint: disable=broad-except
+                error = f"rank 0: {type(e).__name__}: {e}"
+        error = comms.broadcast(error)
+        if error:
+            raise RuntimeError(
+                f"Saving {filepath!r} failed (the previous file there, if "
+                f"any, is unchanged): {error}")
+    finally:
+        comms.barrier()  # every process is done with the shards
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+    return filepath
+
+
+def _write_keras_archive(path, model, index):
+    """Writes the `.keras` zip `path`: `model`'s configuration and assets,
+    and the weights of the sharded checkpoint `index`, one at a time."""
+    config_json, metadata_json = keras_private.model_json(model)
+    weights = path + ".weights.h5"
+    try:
+        _assemble_h5(index, weights)
+        with zipfile.ZipFile(path, "w") as zf:
+            zf.writestr(keras_private.KERAS_METADATA, metadata_json)
+            zf.writestr(keras_private.KERAS_CONFIG, config_json)
+            zf.write(weights, keras_private.KERAS_WEIGHTS)
+            assets = keras_private.assets_store(zf)
+            try:
+                keras_private.save_state(model, _Recorder(), "", set(),
+                                         assets_store=assets)
+            finally:
+                assets.close()
+    finally:
+        if os.path.exists(weights):
+            os.remove(weights)
 
 
 def _raise_any(errors, filepath):
@@ -564,8 +632,6 @@ def assemble_checkpoint(index_path, out_path, model=None):
 
 
 def _assemble_keras(index_path, out_path, model):
-    import zipfile
-
     inner = getattr(model, "inner_model", None) or model
     config_json, metadata_json = keras_private.model_json(inner)
 

@@ -118,7 +118,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         rows = batch // m
         transport = CollectiveTransport(links, {
             "F": _specs(graph.carries[s - 1], rows) if s > 0 else [],
-            "B": _specs(graph.carries[s], rows) if s < p - 1 else []})
+            "B": _specs(graph.carries[s], rows) if s < p - 1 else []}, rows)
         if s < p - 1:
             loss_fn = None  # only the last stage computes the loss
     trackers = []
@@ -145,9 +145,9 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                 for v, g in zip(stage_vars[s], result.grads[s]):
                     grads[id(v)] = accumulate(grads.get(id(v)), g)
         return StepRun(x, y, sample_weight, y_pred, losses, grads, variables)
-    return _share(model, links, result, x, y, sample_weight, batch, has_loss,
-                  need_outputs, training, stage_vars[links.stage], variables,
-                  trackers, loss_fn)
+    return _share(model, links, result, x, y, sample_weight, batch,
+                  transport.rows, has_loss, need_outputs, training,
+                  stage_vars[links.stage], variables, trackers, loss_fn)
 
 
 def _specs(tensors, rows):
@@ -165,8 +165,8 @@ def _specs(tensors, rows):
     return out
 
 
-def _share(model, links, result, x, y, sample_weight, batch, has_loss,
-           need_outputs, training, stage_vars, variables, trackers,
+def _share(model, links, result, x, y, sample_weight, batch, rows,
+           has_loss, need_outputs, training, stage_vars, variables, trackers,
            loss_fn):
     """One stage per process: the last stage's outputs and loss to all.
 
@@ -192,9 +192,13 @@ def _share(model, links, result, x, y, sample_weight, batch, has_loss,
                 mine += [v.value - before for v, before in trackers]
     specs = pred_specs + ([((), tf.float32)] if has_loss else [])
     specs += [((), v.dtype) for v in tracked]
+    # One instance key per role (outputs, loss, trackers) and batch size.
+    positions = ([links.SHARE_OUTPUTS + i for i in range(len(pred_specs))]
+                 + ([links.SHARE_LOSS] if has_loss else [])
+                 + [links.SHARE_TRACKED + i for i in range(len(tracked))])
     with tf.control_dependencies([result.done]):
         shared = links.share_from_last(
-            mine, specs, instance_base=links.INSTANCE_SHARE)
+            mine, specs, [links.batched_key(k, rows) for k in positions])
     if tracked:
         changes, shared = shared[-len(tracked):], shared[:-len(tracked)]
         if s < p - 1:

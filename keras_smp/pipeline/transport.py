@@ -70,13 +70,17 @@ class CollectiveTransport:
         recv_specs: `{"F": specs, "B": specs}`: `(shape, dtype)` of each
             tensor this stage receives forward (from the previous stage)
             and backward (gradients from the next stage).
+        rows: the microbatch's rows (a Python int or an int32 tensor):
+            transfers of different microbatch sizes use different instance
+            keys (`StageLinks.batched_key`).
     """
 
     chain_receives = False
 
-    def __init__(self, links, recv_specs):
+    def __init__(self, links, recv_specs, rows):
         self.links = links
         self.recv_specs = recv_specs
+        self.rows = links.checked_rows(rows)
 
     def can_receive(self, action):
         return True  # a posted receive waits for its data
@@ -92,13 +96,13 @@ class CollectiveTransport:
                 f"but stage {self.links.stage} only links to its neighbours.")
         return self.links.send_to(action.peer, action.kind[-1],
                                   action.microbatch,
-                                  [dense(t) for t in tensors])
+                                  [dense(t) for t in tensors], self.rows)
 
     def receive(self, action):
         direction = action.kind[-1]
         return self.links.receive_from(action.peer, direction,
                                        action.microbatch,
-                                       self.recv_specs[direction])
+                                       self.recv_specs[direction], self.rows)
 
 
 class PipelineKeys:
@@ -160,13 +164,26 @@ class StageLinks:
         timeout_seconds: timeout of every collective op (0 = none).
     """
 
-    # Instance keys (unique within a group) of the collectives outside the
-    # per-microbatch transfers (those use `_instance`, below 500,000).
-    INSTANCE_SHARE = 500_000     # last stage's outputs and loss
+    # Instance keys (unique within a group) of the collectives whose shapes
+    # do not follow the batch (below BATCHED_BASE).
     INSTANCE_STAGE_SUM = 600_000  # optimizer sums over stages (norms)
     INSTANCE_TIED = 700_000      # tied-weight gradient sums
     INSTANCE_INIT = 800_000      # tied weights' initial values
     INSTANCE_WEIGHTS = 1_000_000  # sync_weights (+ 10,000 per call)
+    # Per-step collectives whose shapes follow the batch (transfers, the
+    # last stage's outputs and loss) take keys that encode the
+    # microbatch's rows, `batched_key`: TensorFlow keeps the shape of each
+    # (group, instance key) for the life of the process, so a fit with
+    # batch 8 and a later predict with batch 32 must not share a key.
+    BATCHED_BASE = 20_000_000
+    ROWS_STRIDE = 100_000
+    MAX_ROWS = (2**31 - 1 - BATCHED_BASE) // ROWS_STRIDE - 1
+    # Positions (below ROWS_STRIDE) of what the last stage shares: one per
+    # role, so a step sharing only its loss and one sharing outputs too
+    # never give one key two shapes.
+    SHARE_OUTPUTS = 60_000  # + output index
+    SHARE_LOSS = 61_000
+    SHARE_TRACKED = 61_001  # + loss-tracker variable index
 
     def __init__(self, num_stages, stage, replica, keys, timeout_seconds=0):
         self.num_stages = num_stages
@@ -198,32 +215,53 @@ class StageLinks:
             communication_hint="auto", timeout_seconds=self.timeout),
             tensor.dtype)
 
-    # Instance keys: distinct per tensor, microbatch and direction within a
-    # step; the same keys are reused by the next step (as TF's own do).
     @classmethod
-    def _instance(cls, direction, microbatch, index):
-        key = 1 + (microbatch * 2 + (direction == "B")) * 1000 + index
-        if index >= 1000 or key >= cls.INSTANCE_SHARE:
+    def batched_key(cls, position, rows):
+        """The instance key of `position` (< ROWS_STRIDE) in a step whose
+        microbatches have `rows` rows (see `checked_rows`)."""
+        return cls.BATCHED_BASE + position + rows * cls.ROWS_STRIDE
+
+    @classmethod
+    def checked_rows(cls, rows):
+        """`rows` as an int32 tensor, checked against `MAX_ROWS` when the
+        step runs."""
+        rows = tf.convert_to_tensor(rows, tf.int32)
+        check = tf.debugging.assert_less_equal(
+            rows, cls.MAX_ROWS, message=(
+                f"keras-smp: a microbatch of more than {cls.MAX_ROWS} rows "
+                "crosses a stage boundary between processes; use more "
+                "microbatches or a smaller batch."))
+        with tf.control_dependencies([check]):
+            return tf.identity(rows)
+
+    # Positions: distinct per tensor, microbatch and direction within a
+    # step; the next step of the same microbatch size reuses the keys.
+    @classmethod
+    def _position(cls, direction, microbatch, index):
+        key = 1 + (microbatch * 2 + (direction == "B")) * 100 + index
+        if index >= 100 or key >= cls.SHARE_OUTPUTS:
             raise ValueError(
                 f"Too many microbatches ({microbatch + 1}) or tensors "
                 f"crossing a stage boundary ({index + 1}) for one step: at "
-                "most 249 microbatches and 1000 tensors. Use fewer.")
+                "most 299 microbatches and 100 tensors. Use fewer.")
         return key
 
     def _pair_key(self, peer):
         return self.keys.pair(self.replica, min(self.stage, peer))
 
-    def send_to(self, peer, direction, microbatch, tensors):
-        """Sends `tensors` of `microbatch` to the neighbouring stage `peer`."""
+    def send_to(self, peer, direction, microbatch, tensors, rows):
+        """Sends `tensors` of `microbatch` to the neighbouring stage `peer`
+        (`rows`: from `checked_rows`)."""
         key = self._pair_key(peer)
-        return [self.send(t, key, 2, self._instance(direction, microbatch, i))
+        return [self.send(t, key, 2, self.batched_key(
+                    self._position(direction, microbatch, i), rows))
                 for i, t in enumerate(tensors)]
 
-    def receive_from(self, peer, direction, microbatch, specs):
+    def receive_from(self, peer, direction, microbatch, specs, rows):
         """Receives tensors of `specs` `(shape, dtype)` from stage `peer`."""
         key = self._pair_key(peer)
-        return [self.recv(shape, dtype, key, 2,
-                          self._instance(direction, microbatch, i))
+        return [self.recv(shape, dtype, key, 2, self.batched_key(
+                    self._position(direction, microbatch, i), rows))
                 for i, (shape, dtype) in enumerate(specs)]
 
     def barrier(self, world_size, instance_key):
@@ -236,23 +274,25 @@ class StageLinks:
         return self.reduce(tf.zeros([1]), self.keys.world(), world_size,
                            instance_key)
 
-    def share_from_last(self, tensors, specs, instance_base):
+    def share_from_last(self, tensors, specs, instance_keys):
         """Broadcasts the last stage's `tensors` to every stage of the replica.
 
         On the last stage returns `tensors` (after sending); elsewhere
-        receives tensors of `specs` (shape, dtype).
+        receives tensors of `specs` (shape, dtype). `instance_keys`: one
+        per tensor.
         """
         p = self.num_stages
         if p == 1:
             return list(tensors)
         key = self.keys.replica(self.replica)
         if self.stage == p - 1:
-            sends = [self.send(t, key, p, instance_base + i)
-                     for i, t in enumerate(tensors)]
+            sends = [self.send(t, key, p, k)
+                     for t, k in zip(tensors, instance_keys, strict=True)]
             with tf.control_dependencies(sends):
                 return [tf.identity(t) for t in tensors]
-        return [self.recv(shape, dtype, key, p, instance_base + i)
-                for i, (shape, dtype) in enumerate(specs)]
+        return [self.recv(shape, dtype, key, p, k)
+                for (shape, dtype), k in zip(specs, instance_keys,
+                                             strict=True)]
 
 
 # TensorFlow's collective kernels have no bfloat16 (mixed_bfloat16 models'

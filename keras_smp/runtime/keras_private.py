@@ -13,6 +13,7 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: F401
 
 # --- used by keras_smp.pipeline (DistributedModel, StagedGraph) ------------
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 
 from keras.src.backend.common import global_state  # noqa: E402
 from keras.src.losses.loss import unscale_loss_for_distribution  # noqa: E402,F401
@@ -224,8 +225,9 @@ from keras.src.saving import saving_lib as _saving_lib  # noqa: E402
 H5IOStore = _saving_lib.H5IOStore
 
 
-def save_state(saveable, store, inner_path, visited):
-    """Walks `saveable` as `save_weights` does, writing into `store`.
+def save_state(saveable, store, inner_path, visited, assets_store=None):
+    """Walks `saveable` as `save_weights` does, writing into `store` (and
+    layers' assets, such as lookup vocabularies, into `assets_store`).
 
     Optimizers store their variables themselves, not `variable.numpy()`
     copies as Keras' `save_own_variables` does (same keys): the store sees
@@ -239,7 +241,8 @@ def save_state(saveable, store, inner_path, visited):
     BaseOptimizer.save_own_variables = save_own_variables
     try:
         _saving_lib._save_state(saveable, weights_store=store,
-                                assets_store=None, inner_path=inner_path,
+                                assets_store=assets_store,
+                                inner_path=inner_path,
                                 visited_saveables=visited)
     finally:
         BaseOptimizer.save_own_variables = original
@@ -271,6 +274,34 @@ def global_seed_state():
     gen = global_state.get_global_attribute(
         seed_generator.GLOBAL_SEED_GENERATOR)
     return None if gen is None else gen.state
+
+
+#: Names inside a `.keras` archive (Keras' `saving_lib`).
+KERAS_CONFIG, KERAS_METADATA, KERAS_WEIGHTS, KERAS_ASSETS = (
+    _saving_lib._CONFIG_FILENAME, _saving_lib._METADATA_FILENAME,
+    _saving_lib._VARS_FNAME_H5, _saving_lib._ASSETS_DIRNAME)
+
+
+def assets_store(archive):
+    """Keras' store writing layers' assets into the `.keras` zip `archive`
+    (close it before the archive)."""
+    return _saving_lib.DiskIOStore(KERAS_ASSETS, archive=archive, mode="w")
+
+
+def wrap_save_model(wrapper):
+    """Replaces `keras.src.saving.saving_lib.save_model` (what `Model.save`
+    and `keras.saving.save_model` write `.keras` files with) by
+    `wrapper(original, model, filepath, *args, **kwargs)`."""
+    original = _saving_lib.save_model
+    if getattr(original, "_smp_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def save_model(model, filepath, *args, **kwargs):
+        return wrapper(original, model, filepath, *args, **kwargs)
+
+    save_model._smp_wrapped = True
+    _saving_lib.save_model = save_model
 
 
 def model_json(model):

@@ -15,6 +15,9 @@
   for models under `SMPStrategy` and pipelined models; non-chief workers of
   a multi-worker job write into a scratch directory removed right after, so
   the same (collective) work runs everywhere but only the chief writes.
+- Keras' `.keras` writer (`saving_lib.save_model`, behind `Model.save`
+  and `keras.saving.save_model`): a `DistributedModel` decides how to
+  write itself (with one stage per process, streamed from its stages).
 - `keras.callbacks.BackupAndRestore` (non-chief workers save into scratch
   and never delete the chief's backup) and `keras.callbacks.TensorBoard`
   (non-chief summaries go to a scratch directory).
@@ -193,9 +196,21 @@ def _atomic(method, model, filepath, *args, **kwargs):
             os.remove(tmp)
 
 
+def _keras_file_writer(original, model, filepath, *args, **kwargs):
+    """Keras' `.keras` writer: a `DistributedModel` decides how (with one
+    stage per process it streams the file from its stages)."""
+    hook = getattr(model, "_smp_save_model", None)
+    if hook is None:
+        return original(model, filepath, *args, **kwargs)
+    return hook(original, filepath, *args, **kwargs)
+
+
 def _patch_files(keras):
     keras.Model.save = _redirect_save(keras.Model.save)
     keras.Model.save_weights = _redirect_save(keras.Model.save_weights)
+    from keras_smp.runtime import keras_private
+
+    keras_private.wrap_save_model(_keras_file_writer)
 
     backup = keras.callbacks.BackupAndRestore
     save_model = backup._save_model

@@ -19,10 +19,13 @@ memory limit (issue 17: a model too big for one process).
     --checkpoint       stages: `ModelCheckpoint(OUT/ckpt.weights.h5,
                        save_weights_only=True)` every epoch (sharded: no
                        process gathers the whole model)
+    --keras-file       stages: also `model.save(OUT/model.keras)` at the end
+                       (streamed from the stages, under the limit)
     --mode load --load PATH
                        plain Keras, one process: builds the model, its
                        optimizer, loads PATH (a sharded checkpoint's
-                       .weights.json), writes loaded.npz
+                       .weights.json), writes loaded.npz; a PATH ending in
+                       .keras is loaded whole (`keras.models.load_model`)
 
 Data and initial weights are seeded; Adam, 2 epochs of 2 steps.
 """
@@ -37,6 +40,7 @@ parser.add_argument("--mode", choices=("reference", "stages", "load"),
                     required=True)
 parser.add_argument("--checkpoint", action="store_true")
 parser.add_argument("--load", default=None)
+parser.add_argument("--keras-file", action="store_true")
 parser.add_argument("--stages", type=int, default=4)
 parser.add_argument("--width", type=int, default=4096)
 parser.add_argument("--layers", type=int, default=8)
@@ -153,9 +157,15 @@ def wrap(model):
 
 
 if args.mode == "load":
-    model = wrap(build())
-    model.optimizer.build(model.trainable_variables)
-    model.load_weights(args.load)
+    if args.load.endswith(".keras"):
+        import keras_smp  # noqa: E402
+
+        keras_smp.DistributedModel  # registered for loading
+        model = keras.models.load_model(args.load)
+    else:
+        model = wrap(build())
+        model.optimizer.build(model.trainable_variables)
+        model.load_weights(args.load)
     np.savez(os.path.join(args.out, "loaded.npz"),
              **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)},
              iterations=model.optimizer.iterations.numpy())
@@ -177,6 +187,8 @@ if args.checkpoint:
 history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
                     shuffle=False, callbacks=callbacks)
 os.makedirs(args.out, exist_ok=True)
+if args.keras_file:
+    model.save(os.path.join(args.out, "model.keras"))
 result = {"peak_mb": peak_mb(), "loss": history.history["loss"],
           **cgroup_report()}
 if strategy is None:

@@ -113,7 +113,7 @@ else:
     @tf.function
     def step(x):
         result = execute({s: ACTIONS[s]}, {s: Stage(s, FNS[s], STAGE_VARS[s])},
-                         CollectiveTransport(links, specs), 2,
+                         CollectiveTransport(links, specs, rows), 2,
                          [[t] for t in tf.split(x, M)], loss_fn)
         with tf.control_dependencies([result.done]):
             grads = {k: [tf.identity(g) for g in v]
