@@ -20,8 +20,16 @@ before the first backward; 1F1B at most p - s microbatches on stage s
 (2 on stage 0, 1 on stage 1); with recomputation a stage keeps only each
 microbatch's stage inputs and recomputes one microbatch at a time.
 
+Per-layer recomputation (`activation_checkpointing=[layer names]`) pays
+where a layer holds large activations inside it: `--model blocks` is 4
+MLP blocks (each a nested `Sequential` of Dense(4096, relu) then
+Dense(1024), the shape of a transformer's MLP), 2 per stage, 1F1B, with
+recomputation off, of each block (`layers`), and of the whole stage
+(`on`).
+
     python benchmarks/activation_memory.py        # ~5 minutes on 2 cores
     python benchmarks/activation_memory.py --only gpipe/off gpipe/on
+    python benchmarks/activation_memory.py --model blocks   # ~4 minutes
 """
 
 import argparse
@@ -35,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import cpu_model  # noqa: E402
 from measure import peak_mb  # noqa: E402
 LAYERS, WIDTH, M = 8, 1024, 8
+BLOCKS = 4  # --model blocks
 DATA = 16  # input and target features: the data stays small
 
 
@@ -45,9 +54,11 @@ def worker(args):
     tf.config.threading.set_inter_op_parallelism_threads(1)
     import keras_smp
 
+    recompute = {"off": False, "on": True,
+                 "layers": [f"block{i}" for i in range(BLOCKS)]}
     strategy = keras_smp.SMPStrategy(
         partitions=2, microbatches=M, pipeline=args.pipeline,
-        activation_checkpointing=args.recompute,
+        activation_checkpointing=recompute[args.recompute],
         collective_timeout_seconds=600)
     import keras
     import numpy as np
@@ -57,10 +68,18 @@ def worker(args):
     y = np.random.RandomState(1).randn(batch, DATA).astype("float32")
     keras.utils.set_random_seed(0)
     with strategy.scope():
+        if args.model == "blocks":
+            layers = [keras.Sequential(
+                [keras.Input((WIDTH,)),
+                 keras.layers.Dense(4 * WIDTH, activation="relu"),
+                 keras.layers.Dense(WIDTH)], name=f"block{i}")
+                for i in range(BLOCKS)]
+            layers = [keras.layers.Dense(WIDTH)] + layers
+        else:
+            layers = [keras.layers.Dense(WIDTH, activation="relu")
+                      for _ in range(LAYERS)]
         model = keras_smp.DistributedModel(keras.Sequential(
-            [keras.Input((DATA,))]
-            + [keras.layers.Dense(WIDTH, activation="relu")
-               for _ in range(LAYERS)] + [keras.layers.Dense(DATA)]))
+            [keras.Input((DATA,))] + layers + [keras.layers.Dense(DATA)]))
         model.compile(optimizer="sgd", loss="mse")
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
     print("RESULT " + json.dumps({"stage": strategy.topology.pp_rank,
@@ -88,7 +107,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--pipeline", default="1f1b")
-    p.add_argument("--recompute", action="store_true")
+    p.add_argument("--recompute", default="off",
+                   choices=("off", "on", "layers"), help=argparse.SUPPRESS)
+    p.add_argument("--model", default="dense", choices=("dense", "blocks"),
+                   help="dense: 8 x Dense(1024, relu); blocks: 4 MLP "
+                        "blocks, recomputation off / per block / per stage")
     p.add_argument("--rows", type=int, default=2048,
                    help="rows per microbatch (default 2048)")
     p.add_argument("--only", nargs="*", default=None,
@@ -102,29 +125,39 @@ def main():
     per_mb = LAYERS // 2 * args.rows * WIDTH * 4 / 2**20
     print(f"CPU: {cpu_model()}; {os.cpu_count()} cores; every process 1 "
           "intra-op and 1 inter-op thread")
-    print(f"model: {LAYERS} x Dense({WIDTH}, relu), 2 stages (one per "
-          f"process), SGD, {M} microbatches of {args.rows} rows; one "
-          f"microbatch's stage output alone is "
-          f"{args.rows * WIDTH * 4 / 2**20:.0f} MB (a stage keeps one per "
-          f"layer for its backward: ~{per_mb:.0f} MB per microbatch, the "
-          "unit of the last column)")
+    if args.model == "blocks":
+        # A block keeps its input, its 4x-wide hidden layer and its output
+        # (the next block's input): ~6 x 8 MB per microbatch at 2048 rows.
+        per_mb = BLOCKS // 2 * 6 * args.rows * WIDTH * 4 / 2**20
+        print(f"model: {BLOCKS} MLP blocks (Dense({4 * WIDTH}, relu), "
+              f"Dense({WIDTH})), 2 per stage, one stage per process, SGD, "
+              f"{M} microbatches of {args.rows} rows; unit of the last "
+              f"column: ~{per_mb:.0f} MB, one microbatch's activations of a "
+              "stage without recomputation")
+        configs = [("1f1b", r) for r in ("off", "layers", "on")]
+    else:
+        print(f"model: {LAYERS} x Dense({WIDTH}, relu), 2 stages (one per "
+              f"process), SGD, {M} microbatches of {args.rows} rows; one "
+              f"microbatch's stage output alone is "
+              f"{args.rows * WIDTH * 4 / 2**20:.0f} MB (a stage keeps one "
+              f"per layer for its backward: ~{per_mb:.0f} MB per "
+              "microbatch, the unit of the last column)")
+        configs = [(p, r) for p in ("gpipe", "1f1b") for r in ("off", "on")]
     print(f"{'schedule':>8} {'recompute':>9} {'stage':>5} {'baseline':>8} "
           f"{'peak':>6} {'activations (MB)':>16} {'in microbatches':>15}")
-    me = [sys.executable, os.path.abspath(__file__), "--worker"]
-    for pipeline in ("gpipe", "1f1b"):
-        for recompute in (False, True):
-            if args.only and f"{pipeline}/{'on' if recompute else 'off'}" \
-                    not in args.only:
-                continue
-            flags = ["--pipeline", pipeline] + (
-                ["--recompute"] if recompute else [])
-            base = run(me, *flags, "--rows", "8")
-            peaks = run(me, *flags, "--rows", str(args.rows))
-            for stage in range(2):
-                act = peaks[stage] - base[stage]
-                print(f"{pipeline:>8} {('on' if recompute else 'off'):>9} "
-                      f"{stage:>5} {base[stage]:>8.0f} {peaks[stage]:>6.0f} "
-                      f"{act:>16.0f} {act / per_mb:>15.1f}", flush=True)
+    me = [sys.executable, os.path.abspath(__file__), "--worker",
+          "--model", args.model]
+    for pipeline, recompute in configs:
+        if args.only and f"{pipeline}/{recompute}" not in args.only:
+            continue
+        flags = ["--pipeline", pipeline, "--recompute", recompute]
+        base = run(me, *flags, "--rows", "8")
+        peaks = run(me, *flags, "--rows", str(args.rows))
+        for stage in range(2):
+            act = peaks[stage] - base[stage]
+            print(f"{pipeline:>8} {recompute:>9} {stage:>5} "
+                  f"{base[stage]:>8.0f} {peaks[stage]:>6.0f} "
+                  f"{act:>16.0f} {act / per_mb:>15.1f}", flush=True)
 
 
 if __name__ == "__main__":

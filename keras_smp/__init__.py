@@ -13,6 +13,9 @@ Public API:
   `barrier` with `CommGroup` / `RankType` (see `keras_smp.smp.comms`).
 - `assemble_checkpoint(index, out)`: one `.weights.h5` file from a sharded
   checkpoint (one shard per pipeline stage), streamed weight by weight.
+- `set_activation_checkpointing(layer)`: recompute a layer's forward pass
+  in its backward (SageMaker smp's name), as naming it in the config's
+  `activation_checkpointing`.
 - `notebook_launcher(fn, num_workers=N, args=...)`: run a training
   function on N local worker processes from a Jupyter notebook.
 - rank helpers with SageMaker smp's names: `rank()`, `size()`,
@@ -47,6 +50,7 @@ _LAZY = {
     "StepOutput": "keras_smp.smp.custom_loop",
     "CheckpointManager": "keras_smp.smp.checkpoint",
     "assemble_checkpoint": "keras_smp.pipeline.shards",
+    "set_activation_checkpointing": "keras_smp.pipeline.recompute",
     "notebook_launcher": "keras_smp.notebook",
     "broadcast": "keras_smp.smp.comms",
     "allgather": "keras_smp.smp.comms",
@@ -94,7 +98,7 @@ __all__ = [
     "SMPConfig", "SMPStrategy", "DistributedModel", "partition", "rank", "size", "local_rank", "local_size",
     "dp_rank", "dp_size", "pp_rank", "pp_size", "mp_rank", "mp_size",
     "is_chief", "init", "step", "StepOutput", "CheckpointManager",
-    "notebook_launcher", "assemble_checkpoint",
+    "notebook_launcher", "assemble_checkpoint", "set_activation_checkpointing",
     "broadcast", "allgather", "send", "recv_from", "barrier", "dp_barrier",
     "mp_barrier", "pp_barrier", "CommGroup", "RankType", "WORLD", "MP_GROUP",
     "DP_GROUP", "PP_GROUP", "WORLD_RANK", "MP_RANK", "DP_RANK",

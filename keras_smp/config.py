@@ -120,18 +120,24 @@ def _check_bool(key, value, origins) -> bool:
 
 def _check_checkpointing(value, partitions, origins):
     """`activation_checkpointing`: a bool, or the stages (distinct ints in
-    0..partitions-1) that recompute, as a sorted tuple."""
+    0..partitions-1) and layer names (non-empty strings) that recompute,
+    as a tuple: stages sorted, then names sorted."""
     if isinstance(value, bool):
         return value
-    expected = (f"True, False, or a list of stage indices in 0..{partitions - 1}")
+    expected = (f"True, False, or a list of stage indices in "
+                f"0..{partitions - 1} and/or layer names")
     if not isinstance(value, (list, tuple)) or not all(
-            isinstance(s, int) and not isinstance(s, bool) for s in value):
+            (isinstance(s, int) and not isinstance(s, bool))
+            or (isinstance(s, str) and s) for s in value):
         raise _bad("activation_checkpointing", value, expected, origins)
-    stages = tuple(sorted(set(value)))
-    if len(stages) != len(value) or any(not 0 <= s < partitions for s in stages):
+    stages = sorted({s for s in value if isinstance(s, int)})
+    names = sorted({s for s in value if isinstance(s, str)})
+    if len(stages) + len(names) != len(value) or any(
+            not 0 <= s < partitions for s in stages):
         raise _bad("activation_checkpointing", value, expected, origins,
-                   "Each stage at most once, and below 'partitions'.")
-    return stages
+                   "Each stage or layer at most once, and stages below "
+                   "'partitions'.")
+    return tuple(stages) + tuple(names)
 
 
 def _check_choice(key, value, choices, origins) -> str:
@@ -290,9 +296,12 @@ class SMPConfig:
         activation_checkpointing: Recompute a stage's forward pass in its
             backward instead of keeping its activations between the two
             (less memory, one more forward per microbatch): `True` for every
-            stage, or a list of stage indices. Random layers (`Dropout`)
-            draw the same values and state updates (`BatchNormalization`'s
-            moving statistics) apply once, so training is unchanged.
+            stage, or a list of stage indices and/or layer names (a named
+            layer keeps only its inputs; its inner activations are
+            recomputed, see `keras_smp.set_activation_checkpointing`).
+            Random layers (`Dropout`) draw the same values and state
+            updates (`BatchNormalization`'s moving statistics) apply once,
+            so training is unchanged.
 
     Example:
 

@@ -70,11 +70,16 @@ def test_smp_hybrid_horovod_example_trains(workers):
                                   "keras_smp.smp.comms",
                                   "keras_smp.smp.checkpoint",
                                   "keras_smp.pipeline.shards", "save_model",
-                                  "save_weights", "compile"])
+                                  "save_weights", "save(", "compile",
+                                  "set_activation_checkpointing"])
 def test_smp_api_docstring_examples_run(name):
     # Imported here by source text only: the pytest process stays TF-free.
-    if name in ("save_model", "save_weights", "compile"):
+    if name in ("save_model", "save_weights", "save(", "compile"):
         src = open(os.path.join(ROOT, "keras_smp", "pipeline", "model.py")).read()
+        doc = src.split(f"def {name}", 1)[1].split('"""')[1]
+    elif name == "set_activation_checkpointing":
+        src = open(os.path.join(ROOT, "keras_smp", "pipeline",
+                                "recompute.py")).read()
         doc = src.split(f"def {name}", 1)[1].split('"""')[1]
     else:
         path = os.path.join(ROOT, *name.split(".")) + ".py"

@@ -73,14 +73,25 @@ GROUPS = {
         _cases("mlp", (2,), BOTH, (4,), "sgd")
         + _cases("cnn", (2,), ("gpipe",), (8,), "adam")
         + _cases("skip", (4,), ("1f1b",), (4,), "sgd"),
-        (True, [1], True, True))],
+        (True, [1], True, True))]
+    # Per layer (`set_activation_checkpointing`, by index in `model.layers`;
+    # the functional "skip" model lists its InputLayer first):
+    # layers of one stage, of both, and with stage 1 recomputed whole.
+    + [dict(c, recompute_layers=layers, recompute=stages) for c, layers, stages
+       in zip(_cases("mlp", (2,), ("1f1b",), (4,), "adam")
+              + _cases("cnn", (2,), ("gpipe",), (4,), "sgd")
+              + _cases("skip", (2,), ("1f1b",), (2,), "sgd"),
+              ([0, 1, 3], [0, 1], [1]), (False, False, [1]))],
     # XLA (jit_compile=True): each stage's forward and backward compiled,
     # against plain Keras compiling its whole step; the same bounds.
     "xla": [dict(c, xla=True) for c in
             _cases("mlp", (2,), BOTH, (4,), "sgd")
             + _cases("cnn", (2,), ("1f1b",), (8,), "adam")
             + _cases("skip", (4,), ("gpipe",), (4,), "sgd")
-            + _cases("mlp", (2,), ("1f1b",), (2,), "sgd", devices=4)],
+            + _cases("mlp", (2,), ("1f1b",), (2,), "sgd", devices=4)]
+    # ... with layers recomputed inside compiled stages.
+    + [dict(c, xla=True, recompute_layers=[1, 3])
+       for c in _cases("mlp", (2,), ("1f1b",), (4,), "adam")],
 }
 
 
@@ -109,7 +120,7 @@ def test_pipelined_training_matches_single_device(group):
         atol = SGD_ATOL if row["optimizer"] == "sgd" else ADAM_ATOL
         label = json.dumps({k: row.get(k) for k in (
             "model", "partitions", "microbatches", "pipeline", "optimizer",
-            "recompute")})
+            "recompute", "recompute_layers")})
         assert row["num_weights"][0] == row["num_weights"][1], label
         assert row["weights"] <= atol, (label, row)
         for key in ("loss", "evaluate", "predict"):
@@ -125,6 +136,8 @@ def test_pipelined_training_matches_single_device(group):
         # Recomputation was built exactly where asked (its backward
         # differentiates the recomputed forward).
         assert (row["replays"] > 0) == bool(row.get("recompute")), row
+        assert (row["layer_replays"] > 0) == bool(
+            row.get("recompute_layers")), row
         # Stages were compiled exactly when asked, and the model still
         # says jit_compile=True (the step around them is not compiled).
         assert (row["compiled"] > 0) == bool(row.get("xla")), row
@@ -420,6 +433,18 @@ def test_recomputation_keeps_dropout_and_batchnorm_training_unchanged():
         "again (RandomUniform)" in row["random_error"], row
     assert "turn activation_checkpointing off for stage 1" in \
         row["random_error"], row
+    # Per layer (Dropout, BatchNormalization and Dense layers recomputed
+    # one by one): the same, and the same clear errors.
+    assert row["layer_replays"] > 0, row
+    assert row["layer_weights"] <= 1e-6 * max(1.0, row["scale"]) + 1e-5 * row[
+        "scale"], row
+    assert row["layer_loss"] <= 1e-6, row
+    assert "layer 'noise' draws random numbers the recomputation cannot " \
+        "draw again (RandomUniform)" in row["layer_random_error"], row
+    assert "set_activation_checkpointing(layer, False)" in row[
+        "layer_random_error"], row
+    assert "names layer(s) ['d9'] that the model does not have" in row[
+        "unknown_error"] and "d1, d2, drop1" in row["unknown_error"], row
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import math
 from keras import tree
 
 from keras_smp.pipeline import partition as partition_lib
+from keras_smp.pipeline import recompute as recompute_lib
 from keras_smp.pipeline.scope import current_partition
 from keras_smp.runtime import keras_private
 
@@ -195,8 +196,13 @@ class StagedGraph:
                     out.append(layer)
         return out
 
-    def stage_fn(self, stage, training=None):
-        """Returns stage `stage`'s function `list[Tensor] -> list[Tensor]`."""
+    def stage_fn(self, stage, training=None, recompute=None):
+        """Returns stage `stage`'s function `list[Tensor] -> list[Tensor]`.
+
+        `recompute`: layer names (a set) whose forward passes are
+        recomputed in the backward (`keras_smp.pipeline.recompute`), with
+        the layers marked by `set_activation_checkpointing`; `None`: none.
+        """
         carry_in = self.inputs if stage == 0 else self.carries[stage - 1]
         carry_out = self.carries[stage]
         nodes = self.stage_nodes(stage)
@@ -207,6 +213,9 @@ class StagedGraph:
                 args, kwargs = node.arguments.fill_in(values)
                 op = keras_private.operation_fn(
                     node.operation, training=training)
+                if recompute is not None and recompute_lib.marked(
+                        node.operation, recompute):
+                    op = recompute_lib.checkpointed(op, node.operation)
                 outs = op(*args, **kwargs)
                 for x, y in zip(tree.flatten(node.outputs),
                                 tree.flatten(outs)):
@@ -214,6 +223,25 @@ class StagedGraph:
             return [values[id(t)] for t in carry_out]
 
         return run
+
+    def checkpointed_names(self, checkpointing):
+        """The layer names in a config's `activation_checkpointing` (a set),
+        checked against the model's layers."""
+        if not isinstance(checkpointing, tuple):
+            return set()
+        names = {c for c in checkpointing if isinstance(c, str)}
+        known = {getattr(n.operation, "name", None)
+                 for s in range(self.num_stages) for n in self.stage_nodes(s)}
+        unknown = sorted(names - known)
+        if unknown:
+            shown = ", ".join(sorted(k for k in known if k)[:20])
+            raise ValueError(
+                f"activation_checkpointing names layer(s) {unknown} that "
+                f"the model does not have. Its layers: {shown}"
+                f"{', ...' if len(known) > 20 else ''}. Use the names of "
+                "layers of the model given to DistributedModel (or stage "
+                "indices).")
+        return names
 
     def pack_outputs(self, flat):
         return tree.pack_sequence_as(self.outputs_struct, list(flat))

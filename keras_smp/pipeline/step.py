@@ -15,6 +15,7 @@ import keras
 import tensorflow as tf
 
 from keras_smp.pipeline import microbatch
+from keras_smp.pipeline import recompute
 from keras_smp.pipeline.backward import accumulate
 from keras_smp.pipeline.backward import dense
 from keras_smp.pipeline.runtime import Stage
@@ -100,16 +101,19 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     stage_vars = {s: [w for w in graph.stage_weights(s) if w.trainable]
                   for s in held}
     checkpointing = model._smp_config().activation_checkpointing
+    layer_names = graph.checkpointed_names(checkpointing)
     compiles = xla.wanted(model)
     stages = {}
     for s in held:
-        fn = graph.stage_fn(s, training=training)
+        whole = training and (checkpointing is True
+                              or s in (checkpointing or ()))
+        fn = graph.stage_fn(s, training=training, recompute=(
+            layer_names if training and not whole else None))
         if compiles:
             fn = xla.compiled(fn, f"stage {s}", graph.stage_layers(s))
         stages[s] = Stage(s, fn, stage_vars[s] if training else [],
                           devices[s])
-        if training and (checkpointing is True
-                         or s in (checkpointing or ())):
+        if whole:
             stages[s].snapshot, stages[s].replay = _replay(graph, s)
     if links is None:
         transport = LocalTransport()
@@ -292,61 +296,24 @@ def loss_weight(compiled_losses, m, sample_weight):
 def _replay(graph, stage):
     """`(snapshot, replay)` of a stage, for activation checkpointing.
 
-    The recomputation runs in a Keras `StatelessScope` whose state is the
-    stage's non-trainable variables (random seeds, moving statistics) as
-    read before the microbatch's forward: random layers draw what the
-    forward drew, and the state updates it makes are discarded (the
-    forward made them). Trainable weights are read as they are (the
-    optimizer changes them only after the step).
+    The recomputation sees the stage's non-trainable variables (random
+    seeds, moving statistics) as read before the microbatch's forward
+    (`keras_smp.pipeline.recompute`). Trainable weights are read as they
+    are (the optimizer changes them only after the step).
     """
     fn = graph.stage_fn(stage, training=True)
-    state, seen = [], set()
-    for node in graph.stage_nodes(stage):
-        for v in getattr(node.operation, "non_trainable_variables", None) or []:
-            if id(v) not in seen:
-                seen.add(id(v))
-                state.append(v)
+    state = recompute.state_of(node.operation
+                               for node in graph.stage_nodes(stage))
 
     def snapshot():
-        seeds = keras_private.global_seed_state()
-        return (seeds, None if seeds is None else tf.identity(seeds.value),
-                [tf.identity(v.value) for v in state])
+        return recompute.snapshot(state)
 
     def replay(inputs, snap, finish):
-        seeds, seeds_value, values = snap
-        mapping = list(zip(state, values))
-        if seeds is not None:  # unseeded keras.random calls draw again
-            mapping.append((seeds, seeds_value))
-        graph = tf.compat.v1.get_default_graph()
-        first = len(graph.get_operations())
-        with keras.StatelessScope(state_mapping=mapping) as scope:
-            out = finish(fn(inputs))
-        now = keras_private.global_seed_state()
-        stateful = sorted({op.type for op in graph.get_operations()[first:]
-                           if op.type in _STATEFUL_RANDOM})
-        if stateful or (seeds is None and now is not None
-                        and scope.get_current_value(now) is not None):
-            raise ValueError(
-                f"activation_checkpointing: stage {stage} draws random "
-                f"numbers the recomputation cannot draw again "
-                f"({', '.join(stateful) or 'an unseeded keras.random call'}"
-                "). Use Keras layers (Dropout, GaussianNoise...) or "
-                "keras.random ops with a `keras.random.SeedGenerator` "
-                "attached to the layer, or turn activation_checkpointing "
-                f"off for stage {stage}.")
-        return out
+        return recompute.rerun(
+            state, snap, lambda: finish(fn(inputs)), f"stage {stage}",
+            f"turn activation_checkpointing off for stage {stage}")
 
     return snapshot, replay
-
-
-# TensorFlow's stateful random ops: a recomputation would draw new values.
-_STATEFUL_RANDOM = {
-    "RandomUniform", "RandomUniformInt", "RandomStandardNormal",
-    "TruncatedNormal", "RandomShuffle", "Multinomial", "RandomGamma",
-    "RandomPoisson", "RandomPoissonV2", "StatefulUniform",
-    "StatefulUniformInt", "StatefulUniformFullInt",
-    "StatefulStandardNormalV2", "StatefulTruncatedNormal",
-    "RngReadAndSkip"}
 
 
 def _loss_fn(model, ys, sws, sample_weight, m, training):

@@ -109,6 +109,9 @@ def build(case, pipelined):
     else:
         model = {"mlp": mlp, "cnn": cnn, "skip": skip}[kind]()
         if pipelined:
+            if case.get("recompute_layers"):  # by layer index
+                keras_smp.set_activation_checkpointing(
+                    [model.layers[i] for i in case["recompute_layers"]])
             model = keras_smp.DistributedModel(model)
     opt = (keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
            if case["optimizer"] == "sgd"
@@ -149,6 +152,7 @@ def diff(a, b):
 
 from compiled import count as _compiled  # noqa: E402  (counts XLA stages)
 from replays import count as _replays  # noqa: E402  (counts recomputations)
+from replays import layer_count as _layer_replays  # noqa: E402
 
 references = {}
 for case in CASES:
@@ -170,7 +174,7 @@ for case in CASES:
         step_lib.loss_weight = (
             lambda losses, m, sw: factor * original(losses, m, sw))
     strategy = keras_smp.SMPStrategy(**config)
-    _replays[0] = _compiled[0] = 0
+    _replays[0] = _compiled[0] = _layer_replays[0] = 0
     with strategy.scope():
         model, got = run(case, pipelined=True)
     graph = model.staged_graph
@@ -186,6 +190,7 @@ for case in CASES:
         replicas=strategy.num_replicas_in_sync,
         moved=got["moved"],
         replays=_replays[0],
+        layer_replays=_layer_replays[0],
         compiled=_compiled[0],
         jit_compile=model.jit_compile,
     )

@@ -14,6 +14,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras_smp  # noqa: E402
 from replays import count as replays  # noqa: E402
+from replays import layer_count as layer_replays  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -38,11 +39,14 @@ def train(recompute, noise=False):
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = keras_smp.DistributedModel(keras.Sequential([
-            keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-            keras.layers.Dropout(0.3), keras.layers.BatchNormalization(),
-            keras.layers.Dense(16, activation="tanh"),
-            keras.layers.Dropout(0.2)] + ([Noise()] if noise else [])
-            + [keras.layers.Dense(3)]))
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu", name="d1"),
+            keras.layers.Dropout(0.3, name="drop1"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.Dense(16, activation="tanh", name="d2"),
+            keras.layers.Dropout(0.2, name="drop2")]
+            + ([Noise(name="noise")] if noise else [])
+            + [keras.layers.Dense(3, name="out")]))
         model.compile(optimizer="adam", loss=keras.losses.
                       SparseCategoricalCrossentropy(from_logits=True))
     history = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
@@ -53,15 +57,34 @@ def train(recompute, noise=False):
 plain_w, plain_loss = train(False)
 assert replays[0] == 0
 ck_w, ck_loss = train(True)
+# Per layer: the random and stateful layers themselves, and a Dense.
+LAYERS = ["drop1", "bn", "d2", "drop2"]
+layer_w, layer_loss = train(LAYERS)
 try:
     train(True, noise=True)
     random_error = "no error"
 except ValueError as e:
     random_error = str(e)
+try:
+    train(["noise"], noise=True)
+    layer_random_error = "no error"
+except ValueError as e:
+    layer_random_error = str(e)
+try:
+    train(["d9"])
+    unknown_error = "no error"
+except ValueError as e:
+    unknown_error = str(e)
 print(json.dumps({
     "random_error": random_error,
+    "layer_random_error": layer_random_error,
+    "unknown_error": unknown_error,
     "replays": replays[0],
+    "layer_replays": layer_replays[0],
     "weights": max(float(np.max(np.abs(a - b))) for a, b in zip(plain_w, ck_w)),
+    "layer_weights": max(float(np.max(np.abs(a - b)))
+                         for a, b in zip(plain_w, layer_w)),
+    "layer_loss": float(np.max(np.abs(plain_loss - layer_loss))),
     "scale": max(float(np.max(np.abs(a))) for a in plain_w),
     "loss": float(np.max(np.abs(plain_loss - ck_loss))),
     "moving_stats_changed": bool(any(

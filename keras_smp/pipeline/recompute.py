@@ -1,0 +1,210 @@
+"""Activation checkpointing: recompute a forward pass in its backward.
+
+Two granularities, one mechanism:
+
+- a whole stage (`activation_checkpointing=True` or a stage index): the
+  pipeline runtime keeps only the stage's inputs between a microbatch's
+  forward and backward, and recomputes the stage in the backward action
+  (`Stage.replay`, built by `keras_smp.pipeline.step`);
+- one layer (`activation_checkpointing=["layer_name", ...]`, or
+  `keras_smp.set_activation_checkpointing(layer)`): inside its stage, the
+  layer keeps only its inputs; its backward recomputes its forward
+  (`checkpointed`, a `tf.custom_gradient`), so the activations inside the
+  layer (a transformer block's attention scores and MLP hidden layer) are
+  never held between forward and backward.
+
+Either way the recomputation runs in a Keras `StatelessScope` whose state
+is the non-trainable variables (random seeds, moving statistics) as read
+before the forward: random layers draw what the forward drew, and state
+updates the recomputation makes are discarded (the forward made them). So
+training is unchanged. TensorFlow's stateful random ops (and unseeded
+`keras.random` calls) cannot be drawn again: the first trace raises,
+naming the op and the fix.
+"""
+
+import keras
+import tensorflow as tf
+from keras import tree
+
+from keras_smp.runtime import keras_private
+
+# TensorFlow's stateful random ops: a recomputation would draw new values.
+STATEFUL_RANDOM = {
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal",
+    "TruncatedNormal", "RandomShuffle", "Multinomial", "RandomGamma",
+    "RandomPoisson", "RandomPoissonV2", "StatefulUniform",
+    "StatefulUniformInt", "StatefulUniformFullInt",
+    "StatefulStandardNormalV2", "StatefulTruncatedNormal",
+    "RngReadAndSkip"}
+
+
+def state_of(operations):
+    """The distinct non-trainable variables of `operations` (layers)."""
+    state, seen = [], set()
+    for op in operations:
+        for v in getattr(op, "non_trainable_variables", None) or []:
+            if id(v) not in seen:
+                seen.add(id(v))
+                state.append(v)
+    return state
+
+
+def snapshot(state):
+    """The values a recomputation must see: `state` and the global seed."""
+    seeds = keras_private.global_seed_state()
+    return (seeds, None if seeds is None else tf.identity(seeds.value),
+            [tf.identity(v.value) for v in state])
+
+
+def rerun(state, snap, fn, what, fix):
+    """Runs `fn()` again as it ran when `snap` was taken (see the module).
+
+    `what` names the recomputed part in errors ("stage 1", "layer
+    'block_2'"); `fix` says how to stop recomputing it. Returns `fn()`'s
+    result; `rerun.updates` (below) also returns the state updates.
+    """
+    return run_stateless(state, snap, fn, what, fix)[0]
+
+
+def run_stateless(state, snap, fn, what, fix):
+    """`(fn(), updates)`: `fn()` run as `rerun` runs it, and
+    `[(variable, new value)]` of the state it assigned (not applied)."""
+    seeds, seeds_value, values = snap
+    mapping = list(zip(state, values))
+    if seeds is not None:  # unseeded keras.random calls draw again
+        mapping.append((seeds, seeds_value))
+    graph = tf.compat.v1.get_default_graph()
+    first = len(graph.get_operations())
+    with keras.StatelessScope(state_mapping=mapping) as scope:
+        out = fn()
+    now = keras_private.global_seed_state()
+    stateful = sorted({op.type for op in graph.get_operations()[first:]
+                       if op.type in STATEFUL_RANDOM})
+    if stateful or (seeds is None and now is not None
+                    and scope.get_current_value(now) is not None):
+        raise ValueError(
+            f"activation_checkpointing: {what} draws random numbers the "
+            "recomputation cannot draw again "
+            f"({', '.join(stateful) or 'an unseeded keras.random call'}). "
+            "Use Keras layers (Dropout, GaussianNoise...) or keras.random "
+            "ops with a `keras.random.SeedGenerator` attached to the layer, "
+            f"or {fix}.")
+    updates = []
+    for v, _ in mapping:
+        value = scope.get_current_value(v)
+        if value is not None:
+            updates.append((v, value))
+    return out, updates
+
+
+def set_activation_checkpointing(layers, enabled=True):
+    """Recomputes these layers' forward passes in their backward passes.
+
+    SageMaker model parallelism's `smp.set_activation_checkpointing(module)`
+    for Keras layers of a `DistributedModel`: each marked layer keeps only
+    its inputs between its forward and backward pass (its inner
+    activations are recomputed), trading one more forward of the layer for
+    memory. Best on layers with large inner activations relative to their
+    inputs (a transformer block, a wide MLP, a nested `keras.Model`).
+    Training is unchanged (random layers draw the same values). The same
+    as naming the layers in `activation_checkpointing` of the config.
+
+    Args:
+        layers: a Keras layer or a list of them (layers of the model given
+            to `DistributedModel`).
+        enabled: `False` turns it off again (before the model's first
+            step).
+
+    Example:
+
+    ```python
+    import keras, numpy as np, keras_smp
+    block = keras.layers.Dense(64, activation="relu", name="block")
+    model = keras_smp.DistributedModel(keras.Sequential(
+        [keras.Input((8,)), block, keras.layers.Dense(1)]))
+    keras_smp.set_activation_checkpointing(block)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.ones((8, 8)), np.ones((8, 1)), verbose=0)
+    ```
+    """
+    for layer in layers if isinstance(layers, (list, tuple)) else [layers]:
+        if not isinstance(layer, keras.layers.Layer):
+            raise TypeError(
+                "set_activation_checkpointing takes Keras layers; received "
+                f"{layer!r} ({type(layer).__name__}). Pass the layer "
+                "objects, or name them in the config's "
+                "activation_checkpointing list.")
+        layer._smp_recompute = bool(enabled)
+
+
+def marked(layer, names):
+    """Whether `layer` is to be recomputed (marked, or named in `names`)."""
+    return bool(getattr(layer, "_smp_recompute", False)
+                or getattr(layer, "name", None) in names)
+
+
+def checkpointed(call, layer):
+    """`call(*args, **kwargs)` of `layer`, recomputed in its backward.
+
+    Must run inside a `tf.function`. Floating tensors among the arguments
+    are the inputs differentiated; other arguments are held as they are. The
+    forward itself runs statelessly inside the custom gradient (a
+    strategy's variable updates cannot run there) and its state updates
+    are assigned right after it.
+    """
+    state = state_of([layer])
+    what = f"layer {layer.name!r}"
+    fix = (f"stop recomputing layer {layer.name!r} "
+           "(keras_smp.set_activation_checkpointing(layer, False), or drop "
+           "its name from activation_checkpointing)")
+
+    def run(*args, **kwargs):
+        flat = tree.flatten((args, kwargs))
+        # Floating tensors are differentiated; masks, ids and Python
+        # values are held as they are.
+        where = [i for i, a in enumerate(flat)
+                 if tf.is_tensor(a) and a.dtype.is_floating]
+        structure = (args, kwargs)
+
+        def rebuild(tensors):
+            items = list(flat)
+            for i, t in zip(where, tensors):
+                items[i] = t
+            return tree.pack_sequence_as(structure, items)
+
+        snap = snapshot(state)
+        out_structure = []
+
+        updates = []
+
+        @tf.custom_gradient
+        def forward(*tensors):
+            a, k = rebuild(tensors)
+            out, made = run_stateless(state, snap, lambda: call(*a, **k),
+                                      what, fix)
+            updates.extend(made)
+            out_structure.append(out)
+            outs = tree.flatten(out)
+
+            def backward(*dys, variables=None):
+                variables = list(variables or [])
+                with tf.GradientTape() as tape:
+                    tape.watch(list(tensors))
+                    again = rerun(state, snap,
+                                  lambda: call(*rebuild(tensors)[0],
+                                               **rebuild(tensors)[1]),
+                                  what, fix)
+                grads = tape.gradient(
+                    tree.flatten(again), list(tensors) + variables,
+                    output_gradients=list(dys),
+                    unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                return grads[:len(tensors)], grads[len(tensors):]
+
+            return outs, backward
+
+        outs = forward(*[flat[i] for i in where])
+        for v, value in updates:
+            v.assign(value)
+        return tree.pack_sequence_as(out_structure[0], list(outs))
+
+    return run
