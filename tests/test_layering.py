@@ -54,6 +54,7 @@ LAYERS = {
         "keras_smp.pipeline.backward", "keras_smp.pipeline.microbatch",
         "keras_smp.pipeline.runtime", "keras_smp.pipeline.transport",
         "keras_smp.pipeline.graph", "keras_smp.pipeline.step",
+        "keras_smp.pipeline.recompute",
         "keras_smp.pipeline.residency", "keras_smp.pipeline.profiling",
     ],
     3: [

@@ -23,12 +23,14 @@ import os
 import numpy as np
 import pytest
 
+from conftest import RTOL
 from conftest import WORKERS
 from conftest import assert_same_training
 from conftest import fit_model
 from conftest import launch
 from conftest import load
 from conftest import run_python
+from conftest import scaled_atol
 
 SGD_ATOL = 1e-6
 ADAM_ATOL = 1e-5
@@ -494,3 +496,38 @@ def test_tied_weights_match_single_device(tmp_path, reference, where):
         # of magnitude up to 3.6.
         np.testing.assert_allclose(got["predict"], ref["predict"],
                                    rtol=1e-5, atol=3e-5)
+
+
+def test_xla_with_batchnorm_and_dropout_in_every_mode(tmp_path):
+    # jit_compile=True with BatchNormalization (moving statistics) and
+    # Dropout (a seed generator): their state is read and assigned outside
+    # the compiled functions, which once failed in every mode ("merge_call
+    # called while defining a new graph"; in one process, XLA reading the
+    # seed generator of another stage's device). Pipelines (1 microbatch:
+    # BatchNormalization sees the whole batch) equal plain Keras compiled
+    # whole, Dropout masks included (XLA draws the same numbers from the
+    # same seeds); data parallelism equals itself without XLA (no Dropout:
+    # each replica would draw its own masks). Suite bounds (rtol 1e-5,
+    # atol 1e-6 x magnitude).
+    worker = os.path.join(WORKERS, "xla_stateful.py")
+    run_python([worker, "plain", str(tmp_path)])
+    run_python([worker, "local", str(tmp_path)])
+    launch(2, [worker, "pp", str(tmp_path)], timeout=240)
+    launch(2, [worker, "dp", str(tmp_path), "--no-dropout"], timeout=240)
+    launch(2, [worker, "dp", str(tmp_path), "--no-dropout", "--no-xla"],
+           timeout=240)
+
+    def check(got, ref):
+        got, ref = np.load(tmp_path / got), np.load(tmp_path / ref)
+        assert sorted(got.files) == sorted(ref.files)
+        for key in ref.files:
+            np.testing.assert_allclose(got[key], ref[key], rtol=RTOL,
+                                       atol=scaled_atol(ref[key]),
+                                       err_msg=key)
+        return ref
+
+    for mode in ("local", "pp"):
+        ref = check(f"{mode}.npz", "plain.npz")
+    # The moving statistics moved (mean from 0, variance from 1).
+    assert np.any(ref["w4"] != 0) and np.any(ref["w5"] != 1)
+    check("dp.npz", "dp-noxla.npz")

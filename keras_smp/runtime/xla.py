@@ -77,7 +77,13 @@ def blocking_layers(layers):
 
 def compiled(fn, name, layers=()):
     """`fn` as an XLA-compiled `tf.function`, or `fn` itself (with a
-    warning naming them) when one of `layers` cannot be compiled."""
+    warning naming them) when one of `layers` cannot be compiled.
+
+    The layers' non-trainable state (`BatchNormalization`'s moving
+    statistics, `Dropout`'s seed) is read and updated outside the compiled
+    function (`_with_state_outside`): a strategy's variables cannot be
+    assigned inside a nested `tf.function` in a replica context."""
+    layers = list(layers)
     blocking = blocking_layers(layers)
     if blocking:
         warnings.warn(
@@ -86,7 +92,47 @@ def compiled(fn, name, layers=()):
             "Move them to a stage of their own, or compile with "
             "jit_compile=False to silence this.", stacklevel=3)
         return fn
-    return tf.function(fn, jit_compile=True, autograph=False)
+    state, seen = [], set()
+    for layer in layers:
+        for v in getattr(layer, "non_trainable_variables", None) or []:
+            if id(v) not in seen:
+                seen.add(id(v))
+                state.append(v)
+    if not state:
+        return tf.function(fn, jit_compile=True, autograph=False)
+    return _with_state_outside(fn, state)
+
+
+def _with_state_outside(fn, state):
+    """`fn` compiled with `state` (Keras variables) passed in as values
+    and the values it assigns returned, then assigned by the caller (in
+    the step's own graph, where Keras' non-compiled layers assign them)."""
+    import keras
+
+    def pure(args, kwargs, values):
+        with keras.StatelessScope(
+                state_mapping=list(zip(state, values))) as scope:
+            out = fn(*args, **kwargs)
+        updates = {}
+        for i, v in enumerate(state):
+            value = scope.get_current_value(v)
+            if value is not None:
+                updates[i] = value
+        return out, updates
+
+    pure = tf.function(pure, jit_compile=True, autograph=False)
+
+    def run(*args, **kwargs):
+        # Tensors, not variables: a compiled function reads a variable
+        # argument as a resource, which XLA cannot do across devices (a
+        # stage on another device than the layer's seed generator).
+        values = [tf.identity(v.value) for v in state]
+        out, updates = pure(args, kwargs, values)
+        for i, value in sorted(updates.items()):
+            state[i].assign(value)
+        return out
+
+    return run
 
 
 def compiled_calls(model, step_function):
@@ -104,7 +150,8 @@ def compiled_calls(model, step_function):
         # `training` and `mask` stay Python values (static in the trace).
         return original(*args, **kwargs)
 
-    fast = compiled(call, f"model {model.name!r}")
+    fast = compiled(call, f"model {model.name!r}",
+                    keras_private.flatten_layers(model))
 
     @functools.wraps(step_function)
     def run(*args, **kwargs):
