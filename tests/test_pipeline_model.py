@@ -531,3 +531,16 @@ def test_xla_with_batchnorm_and_dropout_in_every_mode(tmp_path):
     # The moving statistics moved (mean from 0, variance from 1).
     assert np.any(ref["w4"] != 0) and np.any(ref["w5"] != 1)
     check("dp.npz", "dp-noxla.npz")
+
+
+def test_dict_losses_and_metrics_keyed_by_output_name():
+    # Keras maps dict losses, loss weights and metrics to outputs by
+    # `model.output_names`; a DistributedModel once had none and failed at
+    # its first step ("'NoneType' object is not iterable"). Suite bounds.
+    out = run_python([os.path.join(WORKERS, "dict_losses.py")]).stdout
+    row = json.loads(out.strip().splitlines()[-1])
+    assert row["keys"][0] == row["keys"][1], row
+    assert "cls_accuracy" in row["keys"][1], row
+    assert row["weights"] <= 1e-6 * max(1.0, row["scale"]) + 1e-5 * row[
+        "scale"], row
+    assert row["loss"] <= 1e-5, row

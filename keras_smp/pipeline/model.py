@@ -128,6 +128,9 @@ class DistributedModel(keras.Model):
                     "DistributedModel(inputs, outputs).")
             self.inner_model = inner
             self._smp_functional = functional
+            # Keras maps dict losses and metrics to outputs by these names.
+            if getattr(functional, "output_names", None) is not None:
+                self.output_names = list(functional.output_names)
             inputs, outputs = keras_private.functional_structs(functional)
             self._smp_set_graph(self._smp_plan(inputs, outputs, {}))
             self.built = True
