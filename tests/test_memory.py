@@ -211,6 +211,9 @@ def test_keras_file_streamed_from_the_stages_equals_keras_own(tmp_path):
         with open(tmp_path / f"rank{rank}.json") as f:
             result = json.load(f)
         assert "pass overwrite=True" in (result["refused"] or ""), result
+        # The streamed saves gathered nothing; the zipped=False one did.
+        assert result["gathers_before"] == 0, result
+        assert result["gathered_once"] == 1, result
         # Nothing left behind: no staging folder, no temporary file.
         assert [n for n in result["files"] if n.startswith(".")] == [], result
 

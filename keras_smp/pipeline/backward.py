@@ -51,10 +51,24 @@ def stage_backward(outputs, inputs, variables, output_grads=None):
     ```
     """
     inputs, variables = list(inputs), list(variables)
+    outputs = list(outputs)
+    # Only floating tensors carry gradients: a Keras mask (bool) or token
+    # ids crossing a stage boundary get zeros (of their dtype) back.
+    if output_grads is not None:
+        pairs = [(y, g) for y, g in zip(outputs, output_grads)
+                 if y.dtype.is_floating]
+        outputs, output_grads = ([y for y, _ in pairs],
+                                 [g for _, g in pairs])
+    else:
+        outputs = [y for y in outputs if y.dtype.is_floating]
+    floating = [t for t in inputs if t.dtype.is_floating]
     grads = tf.gradients(
-        list(outputs), inputs + variables, grad_ys=output_grads,
-        stop_gradients=inputs, unconnected_gradients="zero")
-    return grads[:len(inputs)], grads[len(inputs):]
+        outputs, floating + variables, grad_ys=output_grads,
+        stop_gradients=floating, unconnected_gradients="zero")
+    got = iter(grads[:len(floating)])
+    input_grads = [next(got) if t.dtype.is_floating else tf.zeros_like(t)
+                   for t in inputs]
+    return input_grads, grads[len(floating):]
 
 
 def variable_gradients(loss, variables):

@@ -357,10 +357,11 @@ class DistributedModel(keras.Model):
 
         With one pipeline stage per process, each process holds and trains
         only its stage's weights and optimizer slots; its copies of the
-        other stages' are empty. `get_weights`, `save` (`.keras`) and
-        `save_model` gather the whole model (weights and slots) for the
-        duration of the call; `save_weights` writes one shard per stage
-        instead (`keras_smp.pipeline.shards`). It is a collective: every
+        other stages' are empty. `get_weights` and `save_model` gather the
+        whole model (weights and slots) for the duration of the call;
+        `save_weights` writes one shard per stage instead, and `save`
+        (`.keras`) streams the file from those shards
+        (`keras_smp.pipeline.shards`). It is a collective: every
         process of the job must call it (Keras callbacks do). No-op
         otherwise.
         """
@@ -423,9 +424,32 @@ class DistributedModel(keras.Model):
         assert history.history["loss"][-1] < history.history["loss"][0]
         ```
         """
+        self._smp_check_created_in_scope()
         super().compile(*args, jit_compile=xla.stage_by_stage(
             self, jit_compile), **kwargs)
         track_slots(self.optimizer)
+
+    def _smp_check_created_in_scope(self):
+        """Stages on devices of this process need their weights created by
+        the strategy (placed on their stage's device, mirrored over its
+        replicas): weights made outside its scope fail early, with the fix.
+        (One stage per process handles them: see `StageResidency`.)"""
+        rt = self._smp_runtime()
+        if rt is None or self._smp_multi_process():
+            return
+        strategy = self.distribute_strategy
+        outside = [w for w in self.weights
+                   if not strategy.extended.variable_created_in_scope(
+                       getattr(w, "value", w))]
+        if outside:
+            raise ValueError(
+                f"{len(outside)} weight(s) of the model (first: "
+                f"{outside[0].path!r}) were created outside the scope of "
+                "the SMPStrategy its pipeline stages run under, so they are "
+                "not placed on their stages' devices. Create the layers "
+                "(keras.Input(...) and every layer call, or the Sequential) "
+                "inside `with strategy.scope():`, as well as "
+                "DistributedModel and compile.")
 
     def compile_from_config(self, config):
         """Keras' `compile_from_config` (what `keras.models.load_model`
@@ -483,7 +507,10 @@ class DistributedModel(keras.Model):
         """
         if self._smp_streams_keras(filepath, zipped):
             path = os.fspath(filepath)
-            if not overwrite and os.path.exists(path):
+            # Rank 0 decides for all (hosts may see the file differently).
+            rank = self._smp_runtime().topology.rank
+            if not overwrite and comms.broadcast(
+                    os.path.exists(path) if rank == 0 else None):
                 raise FileExistsError(
                     f"save: {path!r} exists; pass overwrite=True to "
                     "replace it.")
@@ -502,6 +529,7 @@ class DistributedModel(keras.Model):
         return (self._smp_residency() is not None
                 and isinstance(filepath, (str, os.PathLike))
                 and os.fspath(filepath).endswith(".keras")
+                and not keras_private.is_remote_path(os.fspath(filepath))
                 and zipped is not False)
 
     def _smp_save_model(self, original, filepath, *args, **kwargs):

@@ -61,7 +61,7 @@ def rerun(state, snap, fn, what, fix):
 
     `what` names the recomputed part in errors ("stage 1", "layer
     'block_2'"); `fix` says how to stop recomputing it. Returns `fn()`'s
-    result; `rerun.updates` (below) also returns the state updates.
+    result (`run_stateless` also returns the state updates).
     """
     return run_stateless(state, snap, fn, what, fix)[0]
 
@@ -90,9 +90,9 @@ def run_stateless(state, snap, fn, what, fix):
             "ops with a `keras.random.SeedGenerator` attached to the layer, "
             f"or {fix}.")
     updates = []
-    for v, _ in mapping:
+    for v, before in mapping:
         value = scope.get_current_value(v)
-        if value is not None:
+        if value is not None and value is not before:  # assigned
             updates.append((v, value))
     return out, updates
 
@@ -160,19 +160,29 @@ def checkpointed(call, layer):
 
     def run(*args, **kwargs):
         flat = tree.flatten((args, kwargs))
-        # Floating tensors are differentiated; masks, ids and Python
-        # values are held as they are.
-        where = [i for i, a in enumerate(flat)
-                 if tf.is_tensor(a) and a.dtype.is_floating]
+        # Floating tensors are differentiated, each once (a layer called
+        # as `(x, x)` must not get x's gradient twice); masks, ids and
+        # Python values are held as they are.
+        unique, slot, where = [], {}, []
+        for i, a in enumerate(flat):
+            if tf.is_tensor(a) and a.dtype.is_floating:
+                if id(a) not in slot:
+                    slot[id(a)] = len(unique)
+                    unique.append(a)
+                where.append((i, slot[id(a)]))
         structure = (args, kwargs)
 
         def rebuild(tensors):
             items = list(flat)
-            for i, t in zip(where, tensors):
-                items[i] = t
+            for i, k in where:
+                items[i] = tensors[k]
             return tree.pack_sequence_as(structure, items)
 
         snap = snapshot(state)
+        # The inputs' Keras masks as the layer sees them (a layer may clear
+        # them when called, as MultiHeadAttention does): the recomputation
+        # sees them again.
+        masks = [keras_private.keras_mask(t) for t in unique]
         out_structure = []
 
         updates = []
@@ -188,23 +198,38 @@ def checkpointed(call, layer):
 
             def backward(*dys, variables=None):
                 variables = list(variables or [])
+                now = [keras_private.keras_mask(t) for t in tensors]
+                for t, mask in zip(tensors, masks):
+                    keras_private.set_keras_mask(t, mask)
                 with tf.GradientTape() as tape:
                     tape.watch(list(tensors))
-                    again = rerun(state, snap,
-                                  lambda: call(*rebuild(tensors)[0],
-                                               **rebuild(tensors)[1]),
+                    a2, k2 = rebuild(tensors)
+                    again = rerun(state, snap, lambda: call(*a2, **k2),
                                   what, fix)
+                for t, mask in zip(tensors, now):
+                    keras_private.set_keras_mask(t, mask)
+                # Only floating outputs carry gradients.
+                pairs = [(y, dy) for y, dy in zip(tree.flatten(again), dys)
+                         if y.dtype.is_floating]
                 grads = tape.gradient(
-                    tree.flatten(again), list(tensors) + variables,
-                    output_gradients=list(dys),
+                    [y for y, _ in pairs], list(tensors) + variables,
+                    output_gradients=[
+                        tf.zeros_like(y) if dy is None else dy
+                        for y, dy in pairs],
                     unconnected_gradients=tf.UnconnectedGradients.ZERO)
                 return grads[:len(tensors)], grads[len(tensors):]
 
             return outs, backward
 
-        outs = forward(*[flat[i] for i in where])
+        outs = forward(*unique)
         for v, value in updates:
             v.assign(value)
-        return tree.pack_sequence_as(out_structure[0], list(outs))
+        inner = tree.flatten(out_structure[0])
+        outs = list(outs)
+        for t, o in zip(inner, outs):
+            mask = keras_private.keras_mask(t)
+            if mask is not None:  # the layer's output mask, kept
+                keras_private.set_keras_mask(o, mask)
+        return tree.pack_sequence_as(out_structure[0], outs)
 
     return run

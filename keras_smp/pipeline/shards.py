@@ -62,6 +62,7 @@ np.testing.assert_allclose(exported.predict(x, verbose=0),
 import json
 import os
 import shutil
+import threading
 import time
 import zipfile
 
@@ -255,14 +256,15 @@ def save_keras(model, filepath):
     try:
         index = save(model, os.path.join(staging, "model.weights.json"),
                      own_layout=True)
-        error = None
         if rank == 0:
-            try:
-                _replace(filepath, lambda tmp: _write_keras_archive(
-                    tmp, model, index))
-            except Exception as e:  # pylint: disable=broad-except
-                error = f"rank 0: {type(e).__name__}: {e}"
-        error = comms.broadcast(error)
+            error = _while_telling_the_others(
+                lambda: _replace(filepath, lambda tmp: _write_keras_archive(
+                    tmp, model, index)),
+                model._smp_config().collective_timeout_seconds)
+        else:
+            error = _WORKING
+            while error == _WORKING:
+                error = comms.broadcast(None)
         if error:
             raise RuntimeError(
                 f"Saving {filepath!r} failed (the previous file there, if "
@@ -272,6 +274,35 @@ def save_keras(model, filepath):
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
     return filepath
+
+
+_WORKING = "keras-smp: rank 0 is still writing"
+
+
+def _while_telling_the_others(work, timeout_seconds):
+    """Rank 0: runs `work()` in a thread, broadcasting `_WORKING` to the
+    other ranks well within their collective timeout (one process copying
+    a whole model may take longer), then the outcome: None, or the error
+    text. The other ranks loop on `comms.broadcast` until it is not
+    `_WORKING`."""
+    outcome = []
+
+    def run():
+        try:
+            work()
+            outcome.append(None)
+        except Exception as e:  # pylint: disable=broad-except
+            outcome.append(f"rank 0: {type(e).__name__}: {e}")
+
+    thread = threading.Thread(target=run, name="keras-smp-save",
+                              daemon=True)
+    thread.start()
+    interval = max(1.0, min(30.0, float(timeout_seconds or 120) / 4))
+    while True:
+        thread.join(interval)
+        if not thread.is_alive():
+            return comms.broadcast(outcome[0])
+        comms.broadcast(_WORKING)
 
 
 def _write_keras_archive(path, model, index):

@@ -304,6 +304,28 @@ def wrap_save_model(wrapper):
     _saving_lib.save_model = save_model
 
 
+def is_remote_path(path):
+    """Whether Keras treats `path` as remote (`gs://`, `hf://`, ...)."""
+    from keras.src.utils import file_utils
+
+    return (str(path).startswith("hf://")
+            or bool(file_utils.is_remote_path(path)))
+
+
+def keras_mask(tensor):
+    """The Keras mask a layer attached to `tensor`, or None."""
+    from keras.src.backend.common import masking
+
+    return masking.get_keras_mask(tensor)
+
+
+def set_keras_mask(tensor, mask):
+    """Attaches a Keras mask to `tensor` (as a layer's call does)."""
+    from keras.src.backend.common import masking
+
+    masking.set_keras_mask(tensor, mask)
+
+
 def model_json(model):
     """`(config.json, metadata.json)` texts of a `.keras` file for `model`
     (its architecture only: no weight is read)."""

@@ -106,30 +106,42 @@ def compiled(fn, name, layers=()):
 def _with_state_outside(fn, state):
     """`fn` compiled with `state` (Keras variables) passed in as values
     and the values it assigns returned, then assigned by the caller (in
-    the step's own graph, where Keras' non-compiled layers assign them)."""
+    the step's own graph, where Keras' non-compiled layers assign them).
+    Keras' global seed generator (unseeded `keras.random` calls), when it
+    exists, is state too."""
     import keras
 
-    def pure(args, kwargs, values):
-        with keras.StatelessScope(
-                state_mapping=list(zip(state, values))) as scope:
-            out = fn(*args, **kwargs)
-        updates = {}
-        for i, v in enumerate(state):
-            value = scope.get_current_value(v)
-            if value is not None:
-                updates[i] = value
-        return out, updates
+    compiled_for = {}
 
-    pure = tf.function(pure, jit_compile=True, autograph=False)
+    def compiled_with(variables):
+        def pure(args, kwargs, values):
+            with keras.StatelessScope(
+                    state_mapping=list(zip(variables, values))) as scope:
+                out = fn(*args, **kwargs)
+            updates = {}
+            for i, (v, before) in enumerate(zip(variables, values)):
+                value = scope.get_current_value(v)
+                if value is not None and value is not before:  # assigned
+                    updates[i] = value
+            return out, updates
+
+        return tf.function(pure, jit_compile=True, autograph=False)
 
     def run(*args, **kwargs):
+        variables = list(state)
+        seeds = keras_private.global_seed_state()
+        if seeds is not None and all(seeds is not v for v in variables):
+            variables.append(seeds)
+        key = tuple(id(v) for v in variables)
+        if key not in compiled_for:
+            compiled_for[key] = compiled_with(variables)
         # Tensors, not variables: a compiled function reads a variable
         # argument as a resource, which XLA cannot do across devices (a
         # stage on another device than the layer's seed generator).
-        values = [tf.identity(v.value) for v in state]
-        out, updates = pure(args, kwargs, values)
+        values = [tf.identity(v.value) for v in variables]
+        out, updates = compiled_for[key](args, kwargs, values)
         for i, value in sorted(updates.items()):
-            state[i].assign(value)
+            variables[i].assign(value)
         return out
 
     return run

@@ -47,7 +47,10 @@ model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[
 streamed = os.path.join(out, "streamed.keras")
 model.save(streamed)
 keras.saving.save_model(model, os.path.join(out, "api.keras"))
+# No gathering so far (the epochs' checkpoints and both saves streamed).
+gathers_before = model._smp_residency()._syncs
 model.save(os.path.join(out, "gathered"), zipped=False)
+gathered_once = model._smp_residency()._syncs - gathers_before
 try:
     model.save(streamed, overwrite=False)
     refused = None
@@ -57,4 +60,6 @@ predict = model.predict(x, verbose=0)
 if rank == 0:
     np.save(os.path.join(out, "predict.npy"), predict)
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-    json.dump({"files": sorted(os.listdir(out)), "refused": refused}, f)
+    json.dump({"files": sorted(os.listdir(out)), "refused": refused,
+               "gathers_before": gathers_before,
+               "gathered_once": gathered_once}, f)

@@ -116,6 +116,12 @@ def unknown_split_point():
         keras_smp.DistributedModel(mlp(), split_points=["no_such_layer"])
 
 
+def layers_built_outside_the_scope():
+    model = mlp()
+    with keras_smp.SMPStrategy(partitions=2).scope():
+        fit(keras_smp.DistributedModel(model))
+
+
 def devices_not_divisible():
     keras_smp.SMPStrategy(partitions=3, local_devices=4)
 

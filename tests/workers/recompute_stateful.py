@@ -60,6 +60,36 @@ ck_w, ck_loss = train(True)
 # Per layer: the random and stateful layers themselves, and a Dense.
 LAYERS = ["drop1", "bn", "d2", "drop2"]
 layer_w, layer_loss = train(LAYERS)
+
+
+def train_attention(recompute):
+    # Token ids with padding (0) -> Embedding(mask_zero) -> Dense -> self-
+    # attention called as (h, h) -> masked average -> Dense: a recomputed
+    # layer must keep its output mask and differentiate a tensor it gets
+    # twice once.
+    strategy = keras_smp.SMPStrategy(
+        partitions=2, microbatches=4, activation_checkpointing=recompute,
+        local_devices=2)
+    keras.utils.set_random_seed(0)
+    ids = np.random.RandomState(2).randint(0, 10, (64, 6))
+    ids[:, 4:] = 0
+    with strategy.scope():
+        inp = keras.Input((6,), dtype="int32")
+        h = keras.layers.Embedding(10, 8, mask_zero=True, name="emb")(inp)
+        h = keras.layers.Dense(8, activation="tanh", name="proj")(h)
+        h = keras.layers.MultiHeadAttention(2, 4, name="mha")(h, h)
+        h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+        model = keras_smp.DistributedModel(
+            inp, keras.layers.Dense(3, name="head")(h), split_points=["pool"])
+        model.compile(optimizer="adam", loss=keras.losses.
+                      SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(ids, y, batch_size=16, epochs=2, verbose=0,
+                        shuffle=False)
+    return model.get_weights(), np.array(history.history["loss"])
+
+
+att_w, att_loss = train_attention(False)
+att_layer_w, att_layer_loss = train_attention(["proj", "mha"])
 try:
     train(True, noise=True)
     random_error = "no error"
@@ -85,6 +115,10 @@ print(json.dumps({
     "layer_weights": max(float(np.max(np.abs(a - b)))
                          for a, b in zip(plain_w, layer_w)),
     "layer_loss": float(np.max(np.abs(plain_loss - layer_loss))),
+    "attention_weights": max(float(np.max(np.abs(a - b)))
+                             for a, b in zip(att_w, att_layer_w)),
+    "attention_scale": max(float(np.max(np.abs(a))) for a in att_w),
+    "attention_loss": float(np.max(np.abs(att_loss - att_layer_loss))),
     "scale": max(float(np.max(np.abs(a))) for a in plain_w),
     "loss": float(np.max(np.abs(plain_loss - ck_loss))),
     "moving_stats_changed": bool(any(
