@@ -522,8 +522,9 @@ def test_xla_with_batchnorm_and_dropout_in_every_mode(tmp_path):
     # BatchNormalization sees the whole batch) equal plain Keras compiled
     # whole, Dropout masks included (XLA draws the same numbers from the
     # same seeds); data parallelism equals itself without XLA (no Dropout:
-    # each replica would draw its own masks). Suite bounds (rtol 1e-5,
-    # atol 1e-6 x magnitude).
+    # each replica would draw its own masks; an activity regularizer, whose
+    # loss is added inside the compiled call, counts). Suite bounds (rtol
+    # 1e-5, atol 1e-6 x magnitude).
     worker = os.path.join(WORKERS, "xla_stateful.py")
     run_python([worker, "plain", str(tmp_path)])
     run_python([worker, "local", str(tmp_path)])

@@ -27,6 +27,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_smp.runtime import keras_private
+from keras_smp.runtime import xla
 
 # TensorFlow's stateful random ops: a recomputation would draw new values.
 STATEFUL_RANDOM = {
@@ -40,13 +41,7 @@ STATEFUL_RANDOM = {
 
 def state_of(operations):
     """The distinct non-trainable variables of `operations` (layers)."""
-    state, seen = [], set()
-    for op in operations:
-        for v in getattr(op, "non_trainable_variables", None) or []:
-            if id(v) not in seen:
-                seen.add(id(v))
-                state.append(v)
-    return state
+    return xla.layer_state(operations)
 
 
 def snapshot(state):

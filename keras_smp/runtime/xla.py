@@ -92,23 +92,33 @@ def compiled(fn, name, layers=()):
             "Move them to a stage of their own, or compile with "
             "jit_compile=False to silence this.", stacklevel=3)
         return fn
+    state = layer_state(layers)
+    if not state:
+        return tf.function(fn, jit_compile=True, autograph=False)
+    return _with_state_outside(fn, state, layers[0])
+
+
+def layer_state(layers):
+    """The distinct non-trainable variables of `layers` (moving statistics,
+    seed generators): what a compiled function or a recomputation of
+    them must be given and must write back."""
     state, seen = [], set()
     for layer in layers:
         for v in getattr(layer, "non_trainable_variables", None) or []:
             if id(v) not in seen:
                 seen.add(id(v))
                 state.append(v)
-    if not state:
-        return tf.function(fn, jit_compile=True, autograph=False)
-    return _with_state_outside(fn, state)
+    return state
 
 
-def _with_state_outside(fn, state):
+def _with_state_outside(fn, state, owner):
     """`fn` compiled with `state` (Keras variables) passed in as values
     and the values it assigns returned, then assigned by the caller (in
     the step's own graph, where Keras' non-compiled layers assign them).
     Keras' global seed generator (unseeded `keras.random` calls), when it
-    exists, is state too."""
+    exists, is state too. Losses layers add with `add_loss()` inside are
+    returned and added to `owner` (a layer of `fn`), where Keras collects
+    them as it would have."""
     import keras
 
     compiled_for = {}
@@ -116,14 +126,15 @@ def _with_state_outside(fn, state):
     def compiled_with(variables):
         def pure(args, kwargs, values):
             with keras.StatelessScope(
-                    state_mapping=list(zip(variables, values))) as scope:
+                    state_mapping=list(zip(variables, values)),
+                    collect_losses=True) as scope:
                 out = fn(*args, **kwargs)
             updates = {}
             for i, (v, before) in enumerate(zip(variables, values)):
                 value = scope.get_current_value(v)
                 if value is not None and value is not before:  # assigned
                     updates[i] = value
-            return out, updates
+            return out, updates, list(scope.losses)
 
         return tf.function(pure, jit_compile=True, autograph=False)
 
@@ -139,9 +150,11 @@ def _with_state_outside(fn, state):
         # argument as a resource, which XLA cannot do across devices (a
         # stage on another device than the layer's seed generator).
         values = [tf.identity(v.value) for v in variables]
-        out, updates = compiled_for[key](args, kwargs, values)
+        out, updates, losses = compiled_for[key](args, kwargs, values)
         for i, value in sorted(updates.items()):
             variables[i].assign(value)
+        for loss in losses:
+            owner.add_loss(loss)
         return out
 
     return run

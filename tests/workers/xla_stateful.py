@@ -3,7 +3,7 @@
     xla_stateful.py MODE OUT [--no-xla] [--no-dropout]
 
 MODE: plain (Keras, no strategy), dp (data parallel, one replica per
-process), pp (2 stages, one per process, `keras-smp launch -n 2`), local
+process; the first Dense has an activity regularizer), pp (2 stages, one per process, `keras-smp launch -n 2`), local
 (2 stages on 2 logical CPUs of one process). Pipelines use 1 microbatch,
 so BatchNormalization normalises over the whole batch as plain Keras does.
 Rank 0 writes OUT/MODE[-noxla].npz: the weights (moving statistics
@@ -44,7 +44,11 @@ y = np.random.RandomState(1).randn(64, 1).astype("float32")
 keras.utils.set_random_seed(0)
 with strategy.scope() if strategy else contextlib.nullcontext():
     model = keras.Sequential(
-        [keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+        # Data parallel: an activity regularizer too (a loss added inside
+        # the compiled call; pipelines refuse them).
+        [keras.Input((8,)), keras.layers.Dense(
+            16, activation="relu", activity_regularizer=(
+                keras.regularizers.L2(0.01) if mode == "dp" else None)),
          keras.layers.BatchNormalization()]
         + ([keras.layers.Dropout(0.25)] if dropout else [])
         + [keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
