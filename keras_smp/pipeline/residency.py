@@ -251,7 +251,9 @@ class StageResidency:
         home = graph.home_stage()
         slots = self.slots_by_weight()
         foreign = {id(v) for v in self.foreign()}
-        base = links.INSTANCE_WEIGHTS + (self._syncs % 1000) * 10_000
+        # Keys between INSTANCE_WEIGHTS and BATCHED_BASE: 100 rotating
+        # ranges of 190,000 (weights and slots, plus the closing barrier).
+        base = links.INSTANCE_WEIGHTS + (self._syncs % 100) * 190_000
         self._syncs += 1
         key, size = links.keys.replica(links.replica), links.num_stages
         index = 0
