@@ -202,7 +202,9 @@ def test_keras_file_streamed_from_the_stages_equals_keras_own(tmp_path):
     # `keras.saving.save_model` and a per-epoch `ModelCheckpoint` write the
     # file from the stages' shards (no process gathers the model); Keras'
     # own writer on the gathered model (`zipped=False`) is the reference:
-    # every weight and optimizer variable equal, bit for bit.
+    # every weight and optimizer variable equal, bit for bit. SMP's
+    # `save_model` (SavedModel) is exported from the shards too, and serves
+    # the trained model's predictions.
     launch(2, [os.path.join(WORKERS, "keras_save.py"), str(tmp_path)],
            timeout=240)
     out = run_python(["-c", _LOAD_AND_COMPARE, str(tmp_path)], timeout=240)
@@ -211,7 +213,8 @@ def test_keras_file_streamed_from_the_stages_equals_keras_own(tmp_path):
         with open(tmp_path / f"rank{rank}.json") as f:
             result = json.load(f)
         assert "pass overwrite=True" in (result["refused"] or ""), result
-        # The streamed saves gathered nothing; the zipped=False one did.
+        # The streamed saves and the export gathered nothing; the
+    # zipped=False save did.
         assert result["gathers_before"] == 0, result
         assert result["gathered_once"] == 1, result
         # Nothing left behind: no staging folder, no temporary file.
@@ -241,6 +244,13 @@ for name in names:
     for a, b in zip(got.weights + got.optimizer.variables,
                     ref.weights + ref.optimizer.variables, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+# SMP's SavedModel export serves what the trained model predicts.
+import tensorflow as tf
+exported = tf.saved_model.load(os.path.join(out, "savedmodel"))
+served = exported.serve(x)
+np.testing.assert_allclose(np.asarray(served),
+                           np.load(os.path.join(out, "predict.npy")),
+                           rtol=1e-6, atol=1e-6)
 # The first epoch's file holds the first epoch's state.
 first = keras.models.load_model(os.path.join(out, "epoch1.keras"))
 assert int(first.optimizer.iterations) == 4

@@ -602,8 +602,12 @@ class DistributedModel(keras.Model):
     def save_model(self, save_path="/opt/ml/model"):
         """Writes the whole model as one unpartitioned SavedModel (SMP's).
 
-        Every process must call it (with one stage per process it gathers
-        the stages' weights); rank 0 writes `save_path`, the others wait.
+        Every process must call it; rank 0 writes `save_path`, the others
+        wait. With one stage per process nothing is gathered into every
+        process: the stages write their weights into shards, from which
+        rank 0 alone builds the plain model and exports it (rank 0 then
+        holds the whole model's weights, which serving needs, but no other
+        stage's optimizer state).
         The SavedModel's `serve` signature runs the plain, unpipelined
         forward pass: load it with `tf.saved_model.load` or
         `keras.layers.TFSMLayer` anywhere, without keras-smp.
@@ -629,12 +633,16 @@ class DistributedModel(keras.Model):
             raise ValueError(
                 "save_model: the model has no weights yet. Train it (fit, "
                 "or one @smp.step) or call it on data before saving.")
+        spec = keras.tree.map_structure(
+            lambda t: tf.TensorSpec((None,) + tuple(t.shape[1:]), t.dtype),
+            self.staged_graph.inputs_struct)
+        if (self._smp_residency() is not None and self._smp_functional
+                is not None and not keras_private.is_remote_path(
+                    str(save_path))):
+            shards.save_saved_model(self, str(save_path), [spec])
+            return
         with self._smp_gathered():
             if (self._smp_runtime() or runtime.current()).topology.rank == 0:
-                spec = keras.tree.map_structure(
-                    lambda t: tf.TensorSpec((None,) + tuple(t.shape[1:]),
-                                            t.dtype),
-                    self.staged_graph.inputs_struct)
                 self.export(str(save_path), format="tf_saved_model",
                             verbose=False, input_signature=[spec])
         comms.barrier()

@@ -81,7 +81,7 @@ POINTER_ATTR = "keras_smp_sharded_index"
 FORMAT = 1
 
 
-def entries(model, own_layout=False):
+def entries(model, own_layout=False, with_optimizer=True):
     """`[(group, key, value, owner)]`: what `save_weights` writes, in its
     order.
 
@@ -95,7 +95,8 @@ def entries(model, own_layout=False):
     recorder = _Recorder()
     visited = set()
     for saveable, path in _roots(model, own_layout):
-        keras_private.save_state(saveable, recorder, path, visited)
+        if with_optimizer or path != "optimizer":
+            keras_private.save_state(saveable, recorder, path, visited)
     return recorder.entries
 
 
@@ -193,18 +194,19 @@ def _to_numpy(value):
     return array
 
 
-def save(model, filepath, own_layout=False):
+def save(model, filepath, own_layout=False, with_optimizer=True):
     """Writes a sharded checkpoint of `model` (a `DistributedModel`).
 
     A collective: every process of the job calls it. Returns the path of
-    the index (`*.weights.json`). `own_layout`: see `entries`.
+    the index (`*.weights.json`). `own_layout`, `with_optimizer`: see
+    `entries` (`with_optimizer=False`: the weights only).
     """
     filepath = os.path.abspath(os.fspath(filepath))
     folder, base = os.path.dirname(filepath), _base(filepath)
     rank, writes = _layout(model)
     error = None
     try:
-        items = entries(model, own_layout)
+        items = entries(model, own_layout, with_optimizer)
         stages = _stage_of_entries(model, items)
     except Exception as e:  # pylint: disable=broad-except
         error = f"rank {rank}: {type(e).__name__}: {e}"
@@ -274,6 +276,50 @@ def save_keras(model, filepath):
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
     return filepath
+
+
+def save_saved_model(model, save_path, input_signature):
+    """Exports `model` (a `DistributedModel`) as an unpartitioned
+    SavedModel, without gathering it into every process.
+
+    Each stage writes its weights (not its optimizer state) into a shard
+    in a temporary folder beside `save_path`; rank 0 alone builds the
+    plain Keras model from them (streamed into a `.keras` file, then
+    loaded: rank 0 holds its stage plus the whole model's weights, which
+    serving needs) and exports it; the folder is removed. A collective.
+    """
+    save_path = os.path.abspath(os.fspath(save_path))
+    folder, name = os.path.split(save_path)
+    rank, _ = _layout(model)
+    token = comms.broadcast(
+        f"{os.getpid()}-{time.time_ns()}" if rank == 0 else None)
+    staging = os.path.join(folder, f".{name}.shards-{token}")
+
+    def export(index):
+        keras_file = os.path.join(staging, "plain.keras")
+        _assemble_keras(index, keras_file, model)
+        plain = keras.models.load_model(keras_file, compile=False)
+        plain.export(save_path, format="tf_saved_model", verbose=False,
+                     input_signature=input_signature)
+
+    try:
+        index = save(model, os.path.join(staging, "model.weights.json"),
+                     with_optimizer=False)
+        if rank == 0:
+            error = _while_telling_the_others(
+                lambda: export(index),
+                model._smp_config().collective_timeout_seconds)
+        else:
+            error = _WORKING
+            while error == _WORKING:
+                error = comms.broadcast(None)
+        if error:
+            raise RuntimeError(f"Exporting {save_path!r} failed: {error}")
+    finally:
+        comms.barrier()
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+    return save_path
 
 
 _WORKING = "keras-smp: rank 0 is still writing"

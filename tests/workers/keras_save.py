@@ -6,6 +6,8 @@ Run under `keras-smp launch -n 2`: 2 stages, one per process, Adam, 2 epochs
 - `model.save(OUT/streamed.keras)` and
   `keras.saving.save_model(model, OUT/api.keras)`: streamed from the
   stages (no process gathers the model);
+- `model.save_model(OUT/savedmodel)`: SMP's SavedModel export, from the
+  stages' shards too;
 - `model.save(OUT/gathered, zipped=False)`: Keras' own writer on the
   gathered model (the comparison);
 - `model.save(OUT/streamed.keras, overwrite=False)` raises
@@ -47,7 +49,9 @@ model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[
 streamed = os.path.join(out, "streamed.keras")
 model.save(streamed)
 keras.saving.save_model(model, os.path.join(out, "api.keras"))
-# No gathering so far (the epochs' checkpoints and both saves streamed).
+model.save_model(os.path.join(out, "savedmodel"))  # SMP's export
+# No gathering so far (the epochs' checkpoints, both saves and the export
+# were written from the stages' shards).
 gathers_before = model._smp_residency()._syncs
 model.save(os.path.join(out, "gathered"), zipped=False)
 gathered_once = model._smp_residency()._syncs - gathers_before
