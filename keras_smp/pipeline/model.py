@@ -357,10 +357,10 @@ class DistributedModel(keras.Model):
 
         With one pipeline stage per process, each process holds and trains
         only its stage's weights and optimizer slots; its copies of the
-        other stages' are empty. `get_weights` and `save_model` gather the
-        whole model (weights and slots) for the duration of the call;
-        `save_weights` writes one shard per stage instead, and `save`
-        (`.keras`) streams the file from those shards
+        other stages' are empty. `get_weights` gathers the whole model
+        (weights and slots) for the duration of the call; `save_weights`
+        writes one shard per stage instead, and `save` (`.keras`) and
+        `save_model` write their files from those shards
         (`keras_smp.pipeline.shards`). It is a collective: every
         process of the job must call it (Keras callbacks do). No-op
         otherwise.
