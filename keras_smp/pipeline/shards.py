@@ -250,32 +250,12 @@ def save_keras(model, filepath):
     host jobs need `filepath` on a filesystem every host shares.
     """
     filepath = os.path.abspath(os.fspath(filepath))
-    folder, name = os.path.split(filepath)
-    rank, _ = _layout(model)
-    token = comms.broadcast(
-        f"{os.getpid()}-{time.time_ns()}" if rank == 0 else None)
-    staging = os.path.join(folder, f".{name}.shards-{token}")
-    try:
-        index = save(model, os.path.join(staging, "model.weights.json"),
-                     own_layout=True)
-        if rank == 0:
-            error = _while_telling_the_others(
-                lambda: _replace(filepath, lambda tmp: _write_keras_archive(
-                    tmp, model, index)),
-                model._smp_config().collective_timeout_seconds)
-        else:
-            error = _WORKING
-            while error == _WORKING:
-                error = comms.broadcast(None)
-        if error:
-            raise RuntimeError(
-                f"Saving {filepath!r} failed (the previous file there, if "
-                f"any, is unchanged): {error}")
-    finally:
-        comms.barrier()  # every process is done with the shards
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-    return filepath
+    return _from_shards(
+        model, filepath, lambda index, staging: _replace(
+            filepath, lambda tmp: _write_keras_archive(tmp, model, index)),
+        own_layout=True, with_optimizer=True,
+        failed=f"Saving {filepath!r} failed (the previous file there, if "
+               "any, is unchanged)")
 
 
 def save_saved_model(model, save_path, input_signature):
@@ -289,37 +269,48 @@ def save_saved_model(model, save_path, input_signature):
     serving needs) and exports it; the folder is removed. A collective.
     """
     save_path = os.path.abspath(os.fspath(save_path))
-    folder, name = os.path.split(save_path)
-    rank, _ = _layout(model)
-    token = comms.broadcast(
-        f"{os.getpid()}-{time.time_ns()}" if rank == 0 else None)
-    staging = os.path.join(folder, f".{name}.shards-{token}")
 
-    def export(index):
+    def export(index, staging):
         keras_file = os.path.join(staging, "plain.keras")
         _assemble_keras(index, keras_file, model)
         plain = keras.models.load_model(keras_file, compile=False)
         plain.export(save_path, format="tf_saved_model", verbose=False,
                      input_signature=input_signature)
 
+    return _from_shards(model, save_path, export, own_layout=False,
+                        with_optimizer=False,
+                        failed=f"Exporting {save_path!r} failed")
+
+
+def _from_shards(model, target, work, own_layout, with_optimizer, failed):
+    """Every stage writes its shard into a temporary folder beside
+    `target`; rank 0 runs `work(index, folder)` while the others wait
+    (`_while_telling_the_others`); the folder is removed. A collective:
+    raises `RuntimeError` starting with `failed` on every process when
+    anything fails."""
+    folder, name = os.path.split(target)
+    rank, _ = _layout(model)
+    token = comms.broadcast(
+        f"{os.getpid()}-{time.time_ns()}" if rank == 0 else None)
+    staging = os.path.join(folder, f".{name}.shards-{token}")
     try:
         index = save(model, os.path.join(staging, "model.weights.json"),
-                     with_optimizer=False)
+                     own_layout=own_layout, with_optimizer=with_optimizer)
         if rank == 0:
             error = _while_telling_the_others(
-                lambda: export(index),
+                lambda: work(index, staging),
                 model._smp_config().collective_timeout_seconds)
         else:
             error = _WORKING
             while error == _WORKING:
                 error = comms.broadcast(None)
         if error:
-            raise RuntimeError(f"Exporting {save_path!r} failed: {error}")
+            raise RuntimeError(f"{failed}: {error}")
     finally:
-        comms.barrier()
+        comms.barrier()  # every process is done with the shards
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
-    return save_path
+    return target
 
 
 _WORKING = "keras-smp: rank 0 is still writing"
