@@ -2,7 +2,10 @@
 
 The executed actions must follow the schedule's order on every stage, each
 stage's receives come before the action that uses them, actions on a stage
-do not overlap, and measuring does not train.
+do not overlap, and measuring does not train. With one stage per process
+(2 real worker processes), every rank returns the same whole timeline, and
+the stages' clocks agree: a stage's forward of a microbatch starts only
+after the previous stage's forward of it ended (it needs its output).
 """
 
 import json
@@ -10,6 +13,7 @@ import json
 import pytest
 
 from conftest import WORKERS
+from conftest import launch
 from conftest import run_python
 from keras_smp.pipeline.schedule import get_schedule
 
@@ -46,3 +50,40 @@ def test_executed_timeline_follows_the_schedule(schedule, tmp_path):
         trace = json.loads((tmp_path / f"{name}.json").read_text())
         assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == sum(
             len(st) for st in stages)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b"])
+def test_executed_timeline_across_stage_processes(schedule, tmp_path):
+    out = launch(2, [f"{WORKERS}/executed_timeline.py", schedule,
+                     str(tmp_path)]).stdout
+    results = [json.loads(line.split("RESULT ", 1)[1])
+               for line in out.splitlines() if "RESULT " in line]
+    assert sorted(r["rank"] for r in results) == [0, 1], out[-2000:]
+    r = results[0]
+    assert r["weights_unchanged"] and results[1]["weights_unchanged"]
+    plan = get_schedule(schedule, 2, 4)
+    for name in ("train", "forward"):
+        # Every rank returns the replica's whole timeline, the same one.
+        assert r[name] == results[1][name]
+        stages = r[name]["entries"]
+        assert r[name]["makespan"] > 0 and 0 <= r[name]["bubble"] < 1
+        spans = {}
+        for s, entries in enumerate(stages):
+            for (s0, e0, _), (s1, _, _) in zip(entries, entries[1:]):
+                assert e0 <= s1 + 1e-3, entries  # no overlap (ms)
+            assert all(e >= b for b, e, _ in entries)
+            # Between processes the receives are posted at the step's
+            # start (not timed): only compute actions, in the plan's order.
+            assert [a for _, _, a in entries] == [
+                str(a) for a in plan.compute_actions(s)
+                if name == "train" or a.kind == "F"]
+            spans.update({a: (b, e) for b, e, a in entries})
+        # Clocks of the two processes agree (same host): stage 1 computes
+        # microbatch k only after stage 0 produced it, and (training)
+        # stage 0's backward of k only after stage 1's backward of k.
+        for k in range(4):
+            assert spans[f"1F{k}"][0] >= spans[f"0F{k}"][1] - 1e-3
+            if name == "train":
+                assert spans[f"0B{k}"][0] >= spans[f"1B{k}"][1] - 1e-3
+        assert (tmp_path / f"{name}.png").stat().st_size > 1000

@@ -868,8 +868,14 @@ class DistributedModel(keras.Model):
         Perfetto), and compare `timeline.bubble_fraction()` with the
         planned schedule's.
 
-        In one process (stages on local devices); the first replica's
-        timing when there are several.
+        In one process (stages on local devices), the first replica's
+        timing when there are several. With one stage per process, call it
+        on every process (as `fit`): each stage process times its own
+        actions and every rank returns its replica's whole timeline, in
+        wall-clock time shared by the processes of one host (across hosts,
+        as far as their clocks agree); the receives, posted at the step's
+        start there, are not drawn, so the gap between an action and the
+        neighbour's action that waits for its output is the transfer.
 
         Example:
 

@@ -169,6 +169,7 @@ class StageLinks:
     INSTANCE_STAGE_SUM = 600_000  # optimizer sums over stages (norms)
     INSTANCE_TIED = 700_000      # tied-weight gradient sums
     INSTANCE_INIT = 800_000      # tied weights' initial values
+    INSTANCE_TIMELINE = 900_000  # executed_timeline (+ actions per stage)
     INSTANCE_WEIGHTS = 1_000_000  # sync_weights (+ 190,000 per call)
     # Per-step collectives whose shapes follow the batch (transfers, the
     # last stage's outputs and loss) take keys that encode the

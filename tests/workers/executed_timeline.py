@@ -1,4 +1,9 @@
-"""Prints the executed timeline of a 2-stage pipeline as JSON (tests)."""
+"""Prints the executed timeline of a 2-stage pipeline as JSON (tests).
+
+Run alone: both stages on logical devices of this process; under
+`keras-smp launch -n 2`: one stage per process (every rank prints the
+replica's timeline and the image/trace files are written by rank 0).
+"""
 
 import json
 import os
@@ -27,8 +32,10 @@ for name, args in (("train", (x, y)), ("forward", (x,))):
     result[name] = {
         "entries": [[[s, e, str(a)] for s, e, a in stage] for stage in t.entries],
         "bubble": t.bubble_fraction(), "makespan": t.makespan}
-    t.draw(os.path.join(sys.argv[2], f"{name}.png"))
-    t.to_chrome_trace(os.path.join(sys.argv[2], f"{name}.json"))
+    if keras_smp.rank() == 0:
+        t.draw(os.path.join(sys.argv[2], f"{name}.png"))
+        t.to_chrome_trace(os.path.join(sys.argv[2], f"{name}.json"))
 result["weights_unchanged"] = all(
     np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
-print("RESULT " + json.dumps(result))
+result["rank"] = keras_smp.rank()
+print("RESULT " + json.dumps(result), flush=True)
