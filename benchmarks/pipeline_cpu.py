@@ -353,7 +353,10 @@ def main():
     peer_rows(args.peer_python, args.peers, ms_list, keras_rows)
     print("ideal = m*p/(m+p-1); bound = the same pipelined step run serially "
           "in 1 process, overlapped ideally (microbatches of BATCH/m rows "
-          "make smaller, slower matmuls)")
+          "make smaller, slower matmuls; with both stages on logical devices "
+          "of one process this overstates the penalty the stage processes "
+          "pay: see docs/performance.md and executed_timeline.py "
+          "--processes 2)")
     for m in ms_list:
         print(f"  m={m:>2}: serial pipelined step with microbatches of "
               f"{BATCH // m} rows: {serial[m]:.0f} ms "
