@@ -72,7 +72,7 @@ else:
     width, depth, batch = 512, 4, 512
 strategies = {name: keras_smp.SMPStrategy(
     partitions=2, microbatches=m, pipeline=name)
-    for name in ("gpipe", "1f1b")}
+    for name in ("gpipe", "1f1b", "1f1b_split")}
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -109,8 +109,10 @@ for name, strategy in strategies.items():
     spans = executed.spans
     waits = []
     for a, (start, _) in spans.items():
+        if a.kind == "W":
+            continue  # waits only for its own stage's I
         prev = [b for b in spans if b.microbatch == a.microbatch
-                and b.kind == a.kind
+                and b.kind in (("F",) if a.kind == "F" else ("B", "I"))
                 and b.stage == a.stage + (-1 if a.kind == "F" else 1)]
         if prev:
             waits.append(start - spans[prev[0]][1])
@@ -118,11 +120,11 @@ for name, strategy in strategies.items():
     print(f"{name:10s} {planned.bubble_fraction():15.1%} "
           f"{executed.bubble_fraction():16.1%} {executed.makespan:12.1f}  "
           f"{busy[0]:.0f} / {busy[1]:.0f}, {wait} ms", flush=True)
-    if name == "1f1b" and keras_smp.rank() == 0:
+    if name in ("1f1b", "1f1b_split") and keras_smp.rank() == 0:
         os.makedirs(args.out, exist_ok=True)
         suffix = "" if args.processes == 1 else "_2proc"
-        path = os.path.join(args.out, f"executed_1f1b_p2_m{m}{suffix}.png")
-        executed.draw(path, title=f"executed 1F1B, 2 stages, {m} microbatches "
+        path = os.path.join(args.out, f"executed_{name}_p2_m{m}{suffix}.png")
+        executed.draw(path, title=f"executed {name}, 2 stages, {m} microbatches "
                                   f"({where}, "
                                   f"bubble {executed.bubble_fraction():.0%})")
         print("wrote", path)

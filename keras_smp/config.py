@@ -55,6 +55,7 @@ ALLOWED_KEYS: tuple[str, ...] = CONFIG_KEYS + tuple(KEY_ALIASES)
 _PIPELINES = {
     "gpipe": "gpipe",
     "1f1b": "1f1b",
+    "1f1b_split": "1f1b_split",
     "simple": "gpipe",  # SMP's name
     "interleaved": "1f1b",  # SMP's name
 }
@@ -274,9 +275,12 @@ class SMPConfig:
         partitions: Pipeline stages per model replica, an int >= 1.
             Alias: `pipeline_parallel_degree`.
         microbatches: Microbatches per step, an int >= 1 (1 = no pipelining).
-        pipeline: `"1f1b"` (backward as early as possible) or `"gpipe"`
-            (all forwards, then all backwards). SMP's names `"interleaved"`
-            and `"simple"` are accepted and mapped to these.
+        pipeline: `"1f1b"` (backward as early as possible), `"gpipe"`
+            (all forwards, then all backwards) or `"1f1b_split"` (1F1B
+            with each backward split into input gradients, sent at once,
+            and weight gradients: a smaller bubble, see
+            docs/schedules.md). SMP's names `"interleaved"` and
+            `"simple"` are accepted and mapped to the first two.
         optimize: Auto-partition balance, `"memory"` or `"speed"`.
         auto_partition: Whether layers are partitioned automatically.
         default_partition: Partition for layers outside any

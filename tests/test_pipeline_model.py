@@ -98,6 +98,20 @@ GROUPS = {
     # ... with layers recomputed inside compiled stages.
     + [dict(c, xla=True, recompute_layers=[1, 3])
        for c in _cases("mlp", (2,), ("1f1b",), (4,), "adam")],
+    # 1F1B with split backwards (I: input gradients, W: weight gradients
+    # later, from what I saved): every model, 2 and 4 stages, replicas.
+    "split": (_cases("mlp", (2, 4), ("1f1b_split",), (1, 4, 8), "sgd")
+              + _cases("mlp", (2,), ("1f1b_split",), (4,), "adam")
+              + _cases("cnn", (2,), ("1f1b_split",), (8,), "adam")
+              + _cases("skip", (4,), ("1f1b_split",), (4,), "sgd")
+              + _cases("manual", (2,), ("1f1b_split",), (4,), "adam")
+              + _cases("mlp", (2,), ("1f1b_split",), (8,), "sgd", devices=4))
+    # Stages that cannot split (a recomputed stage, XLA-compiled stages)
+    # run their whole backward in I, with a warning: the same results.
+    + [dict(c, recompute=[1]) for c in
+       _cases("mlp", (2,), ("1f1b_split",), (4,), "sgd")]
+    + [dict(c, xla=True) for c in
+       _cases("mlp", (2,), ("1f1b_split",), (4,), "sgd")],
 }
 
 
@@ -149,6 +163,16 @@ def test_pipelined_training_matches_single_device(group):
         # says jit_compile=True (the step around them is not compiled).
         assert (row["compiled"] > 0) == bool(row.get("xla")), row
         assert row["jit_compile"] == bool(row.get("xla")), row
+        # Backwards were split exactly where the schedule asks for it and
+        # the stage allows it; the others fell back with a warning.
+        if row["pipeline"] != "1f1b_split":
+            assert row["splits"] == 0 and row["split_fallbacks"] == 0, row
+        elif row.get("xla"):
+            assert row["splits"] == 0 and row["split_fallbacks"] > 0, row
+        elif row.get("recompute"):  # stage 1 recomputed: stage 0 splits
+            assert row["splits"] > 0 and row["split_fallbacks"] > 0, row
+        else:
+            assert row["splits"] > 0 and row["split_fallbacks"] == 0, row
 
 
 def test_fidelity_detects_a_wrong_gradient():
@@ -305,7 +329,7 @@ def test_saved_pipelined_model_loads_back_pipelined(tmp_path):
 @pytest.mark.parametrize("workers,pipeline,variant", [
     (2, "1f1b", "callbacks"), (2, "gpipe", "callbacks"), (4, "1f1b", ""),
     (4, "gpipe", ""), (2, "gpipe", "loss-only"), (2, "1f1b", "manual"),
-    (2, "gpipe", "recompute"), (2, "1f1b", "xla")])
+    (2, "gpipe", "recompute"), (2, "1f1b", "xla"), (2, "1f1b_split", "")])
 def test_one_stage_per_process_matches_single_device(
         tmp_path, reference, workers, pipeline, variant):
     # partitions=2 over 2 or 4 worker processes (1 or 2 replicas x 2

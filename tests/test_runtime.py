@@ -38,8 +38,11 @@ def _check_fidelity(row):
         assert row["loss_diff"] <= 1e-6, row
 
 
-def test_action_list_runs_in_one_process_with_local_transport():
-    (row,) = _results(run_python([SCRIPT, "local"]).stdout)
+@pytest.mark.parametrize("split", [False, True])
+def test_action_list_runs_in_one_process_with_local_transport(split):
+    # split: the list runs backwards as I then W (see SPLIT_PLAN there).
+    extra = {"SPLIT_PLAN": "1"} if split else None
+    (row,) = _results(run_python([SCRIPT, "local"], extra_env=extra).stdout)
     assert row["held"] == [0, 1]
     assert sorted(k for k in row if k.startswith("grad_diff_")) == [
         "grad_diff_w0", "grad_diff_w1", "grad_diff_w2"]
@@ -52,6 +55,27 @@ def test_action_list_runs_in_one_process_with_local_transport():
     # A receive without its send is refused with the blocked actions named.
     assert "cannot run" in row["broken_error"], row
     assert "1RECV_F1" in row["broken_error"], row
+
+
+def test_split_backward_equals_the_whole_backward():
+    # I (input gradients and the gradients reaching each weight's op) then
+    # W (each op's weight gradient, carried back to the variables) against
+    # one tf.gradients of the whole stage, on Keras models with biases,
+    # LayerNorm, Dropout (its seed read and assigned in the forward), a
+    # layer applied twice, Embedding (sparse) + attention, Conv2D +
+    # BatchNorm. The same math in another order: float32 rounding at most
+    # (1e-6 of the largest gradient).
+    rows = {r["model"]: r for r in _results(run_python(
+        [os.path.join(WORKERS, "split_backward.py")]).stdout)}
+    assert sorted(rows) == ["conv", "embed", "mlp", "nested", "tied"], rows
+    for row in rows.values():
+        assert row["diff"] <= 1e-6 * max(1.0, row["scale"]), row
+        assert row["nonzero"], row
+    assert {"MatMul", "BiasAdd"} <= set(rows["tied"]["meetings"])
+    assert "GatherV2" in rows["embed"]["meetings"], rows["embed"]
+    assert "Conv2D" in rows["conv"]["meetings"], rows["conv"]
+    # A weight read inside a nested tf.function: not split (None).
+    assert rows["nested"]["meetings"] is None
 
 
 @pytest.mark.slow

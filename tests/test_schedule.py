@@ -19,6 +19,7 @@ from keras_smp.pipeline.schedule import SCHEDULES
 from keras_smp.pipeline.schedule import Action
 from keras_smp.pipeline.schedule import GPipe
 from keras_smp.pipeline.schedule import OneFOneB
+from keras_smp.pipeline.schedule import OneFOneBSplit
 from keras_smp.pipeline.schedule import Schedule
 from keras_smp.pipeline.schedule import get_schedule
 from keras_smp.pipeline.schedule import main
@@ -207,6 +208,8 @@ def test_action_peer_and_errors():
 
 
 def test_get_schedule_names_and_aliases():
+    assert type(get_schedule("1f1b_split", 2, 4)) is OneFOneBSplit
+    assert SMPConfig(pipeline="1F1B_split").pipeline == "1f1b_split"
     assert type(get_schedule("gpipe", 2, 4)) is GPipe
     assert type(get_schedule("simple", 2, 4)) is GPipe
     assert type(get_schedule("1f1b", 2, 4)) is OneFOneB
@@ -421,3 +424,77 @@ def test_docstring_examples_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     failed, attempted = doctest.testmod(schedule_module, verbose=False)
     assert attempted > 20 and failed == 0
+
+
+# --------------------------------------------------------------------------
+# Split backwards: I (input gradients) then W (weight gradients)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", range(1, 6))
+@pytest.mark.parametrize("m", range(1, 10))
+def test_1f1b_split_validates_and_respects_dependencies(p, m):
+    sched = OneFOneBSplit(p, m)
+    sched.validate()
+    comm = 0.25
+    t = simulate(sched, forward_cost=1.0, backward_cost=2.0, comm_cost=comm)
+    span = t.spans
+    assert len(span) == 3 * p * m
+    for s in range(p):
+        assert [a for _, _, a in t.entries[s]] == sched.compute_actions(s)
+        # 1F1B's order with each B replaced by I then W right after it.
+        expected = []
+        for a in OneFOneB(p, m).compute_actions(s):
+            expected += ([a] if a.kind == "F" else
+                         [Action(s, "I", a.microbatch),
+                          Action(s, "W", a.microbatch)])
+        assert sched.compute_actions(s) == expected
+        # 1F1B's activation memory: held from F until W.
+        assert sched.peak_in_flight(s) == min(p - s, m)
+        assert t.peak_in_flight(s) == min(p - s, m)
+        for k in range(m):
+            f, i, w = (span[Action(s, kind, k)] for kind in "FIW")
+            assert f[1] <= i[0] + EPS and i[1] <= w[0] + EPS
+            assert i[1] - i[0] == pytest.approx(1.0)  # half of B by default
+            if s < p - 1:  # I waits for the next stage's I, not its W
+                assert span[Action(s + 1, "I", k)][1] + comm <= i[0] + EPS
+    # With free transfers the fill and drain cost (p - 1)(F + I) instead
+    # of 1F1B's (p - 1)(F + B): never slower, faster as soon as p > 1.
+    ones = simulate(sched, 1.0, 2.0)
+    assert ones.makespan <= simulate(OneFOneB(p, m), 1.0, 2.0).makespan + EPS
+    if m >= p:
+        assert ones.makespan == pytest.approx(m * 3.0 + (p - 1) * 2.0)
+    # A transfer's latency hides behind the W that follows each I.
+    assert t.makespan <= simulate(OneFOneB(p, m), 1.0, 2.0, comm).makespan + EPS
+
+
+def test_1f1b_split_actions_send_after_i_and_w_stays_local():
+    acts = [str(a) for a in OneFOneBSplit(2, 2).actions(1)]
+    assert acts == ["1RECV_F0", "1F0", "1I0", "1SEND_B0", "1W0", "1RECV_F1",
+                    "1F1", "1I1", "1SEND_B1", "1W1"]
+    acts = [str(a) for a in OneFOneBSplit(2, 2).actions(0)]
+    assert acts == ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0I0",
+                    "0W0", "0RECV_B1", "0I1", "0W1"]
+    grid = simulate(OneFOneBSplit(2, 2), 1, 2).grid()
+    assert "I0" in grid and "W1" in grid
+
+
+def test_split_backward_errors_name_the_fix():
+    with pytest.raises(ValueError, match="runs 0W0 0 times, expected exactly "
+                                         "once .*one I followed by one W"):
+        _Custom(["0F0 0I0"], 1).validate()
+    with pytest.raises(ValueError, match="runs 0B0 1 times, expected never"):
+        _Custom(["0F0 0I0 0B0 0W0"], 1).validate()
+    with pytest.raises(ValueError, match="runs 0W0 .*before 0I0.*W needs its I"):
+        _Custom(["0F0 0W0 0I0"], 1).validate()
+    with pytest.raises(ValueError, match="runs 0I0 .*before 0F0"):
+        _Custom(["0I0 0F0 0W0"], 1).validate()
+    # A stage may mix whole and split backwards; the neighbour's wait is on
+    # whichever produces the input gradients.
+    mixed = _Custom(["0F0 0F1 0B0 0I1 0W1", "1F0 1I0 1W0 1F1 1B1"], 2)
+    mixed.validate()
+    t = simulate(mixed, 1.0, 2.0, comm_cost=0.5)
+    assert t.spans[Action(0, "B", 0)][0] >= t.spans[Action(1, "I", 0)][1] + 0.5
+    assert t.spans[Action(0, "I", 1)][0] >= t.spans[Action(1, "B", 1)][1] + 0.5
+    with pytest.raises(ValueError, match="weight_cost.*less than backward_cost"):
+        simulate(OneFOneBSplit(2, 2), 1.0, 2.0, weight_cost=2.0)

@@ -11,6 +11,15 @@ tied weights and sparse gradients are handled once:
   the earlier stage adds its own part;
 - gradients may be `tf.IndexedSlices` (an `Embedding` or a `tf.gather`):
   `accumulate` sums them over microbatches without densifying.
+
+Zero-bubble schedules split a backward in two (`I`, then `W`):
+`input_backward` computes the gradients of the stage's inputs and of the
+tensors where weights meet activations (`weight_meetings`: a `MatMul`'s
+output, a bias add's), nothing else; `weight_backward` later turns those
+saved gradients into the weights' gradients, one meeting op at a time (for
+a `Dense` layer: `x^T . dY`), so the previous stage gets its gradients
+without waiting for the weight-gradient matmuls. Together they compute
+exactly what `stage_backward` computes.
 """
 
 import tensorflow as tf
@@ -69,6 +78,163 @@ def stage_backward(outputs, inputs, variables, output_grads=None):
     input_grads = [next(got) if t.dtype.is_floating else tf.zeros_like(t)
                    for t in inputs]
     return input_grads, grads[len(floating):]
+
+
+def weight_meetings(ops, inputs, variables):
+    """Where the stage's weights meet activations among the ops of one
+    forward pass.
+
+    Args:
+        ops: the ops the forward pass created, in creation order.
+        inputs: the tensors the stage received (the activations' sources).
+        variables: the `tf.Variable`s being trained (their reads are the
+            weights; other variables' reads, such as a seed generator's or
+            moving statistics, count as constants).
+
+    Returns:
+        A list of `(op, weight_inputs)`: each op with an input computed
+        from the stage's inputs and an input computed from the weights only
+        (their `ReadVariableOp`s and ops of those alone), and the positions
+        of the latter; or `None` when the forward pass cannot be split: a
+        weight reaches an op other than its read as a resource (a function
+        call or XLA-compiled stage capturing it, a custom gradient, a
+        sparse read).
+
+    Example:
+
+    ```python
+    import tensorflow as tf
+    from keras_smp.pipeline.backward import weight_meetings
+
+    w = tf.Variable(tf.ones([2, 2]))
+
+    @tf.function
+    def meetings(x):
+        graph = tf.compat.v1.get_default_graph()
+        before = len(graph.get_operations())
+        y = tf.nn.relu(x @ w)
+        found = weight_meetings(graph.get_operations()[before:], [x], [w])
+        return tf.constant([op.type for op, _ in found])
+
+    assert meetings(tf.ones([3, 2])).numpy().tolist() == [b"MatMul"]
+    ```
+    """
+    handles = _handles_in_graph(variables)
+    act = {t.ref() for t in inputs}
+    weighted = set()
+    found = []
+    for op in ops:
+        resources = [t for t in op.inputs if t.dtype == tf.resource]
+        trained = [t for t in resources if t.ref() in handles]
+        if op.type == "ReadVariableOp" and trained:
+            weighted.update(t.ref() for t in op.outputs)
+            continue
+        if trained:
+            return None
+        a_in = [i for i, t in enumerate(op.inputs) if t.ref() in act]
+        w_in = [i for i, t in enumerate(op.inputs) if t.ref() in weighted]
+        if a_in:
+            act.update(t.ref() for t in op.outputs)
+            if w_in:
+                found.append((op, w_in))
+        elif w_in:
+            weighted.update(t.ref() for t in op.outputs)
+    return found
+
+
+def _handles_in_graph(variables):
+    """Refs of the variables' resource handles as the current graph sees
+    them (a `tf.function` captures each handle as a placeholder)."""
+    graph = tf.compat.v1.get_default_graph()
+    inner = {}
+    for external, internal in getattr(graph, "captures", ()):
+        inner[id(external)] = internal
+    refs = set()
+    for v in variables:
+        handle = getattr(v, "handle", None)
+        if handle is None:
+            continue
+        refs.add(inner.get(id(handle), handle).ref())
+    return refs
+
+
+def input_backward(outputs, inputs, meetings, output_grads=None):
+    """The first half of a split backward (`I`): input gradients.
+
+    Args:
+        outputs, inputs, output_grads: as for `stage_backward`.
+        meetings: `weight_meetings(...)` of the microbatch's forward.
+
+    Returns:
+        `(input_grads, saved)`: `input_grads` as `stage_backward`'s;
+        `saved`, for `weight_backward`: each meeting op with the gradients
+        reaching its outputs.
+    """
+    inputs, outputs = list(inputs), list(outputs)
+    if output_grads is not None:
+        pairs = [(y, g) for y, g in zip(outputs, output_grads)
+                 if y.dtype.is_floating]
+        outputs, output_grads = ([y for y, _ in pairs],
+                                 [g for _, g in pairs])
+    else:
+        outputs = [y for y in outputs if y.dtype.is_floating]
+    floating = [t for t in inputs if t.dtype.is_floating]
+    met = [(op, w_in, [t for t in op.outputs if t.dtype.is_floating])
+           for op, w_in in meetings]
+    met_outs = [t for _, _, outs in met for t in outs]
+    grads = tf.gradients(
+        outputs, floating + met_outs, grad_ys=output_grads,
+        stop_gradients=floating)
+    got = iter(grads[:len(floating)])
+    input_grads = [(next(got) if t.dtype.is_floating else tf.zeros_like(t))
+                   for t in inputs]
+    input_grads = [tf.zeros_like(t) if g is None else g
+                   for t, g in zip(inputs, input_grads)]
+    reaching = iter(grads[len(floating):])
+    saved = []
+    for op, w_in, outs in met:
+        pairs = [(t, g) for t, g in zip(outs, [next(reaching) for _ in outs])
+                 if g is not None]
+        if pairs:
+            saved.append((op, w_in, pairs))
+    return input_grads, saved
+
+
+def weight_backward(saved, variables):
+    """The second half of a split backward (`W`): the variables' gradients
+    from what `input_backward` saved.
+
+    Each meeting op's gradient is taken towards its weight-side inputs only
+    (the gradient stops at its activation-side inputs, whose share the
+    input half already counted), then carried back to the variables
+    through the weight-only ops (reads, casts).
+
+    Returns:
+        Gradients aligned with `variables` (zeros where unconnected).
+    """
+    variables = list(variables)
+    by_tensor = {}
+    for op, w_in, pairs in saved:
+        xs = [op.inputs[i] for i in w_in]
+        stop = [t for i, t in enumerate(op.inputs) if i not in w_in]
+        local = tf.gradients([t for t, _ in pairs], xs,
+                             grad_ys=[g for _, g in pairs],
+                             stop_gradients=stop)
+        for x, g in zip(xs, local):
+            if g is not None and x.dtype.is_floating:
+                ref = x.ref()
+                tensor, total = by_tensor.get(ref, (x, None))
+                by_tensor[ref] = (tensor, accumulate(total, g))
+    if not by_tensor:
+        return [tf.zeros_like(_read(v)) for v in variables]
+    ys = [t for t, _ in by_tensor.values()]
+    grad_ys = [dense(g) for _, g in by_tensor.values()]
+    return tf.gradients(ys, variables, grad_ys=grad_ys,
+                        unconnected_gradients="zero")
+
+
+def _read(v):
+    return v.read_value() if hasattr(v, "read_value") else v
 
 
 def variable_gradients(loss, variables):

@@ -5,8 +5,10 @@ the schedule and wherever the stages are:
 
 - the schedule layer (`keras_smp.pipeline.schedule`, pure Python) gives
   each stage an ordered list of `Action`s: `F` / `B` (forward / backward
-  of one microbatch) and the transfers `SEND_F`, `RECV_F`, `SEND_B`,
-  `RECV_B`;
+  of one microbatch), or a backward split into `I` (input gradients, sent
+  on at once) and `W` (the weights' gradients, later, from what `I`
+  saved: nothing is recomputed), and the transfers `SEND_F`, `RECV_F`,
+  `SEND_B`, `RECV_B`;
 - a *transport* moves tensors between stages: `LocalTransport` between
   devices of one process (a receive is a copy onto the stage's device),
   `CollectiveTransport` between stage processes (TensorFlow collective
@@ -33,7 +35,10 @@ import tensorflow as tf
 
 from keras_smp.pipeline.backward import _replica_variable
 from keras_smp.pipeline.backward import accumulate
+from keras_smp.pipeline.backward import input_backward
 from keras_smp.pipeline.backward import stage_backward
+from keras_smp.pipeline.backward import weight_backward
+from keras_smp.pipeline.backward import weight_meetings
 from keras_smp.pipeline.schedule import Action
 
 
@@ -79,12 +84,24 @@ class StepResult:
             microbatches (dense or `tf.IndexedSlices`).
         done: an op that runs after every action and every send of the
             stages held here.
+        split_fallbacks: the `I` actions whose stage could not split its
+            backward (see `backward.weight_meetings`): they computed the
+            whole backward, and their `W` nothing.
     """
 
     losses: list
     outputs: list
     grads: dict
     done: object
+    split_fallbacks: list = dataclasses.field(default_factory=list)
+
+
+def _on_this_device(grad):
+    """`grad` (dense or sparse) re-made on the current device."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.identity(grad.values),
+                                tf.identity(grad.indices), grad.dense_shape)
+    return tf.identity(grad)
 
 
 def _as_list(x):
@@ -161,7 +178,8 @@ def execute(actions, stages, transport, num_stages, inputs, loss_fn=None,
     for s, acts in actions.items():
         acts = [Action.parse(a) if isinstance(a, str) else a for a in acts]
         if forward_only:
-            acts = [a for a in acts if a.kind not in ("B", "SEND_B", "RECV_B")]
+            acts = [a for a in acts
+                    if a.kind not in ("B", "I", "W", "SEND_B", "RECV_B")]
         for a in acts:
             if a.stage != s or not 0 <= a.microbatch < m:
                 raise ValueError(
@@ -170,6 +188,8 @@ def execute(actions, stages, transport, num_stages, inputs, loss_fn=None,
                     f"{a.microbatch} of {m}).")
         lists[s] = acts
     run = _Builder(stages, transport, p, inputs, loss_fn, times)
+    run.splits = {s for s, acts in lists.items()
+                  if any(a.kind == "I" for a in acts)}
     pos = {s: 0 for s in lists}
     while any(pos[s] < len(lists[s]) for s in lists):
         progressed = False
@@ -210,6 +230,10 @@ class _Builder:
         self.grads = {s: [None] * len(st.variables) for s, st in stages.items()}
         self.last = {}
         self.sends = []
+        # Split backwards (I, then W): the forward's ops, then what I saved.
+        self.forward_ops, self.saved = {}, {}
+        self.splits = set()
+        self.split_fallbacks = []
         self.tf_vars = {s: [_replica_variable(v) for v in st.variables]
                         for s, st in stages.items()}
 
@@ -221,9 +245,11 @@ class _Builder:
             return self.transport.can_receive(a)
         if a.kind == "F":
             return s == 0 or (s, "F", mb) in self.received
-        if a.kind == "B":
+        if a.kind in ("B", "I"):
             return (s, mb) in self.stage_out and (
                 s == self.p - 1 or (s, "B", mb) in self.received)
+        if a.kind == "W":
+            return (s, mb) in self.saved
         if a.kind == "SEND_F":
             return (s, mb) in self.stage_out
         if a.kind == "SEND_B":
@@ -262,6 +288,8 @@ class _Builder:
                     self.last[s] = tf.group(*sent, *self._chain(s))
             elif a.kind == "F":
                 self._forward(a)
+            elif a.kind == "W":
+                self._weights(a)
             else:
                 self._backward(a)
 
@@ -297,6 +325,8 @@ class _Builder:
             if stage.replay is not None:
                 self.snapshots[(s, mb)] = (stage.snapshot()
                                            if stage.snapshot else None)
+            graph = tf.compat.v1.get_default_graph()
+            first_op = len(graph.get_operations())
             out = _as_list(stage.fn(ins))
             done = list(out)
             if s == self.p - 1:
@@ -304,6 +334,8 @@ class _Builder:
                 if self.loss_fn is not None:
                     self.losses[mb] = self.loss_fn(out, mb)
                     done.append(self.losses[mb])
+            if s in self.splits:
+                self.forward_ops[(s, mb)] = graph.get_operations()[first_op:]
         self.stage_in[(s, mb)] = ins
         self.stage_out[(s, mb)] = out
         self._finish(a, start, done)
@@ -340,8 +372,22 @@ class _Builder:
                 ys = stage.replay(ins, self.snapshots.pop((s, mb)), finish)
                 if s == 0:
                     ins = []
-            in_grads, var_grads = stage_backward(
-                ys, ins, self.tf_vars[s], seed)
+            meetings = None
+            if a.kind == "I":
+                meetings = (weight_meetings(self.forward_ops.pop((s, mb)),
+                                            self.stage_in[(s, mb)],
+                                            self.tf_vars[s])
+                            if stage.replay is None else None)
+            if meetings is None:
+                in_grads, var_grads = stage_backward(
+                    ys, ins, self.tf_vars[s], seed)
+                if a.kind == "I":  # cannot split: W has nothing left to do
+                    self.split_fallbacks.append(a)
+                    self.saved[(s, mb)] = None
+            else:
+                in_grads, self.saved[(s, mb)] = input_backward(
+                    ys, ins, meetings, seed)
+                var_grads = []
         self.grad_in[(s, mb)] = in_grads
         total = self.grads[s]
         for i, g in enumerate(var_grads):
@@ -349,9 +395,39 @@ class _Builder:
         # The received gradients count as done too: a stage with nothing
         # to train (frozen) uses them for nothing else, and TensorFlow
         # would prune the receive, leaving the sender waiting.
+        # A split backward's I also computes what its W will need (the
+        # gradients reaching the weights' ops), so that W is only the
+        # weight-gradient work.
+        reaching = [g for _, _, pairs in (self.saved.get((s, mb)) or [])
+                    for _, g in pairs]
         self._finish(a, start, [
             g.values if isinstance(g, tf.IndexedSlices) else g
-            for g in list(in_grads) + list(var_grads) + list(seed or [])])
+            for g in list(in_grads) + list(var_grads) + list(seed or [])
+            + reaching])
+
+    def _weights(self, a):
+        """`W`: the weights' gradients of a microbatch whose `I` ran."""
+        s, mb = a.stage, a.microbatch
+        saved = self.saved.pop((s, mb))
+        deps = self._chain(s)
+        start = None
+        if self.times is not None:
+            start = self._timestamp(deps)
+            deps = [start]
+        var_grads = []
+        if saved is not None:
+            with tf.control_dependencies(deps):
+                # On the stage's device: the gradient of a variable read
+                # is colocated with the variable's captured handle, which
+                # has none (the optimizer needs each gradient's device).
+                var_grads = [_on_this_device(g) for g in
+                             weight_backward(saved, self.tf_vars[s])]
+            total = self.grads[s]
+            for i, g in enumerate(var_grads):
+                total[i] = accumulate(total[i], g)
+        self._finish(a, start, [
+            g.values if isinstance(g, tf.IndexedSlices) else g
+            for g in var_grads])
 
     def _finish(self, a, start, done):
         s = a.stage
@@ -367,4 +443,5 @@ class _Builder:
         finals = [self.last[s] for s in lists if s in self.last]
         with tf.control_dependencies(self.sends + finals):
             done = tf.no_op(name="pipeline_step_done")
-        return StepResult(self.losses, self.outputs, self.grads, done)
+        return StepResult(self.losses, self.outputs, self.grads, done,
+                          list(self.split_fallbacks))

@@ -3,7 +3,10 @@
 A schedule says, for every pipeline stage, in which order it runs the
 forward (`F`) and backward (`B`) pass of every microbatch, and where it
 sends and receives activations (`SEND_F` / `RECV_F`) and their gradients
-(`SEND_B` / `RECV_B`). The pipeline runtime
+(`SEND_B` / `RECV_B`). A backward may also run split in two (zero-bubble
+schedules): `I` computes the gradients of the stage's inputs (what the
+previous stage waits for) and `W` later computes the weights' gradients
+from what `I` saved. The pipeline runtime
 (`keras_smp.pipeline.runtime.execute`) runs whatever action lists
 `actions(stage)` gives it, with stages on devices of one process or one
 stage per process.
@@ -32,6 +35,7 @@ __all__ = [
     "GPipe",
     "KINDS",
     "OneFOneB",
+    "OneFOneBSplit",
     "SCHEDULES",
     "Schedule",
     "Timeline",
@@ -39,8 +43,11 @@ __all__ = [
     "simulate",
 ]
 
-#: Compute kinds: the forward and the backward pass of one microbatch.
-COMPUTE_KINDS: tuple[str, ...] = ("F", "B")
+#: Compute kinds: the forward and the backward pass of one microbatch, and
+#: the backward split in two: input gradients (`I`), weight gradients (`W`).
+COMPUTE_KINDS: tuple[str, ...] = ("F", "B", "I", "W")
+#: Kinds that produce the gradients a previous stage waits for.
+_GRAD_KINDS = ("B", "I")
 #: Point-to-point kinds: activations go forward, their gradients go backward.
 COMM_KINDS: tuple[str, ...] = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 #: Every action kind.
@@ -75,7 +82,9 @@ class Action:
 
     Args:
         stage: Index of the stage that runs the action, an int >= 0.
-        kind: One of `"F"` (forward), `"B"` (backward), `"SEND_F"`,
+        kind: One of `"F"` (forward), `"B"` (backward), `"I"` (backward,
+            input gradients only), `"W"` (backward, weight gradients
+            only, after the microbatch's `I`), `"SEND_F"`,
             `"RECV_F"` (activations to / from the neighbouring stages),
             `"SEND_B"`, `"RECV_B"` (gradients of those activations).
         microbatch: Index of the microbatch, an int >= 0.
@@ -131,12 +140,12 @@ class Action:
 
     @property
     def is_compute(self) -> bool:
-        """Whether the action is a forward or backward pass."""
+        """Whether the action is a forward or backward pass (or a part)."""
         return self.kind in COMPUTE_KINDS
 
     @property
     def peer(self) -> int | None:
-        """Stage a transfer goes to or comes from; `None` for F and B."""
+        """Stage a transfer goes to or comes from; `None` for compute."""
         if self.is_compute:
             return None
         return self.stage + _PEER_OFFSET[self.kind]
@@ -249,7 +258,7 @@ class Schedule:
                 out.append(a)
                 if not last:
                     out.append(Action(stage, "SEND_F", k))
-            elif a.kind == "B":
+            elif a.kind in _GRAD_KINDS:
                 if not last:
                     out.append(Action(stage, "RECV_B", k))
                 out.append(a)
@@ -329,8 +338,8 @@ class Schedule:
     def validate(self) -> None:
         """Checks that the schedule is complete, ordered and can run.
 
-        Checks, stage by stage: every microbatch has exactly one `F` and one
-        `B`, `F` comes before `B`, no more than `in_flight_limit(stage)`
+        Checks, stage by stage: every microbatch has exactly one `F` and
+        either one `B` or one `I` and one `W`, in that order, no more than `in_flight_limit(stage)`
         microbatches are in flight; every send has its matching receive on
         the peer stage and both sides handle a link's microbatches in the
         same order; and the compute order does not deadlock.
@@ -351,8 +360,9 @@ class Schedule:
                 if not isinstance(a, Action) or a.stage != s or not a.is_compute:
                     raise ValueError(
                         f"{where}: compute_actions({s}) returned {a!s} at "
-                        f"position {pos}, expected an F or B Action of stage "
-                        f"{s} (transfers are added by actions()).")
+                        f"position {pos}, expected a compute Action (F or B, "
+                        f"or I and W) of stage {s} (transfers are added by "
+                        f"actions()).")
                 if a.microbatch >= m:
                     raise ValueError(
                         f"{where}: stage {s} runs {a}, but microbatches are "
@@ -360,18 +370,27 @@ class Schedule:
                         f"below num_microbatches.")
                 seen[a].append(pos)
             for k in range(m):
+                f = Action(s, "F", k)
+                split = bool(seen[Action(s, "I", k)] or seen[Action(s, "W", k)])
+                kinds = ("F", "I", "W") if split else ("F", "B")
                 for kind in COMPUTE_KINDS:
                     a = Action(s, kind, k)
-                    if len(seen[a]) != 1:
+                    want = 1 if kind in kinds else 0
+                    if len(seen[a]) != want:
                         raise ValueError(
                             f"{where}: stage {s} runs {a} {len(seen[a])} "
-                            f"times, expected exactly once.")
-                f, b = Action(s, "F", k), Action(s, "B", k)
-                if seen[b][0] < seen[f][0]:
-                    raise ValueError(
-                        f"{where}: stage {s} runs {b} (position {seen[b][0]}) "
-                        f"before {f} (position {seen[f][0]}); a backward "
-                        f"pass needs its forward pass. Move {b} after {f}.")
+                            f"times, expected {'exactly once' if want else 'never'}"
+                            f" (a microbatch's backward is either one B, or "
+                            f"one I followed by one W).")
+                later = [Action(s, kind, k) for kind in kinds[1:]]
+                for before, after in zip([f] + later, later):
+                    if seen[after][0] < seen[before][0]:
+                        raise ValueError(
+                            f"{where}: stage {s} runs {after} (position "
+                            f"{seen[after][0]}) before {before} (position "
+                            f"{seen[before][0]}); a backward pass needs its "
+                            f"forward pass, and W needs its I. Move {after} "
+                            f"after {before}.")
             peak, limit = _peak_in_flight(order), self.in_flight_limit(s)
             if peak > limit:
                 raise ValueError(
@@ -430,12 +449,14 @@ class Schedule:
 
 
 def _peak_in_flight(order) -> int:
+    # A microbatch is held from its F until its B (or its W: the weight
+    # gradients need the saved inputs).
     held, peak = set(), 0
     for a in order:
         if a.kind == "F":
             held.add(a.microbatch)
             peak = max(peak, len(held))
-        elif a.kind == "B":
+        elif a.kind in ("B", "W"):
             held.discard(a.microbatch)
     return peak
 
@@ -519,10 +540,51 @@ class OneFOneB(Schedule):
         return order
 
 
+class OneFOneBSplit(OneFOneB):
+    """1F1B with every backward split into `I` and `W`.
+
+    The order of 1F1B, each `B` replaced by `I` (the gradients of the
+    stage's inputs, sent to the previous stage at once) followed right away
+    by `W` (the weights' gradients). The previous stage gets its gradients
+    one `W` earlier, so with `p` stages the fill and drain cost
+    `(p - 1) (F + I)` instead of 1F1B's `(p - 1) (F + B)`, and a transfer's
+    latency hides behind the `W` that follows it. Activation memory is
+    1F1B's: a stage holds at most `min(p - s, m)` microbatches.
+
+    This is the first step of the zero-bubble schedules (Qi et al., 2024);
+    ZB-H1 also moves some `W`s into the drain, which this schedule does not.
+
+    Args:
+        num_stages: Number of pipeline stages `p`, an int >= 1.
+        num_microbatches: Number of microbatches per step `m`, an int >= 1.
+
+    Example:
+
+    >>> [str(a) for a in OneFOneBSplit(2, 2).compute_actions(0)]
+    ['0F0', '0F1', '0I0', '0W0', '0I1', '0W1']
+    >>> t = simulate(OneFOneBSplit(4, 8), forward_cost=1, backward_cost=2)
+    >>> t.makespan, simulate(OneFOneB(4, 8), 1, 2).makespan
+    (30.0, 33.0)
+    """
+
+    name = "1f1b_split"
+
+    def _compute_actions(self, stage):
+        out = []
+        for a in super()._compute_actions(stage):
+            if a.kind == "B":
+                out += [Action(stage, "I", a.microbatch),
+                        Action(stage, "W", a.microbatch)]
+            else:
+                out.append(a)
+        return out
+
+
 #: Accepted schedule names (SMP's `"simple"` and `"interleaved"` included).
 SCHEDULES: dict[str, type] = {
     "gpipe": GPipe,
     "1f1b": OneFOneB,
+    "1f1b_split": OneFOneBSplit,
     "simple": GPipe,
     "interleaved": OneFOneB,
 }
@@ -532,13 +594,13 @@ def get_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
     """Builds a schedule from its name, as in `SMPConfig.pipeline`.
 
     Args:
-        name: `"gpipe"` (alias `"simple"`) or `"1f1b"` (alias
-            `"interleaved"`), case-insensitive.
+        name: `"gpipe"` (alias `"simple"`), `"1f1b"` (alias
+            `"interleaved"`) or `"1f1b_split"`, case-insensitive.
         num_stages: Number of pipeline stages `p`, an int >= 1.
         num_microbatches: Number of microbatches per step `m`, an int >= 1.
 
     Returns:
-        A `GPipe` or `OneFOneB` instance.
+        A `GPipe`, `OneFOneB` or `OneFOneBSplit` instance.
 
     Example:
 
@@ -723,7 +785,8 @@ class Timeline:
                 "timeline with Timeline.grid() instead.") from e
         sched, p = self.schedule, self.num_stages
         span = self.makespan or 1.0
-        colors = {"F": "#4c8bd6", "B": "#f0a04b", "RECV_F": "#9aa0a6",
+        colors = {"F": "#4c8bd6", "B": "#f0a04b", "I": "#f0a04b",
+                  "W": "#6bbf59", "RECV_F": "#9aa0a6",
                   "RECV_B": "#9aa0a6", "SEND_F": "#9aa0a6",
                   "SEND_B": "#9aa0a6"}
         fig = Figure(figsize=(min(max(6.0, 0.35 * span + 2), 24.0),
@@ -751,6 +814,11 @@ class Timeline:
         ax.set_axisbelow(True)
         handles = [Patch(color=colors["F"], label="forward"),
                    Patch(color=colors["B"], label="backward")]
+        if any(a.kind == "W" for st in self.entries for _, _, a in st):
+            handles[-1] = Patch(color=colors["I"],
+                                label="backward (B, or I: input grads)")
+            handles.append(Patch(color=colors["W"],
+                                 label="W: weight gradients"))
         if any(not a.is_compute for st in self.entries for _, _, a in st):
             handles.append(Patch(color=colors["RECV_F"],
                                  label="communication"))
@@ -800,20 +868,26 @@ class Timeline:
                     "name": f"{a.kind}{a.microbatch}", "ph": "X", "pid": 0,
                     "tid": s, "ts": 1000.0 * start,
                     "dur": 1000.0 * (end - start),
-                    "cat": "forward" if a.kind == "F" else "backward"})
+                    "cat": {"F": "forward", "W": "weight gradients"}.get(
+                        a.kind, "backward")})
         with open(path, "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
         return path
 
 
-def _dependencies(action: Action, num_stages: int):
-    """Compute actions `action` waits for, each with whether a transfer is needed."""
+def _dependencies(action: Action, num_stages: int, grad_kind=None):
+    """Compute actions `action` waits for, each with whether a transfer is
+    needed. `grad_kind(stage, microbatch)`: the kind (`B` or `I`) that
+    stage runs for that microbatch's input gradients (default `B`)."""
     s, k = action.stage, action.microbatch
     if action.kind == "F":
         return [(Action(s - 1, "F", k), True)] if s > 0 else []
+    if action.kind == "W":
+        return [(Action(s, "I", k), False)]
     deps = [(Action(s, "F", k), False)]
     if s < num_stages - 1:
-        deps.append((Action(s + 1, "B", k), True))
+        kind = grad_kind(s + 1, k) if grad_kind else "B"
+        deps.append((Action(s + 1, kind, k), True))
     return deps
 
 
@@ -828,14 +902,18 @@ def _check_cost(name, value, allow_zero):
 
 
 def simulate(schedule: Schedule, forward_cost: float = 1.0,
-             backward_cost: float = 2.0, comm_cost: float = 0.0) -> Timeline:
+             backward_cost: float = 2.0, comm_cost: float = 0.0,
+             weight_cost: float | None = None) -> Timeline:
     """Plays a schedule, event by event, with fixed costs per action.
 
     Each stage runs its compute actions in order, each as soon as the stage
     is free and its inputs are there: `F` of stage `s` waits for `F` of the
     same microbatch on stage `s - 1` (plus `comm_cost`); `B` waits for its
     own `F` and for `B` of the same microbatch on stage `s + 1` (plus
-    `comm_cost`; the last stage's `B` only needs its `F`).
+    `comm_cost`; the last stage's `B` only needs its `F`). A split
+    backward's `I` waits as `B` does and costs `backward_cost -
+    weight_cost`; its `W` waits for its `I` and costs `weight_cost`
+    (default: half the backward, as for a matmul's two gradients).
 
     Args:
         schedule: A `Schedule`.
@@ -858,15 +936,30 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0,
     """
     costs = {"F": _check_cost("forward_cost", forward_cost, False),
              "B": _check_cost("backward_cost", backward_cost, False)}
+    weight = (costs["B"] / 2 if weight_cost is None
+              else _check_cost("weight_cost", weight_cost, False))
+    if weight >= costs["B"]:
+        raise ValueError(
+            f"Invalid weight_cost for simulate(): received {weight_cost!r}, "
+            f"expected less than backward_cost ({backward_cost!r}): it is "
+            "the weight-gradient part of the backward.")
+    costs["W"], costs["I"] = weight, costs["B"] - weight
     comm = _check_cost("comm_cost", comm_cost, True)
     p = schedule.num_stages
     orders = [schedule.compute_actions(s) for s in range(p)]
+    split = set()
     for s, order in enumerate(orders):
         for a in order:
             if not isinstance(a, Action) or a.stage != s or not a.is_compute:
                 raise ValueError(
                     f"Cannot simulate {schedule!r}: compute_actions({s}) "
-                    f"returned {a!s}, expected only F and B Actions of stage {s}.")
+                    f"returned {a!s}, expected only compute Actions (F, B, "
+                    f"I, W) of stage {s}.")
+            if a.kind == "I":
+                split.add((s, a.microbatch))
+
+    def grad_kind(stage, k):
+        return "I" if (stage, k) in split else "B"
     end = {}
     free = [0.0] * p
     pos = [0] * p
@@ -877,7 +970,7 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0,
         for s in range(p):
             while pos[s] < len(orders[s]):
                 a = orders[s][pos[s]]
-                deps = _dependencies(a, p)
+                deps = _dependencies(a, p, grad_kind)
                 if any(d not in end for d, _ in deps):
                     break
                 start = max([free[s]] + [end[d] + (comm if c else 0.0)
@@ -895,7 +988,7 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0,
             if pos[s] < len(orders[s]):
                 a = orders[s][pos[s]]
                 waits = []
-                for d, _ in _dependencies(a, p):
+                for d, _ in _dependencies(a, p, grad_kind):
                     if d in end:
                         continue
                     if d not in scheduled:
@@ -908,7 +1001,8 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0,
             f"Pipeline schedule {schedule!r} deadlocks: no stage can run its "
             f"next action. " + "; ".join(stuck) + ". Reorder compute_actions() "
             f"so that every F runs after the previous stage's F of the same "
-            f"microbatch, and every B after its own F and the next stage's B.")
+            f"microbatch, every B (or I) after its own F and the next stage's "
+            f"B (or I), and every W after its I.")
     return Timeline(schedule, entries)
 
 
@@ -923,7 +1017,8 @@ def main(argv=None) -> int:
         prog="python -m keras_smp.pipeline.schedule",
         description="Print (and draw) a pipeline schedule.")
     parser.add_argument("--schedule", default="1f1b",
-                        help="gpipe | 1f1b | simple | interleaved (default 1f1b)")
+                        help="gpipe | 1f1b | 1f1b_split | simple | interleaved "
+                        "(default 1f1b)")
     parser.add_argument("-p", "--num-stages", type=int, default=4)
     parser.add_argument("-m", "--num-microbatches", type=int, default=8)
     parser.add_argument("--forward-cost", type=float, default=1.0)

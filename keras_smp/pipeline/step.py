@@ -10,6 +10,7 @@ over microbatches. `DistributedModel`'s `train_step`, `test_step` and
 """
 
 import dataclasses
+import warnings
 
 import keras
 import tensorflow as tf
@@ -136,6 +137,17 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     result = execute({s: schedule.actions(s) for s in held}, stages,
                      transport, p, xs, loss_fn, forward_only=not training,
                      times=times)
+    if result.split_fallbacks:
+        warnings.warn(
+            f"pipeline={schedule.name!r}: stage(s) "
+            f"{sorted({a.stage for a in result.split_fallbacks})} cannot "
+            "split their backward into input and weight gradients and run "
+            "it whole in I (same results, no speed-up): a weight there "
+            "reaches its op through a function (jit_compile=True compiles "
+            "each stage as one), a custom gradient (activation "
+            "checkpointing) or a sparse read. Use jit_compile=False and no "
+            "activation_checkpointing for those stages, or pipeline='1f1b'.",
+            stacklevel=2)
     variables = [v for s in held for v in stage_vars[s]] if training else []
     if links is None:
         with tf.device(devices[-1]):

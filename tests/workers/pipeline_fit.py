@@ -153,6 +153,8 @@ def diff(a, b):
 from compiled import count as _compiled  # noqa: E402  (counts XLA stages)
 from replays import count as _replays  # noqa: E402  (counts recomputations)
 from replays import layer_count as _layer_replays  # noqa: E402
+from splits import count as _splits  # noqa: E402  (split backwards traced)
+from splits import fallbacks as _split_fallbacks  # noqa: E402
 
 references = {}
 for case in CASES:
@@ -175,6 +177,7 @@ for case in CASES:
             lambda losses, m, sw: factor * original(losses, m, sw))
     strategy = keras_smp.SMPStrategy(**config)
     _replays[0] = _compiled[0] = _layer_replays[0] = 0
+    _splits[0] = _split_fallbacks[0] = 0
     with strategy.scope():
         model, got = run(case, pipelined=True)
     graph = model.staged_graph
@@ -193,5 +196,7 @@ for case in CASES:
         layer_replays=_layer_replays[0],
         compiled=_compiled[0],
         jit_compile=model.jit_compile,
+        splits=_splits[0],
+        split_fallbacks=_split_fallbacks[0],
     )
     print(json.dumps(row), flush=True)

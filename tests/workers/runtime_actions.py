@@ -51,6 +51,17 @@ PLAN = {
     1: "1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1RECV_F2 1F2 1B1 1SEND_B1 "
        "1B2 1SEND_B2",
 }
+# SPLIT_PLAN=1: backwards split into I (input gradients) and W (weight
+# gradients), W deferred and out of microbatch order, mixed with a whole B
+# (stage 1, microbatch 2) in the same list.
+SPLIT_PLAN = {
+    0: "0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2 0RECV_B0 0I0 0RECV_B1 0I1 "
+       "0W0 0RECV_B2 0I2 0W2 0W1",
+    1: "1RECV_F0 1F0 1RECV_F1 1F1 1I0 1SEND_B0 1RECV_F2 1F2 1I1 1SEND_B1 "
+       "1W0 1B2 1SEND_B2 1W1",
+}
+if os.environ.get("SPLIT_PLAN"):
+    PLAN = SPLIT_PLAN
 ACTIONS = {s: [Action.parse(a) for a in text.split()]
            for s, text in PLAN.items()}
 M, ROWS = 3, 12
