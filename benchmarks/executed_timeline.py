@@ -72,7 +72,7 @@ else:
     width, depth, batch = 512, 4, 512
 strategies = {name: keras_smp.SMPStrategy(
     partitions=2, microbatches=m, pipeline=name)
-    for name in ("gpipe", "1f1b", "1f1b_split")}
+    for name in ("gpipe", "1f1b", "1f1b_split", "zb_h1")}
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -120,7 +120,7 @@ for name, strategy in strategies.items():
     print(f"{name:10s} {planned.bubble_fraction():15.1%} "
           f"{executed.bubble_fraction():16.1%} {executed.makespan:12.1f}  "
           f"{busy[0]:.0f} / {busy[1]:.0f}, {wait} ms", flush=True)
-    if name in ("1f1b", "1f1b_split") and keras_smp.rank() == 0:
+    if name in ("1f1b", "zb_h1") and keras_smp.rank() == 0:
         os.makedirs(args.out, exist_ok=True)
         suffix = "" if args.processes == 1 else "_2proc"
         path = os.path.join(args.out, f"executed_{name}_p2_m{m}{suffix}.png")

@@ -8,7 +8,7 @@ tf-keras-facts.md). Measured side by side in one run:
 - baseline: the whole model, plain Keras, in 1 serial process;
 - pipelined: `keras_smp.DistributedModel`, partitions=2, one stage per
   serial process (`keras-smp launch -n 2`), microbatches 1, 2, 4, 8, 16,
-  schedules gpipe and 1f1b;
+  schedules gpipe, 1f1b, 1f1b_split and zb_h1;
 - data parallel: the plain model under `SMPStrategy()` in 2 serial
   processes, the same global batch.
 
@@ -60,6 +60,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDTH, LAYERS, BATCH, STAGES = 1024, 8, 1024, 2
+# 1f1b_split and zb_h1 split each backward into I and W (docs/schedules.md);
+# with --xla their stages cannot split (each stage is one compiled
+# function) and they run as 1F1B does, with a warning.
+SCHEDULES = ("gpipe", "1f1b", "1f1b_split", "zb_h1")
 
 
 def worker(args):
@@ -300,8 +304,8 @@ def main():
     print(f"{'schedule':>8} {'m':>3} {'ms/step':>8} {'speedup':>8} "
           f"{'ideal':>6} {'bound':>6}  peak activations per stage (MB)")
     rows = []
-    for schedule in ("gpipe", "1f1b"):
-        if schedule == "1f1b":
+    for schedule in SCHEDULES:
+        if schedule == "1f1b_split":
             bases.append(run(me + ["--mode", "single"]))
         for m in ms_list:
             ms_other = None

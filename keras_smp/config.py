@@ -56,6 +56,7 @@ _PIPELINES = {
     "gpipe": "gpipe",
     "1f1b": "1f1b",
     "1f1b_split": "1f1b_split",
+    "zb_h1": "zb_h1",
     "simple": "gpipe",  # SMP's name
     "interleaved": "1f1b",  # SMP's name
 }
@@ -276,11 +277,12 @@ class SMPConfig:
             Alias: `pipeline_parallel_degree`.
         microbatches: Microbatches per step, an int >= 1 (1 = no pipelining).
         pipeline: `"1f1b"` (backward as early as possible), `"gpipe"`
-            (all forwards, then all backwards) or `"1f1b_split"` (1F1B
+            (all forwards, then all backwards), `"1f1b_split"` (1F1B
             with each backward split into input gradients, sent at once,
-            and weight gradients: a smaller bubble, see
-            docs/schedules.md). SMP's names `"interleaved"` and
-            `"simple"` are accepted and mapped to the first two.
+            and weight gradients) or `"zb_h1"` (zero-bubble H1: weight
+            gradients also deferred into the drain); see
+            docs/schedules.md. SMP's names `"interleaved"` and `"simple"`
+            are accepted and mapped to the first two.
         optimize: Auto-partition balance, `"memory"` or `"speed"`.
         auto_partition: Whether layers are partitioned automatically.
         default_partition: Partition for layers outside any

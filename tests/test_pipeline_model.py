@@ -105,7 +105,11 @@ GROUPS = {
               + _cases("cnn", (2,), ("1f1b_split",), (8,), "adam")
               + _cases("skip", (4,), ("1f1b_split",), (4,), "sgd")
               + _cases("manual", (2,), ("1f1b_split",), (4,), "adam")
-              + _cases("mlp", (2,), ("1f1b_split",), (8,), "sgd", devices=4))
+              + _cases("mlp", (2,), ("1f1b_split",), (8,), "sgd", devices=4)
+              # ZB-H1: W deferred by the stage index (into the drain).
+              + _cases("mlp", (2, 4), ("zb_h1",), (4, 8), "adam")
+              + _cases("skip", (4,), ("zb_h1",), (8,), "sgd")
+              + _cases("cnn", (2,), ("zb_h1",), (4,), "sgd", devices=4))
     # Stages that cannot split (a recomputed stage, XLA-compiled stages)
     # run their whole backward in I, with a warning: the same results.
     + [dict(c, recompute=[1]) for c in
@@ -165,7 +169,7 @@ def test_pipelined_training_matches_single_device(group):
         assert row["jit_compile"] == bool(row.get("xla")), row
         # Backwards were split exactly where the schedule asks for it and
         # the stage allows it; the others fell back with a warning.
-        if row["pipeline"] != "1f1b_split":
+        if row["pipeline"] not in ("1f1b_split", "zb_h1"):
             assert row["splits"] == 0 and row["split_fallbacks"] == 0, row
         elif row.get("xla"):
             assert row["splits"] == 0 and row["split_fallbacks"] > 0, row
@@ -329,7 +333,7 @@ def test_saved_pipelined_model_loads_back_pipelined(tmp_path):
 @pytest.mark.parametrize("workers,pipeline,variant", [
     (2, "1f1b", "callbacks"), (2, "gpipe", "callbacks"), (4, "1f1b", ""),
     (4, "gpipe", ""), (2, "gpipe", "loss-only"), (2, "1f1b", "manual"),
-    (2, "gpipe", "recompute"), (2, "1f1b", "xla"), (2, "1f1b_split", "")])
+    (2, "gpipe", "recompute"), (2, "1f1b", "xla"), (2, "zb_h1", "")])
 def test_one_stage_per_process_matches_single_device(
         tmp_path, reference, workers, pipeline, variant):
     # partitions=2 over 2 or 4 worker processes (1 or 2 replicas x 2

@@ -20,6 +20,7 @@ from keras_smp.pipeline.schedule import Action
 from keras_smp.pipeline.schedule import GPipe
 from keras_smp.pipeline.schedule import OneFOneB
 from keras_smp.pipeline.schedule import OneFOneBSplit
+from keras_smp.pipeline.schedule import ZeroBubbleH1
 from keras_smp.pipeline.schedule import Schedule
 from keras_smp.pipeline.schedule import get_schedule
 from keras_smp.pipeline.schedule import main
@@ -209,6 +210,7 @@ def test_action_peer_and_errors():
 
 def test_get_schedule_names_and_aliases():
     assert type(get_schedule("1f1b_split", 2, 4)) is OneFOneBSplit
+    assert type(get_schedule("ZB_H1", 2, 4)) is ZeroBubbleH1
     assert SMPConfig(pipeline="1F1B_split").pipeline == "1f1b_split"
     assert type(get_schedule("gpipe", 2, 4)) is GPipe
     assert type(get_schedule("simple", 2, 4)) is GPipe
@@ -431,10 +433,11 @@ def test_docstring_examples_run(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("cls", [OneFOneBSplit, ZeroBubbleH1])
 @pytest.mark.parametrize("p", range(1, 6))
 @pytest.mark.parametrize("m", range(1, 10))
-def test_1f1b_split_validates_and_respects_dependencies(p, m):
-    sched = OneFOneBSplit(p, m)
+def test_split_schedules_validate_and_respect_dependencies(cls, p, m):
+    sched = cls(p, m)
     sched.validate()
     comm = 0.25
     t = simulate(sched, forward_cost=1.0, backward_cost=2.0, comm_cost=comm)
@@ -442,28 +445,37 @@ def test_1f1b_split_validates_and_respects_dependencies(p, m):
     assert len(span) == 3 * p * m
     for s in range(p):
         assert [a for _, _, a in t.entries[s]] == sched.compute_actions(s)
-        # 1F1B's order with each B replaced by I then W right after it.
-        expected = []
-        for a in OneFOneB(p, m).compute_actions(s):
-            expected += ([a] if a.kind == "F" else
-                         [Action(s, "I", a.microbatch),
-                          Action(s, "W", a.microbatch)])
-        assert sched.compute_actions(s) == expected
-        # 1F1B's activation memory: held from F until W.
-        assert sched.peak_in_flight(s) == min(p - s, m)
-        assert t.peak_in_flight(s) == min(p - s, m)
+        # 1F1B's order of F and I (each B becomes an I).
+        assert [a for a in sched.compute_actions(s) if a.kind != "W"] == [
+            a if a.kind == "F" else Action(s, "I", a.microbatch)
+            for a in OneFOneB(p, m).compute_actions(s)]
+        # W of microbatch k right after I of k (1f1b_split), or after I of
+        # k + s (zb_h1: deferred by s, the rest at the end).
+        order = [str(a) for a in sched.compute_actions(s)]
+        delay = 0 if cls is OneFOneBSplit else s
+        for k in range(m):
+            after = order[order.index(f"{s}W{k}") - 1]
+            if k + delay < m:
+                assert after == f"{s}I{k + delay}", order
+            else:
+                assert after in (f"{s}I{m - 1}", f"{s}W{k - 1}"), order
+        held = min(p - s, m) if cls is OneFOneBSplit else min(p, m)
+        assert sched.peak_in_flight(s) == held == t.peak_in_flight(s)
+        assert held <= sched.in_flight_limit(s)
         for k in range(m):
             f, i, w = (span[Action(s, kind, k)] for kind in "FIW")
             assert f[1] <= i[0] + EPS and i[1] <= w[0] + EPS
             assert i[1] - i[0] == pytest.approx(1.0)  # half of B by default
             if s < p - 1:  # I waits for the next stage's I, not its W
                 assert span[Action(s + 1, "I", k)][1] + comm <= i[0] + EPS
-    # With free transfers the fill and drain cost (p - 1)(F + I) instead
-    # of 1F1B's (p - 1)(F + B): never slower, faster as soon as p > 1.
+    # With free transfers (F = I = W = 1): 1F1B costs (m + p - 1)(F + B);
+    # 1f1b_split m (F + B) + (p - 1)(F + I); zb_h1 m (F + B) + (p - 1)(F
+    # + I - W), the paper's ZB-H1 bubble.
     ones = simulate(sched, 1.0, 2.0)
     assert ones.makespan <= simulate(OneFOneB(p, m), 1.0, 2.0).makespan + EPS
     if m >= p:
-        assert ones.makespan == pytest.approx(m * 3.0 + (p - 1) * 2.0)
+        drain = 2.0 if cls is OneFOneBSplit else 1.0
+        assert ones.makespan == pytest.approx(m * 3.0 + (p - 1) * drain)
     # A transfer's latency hides behind the W that follows each I.
     assert t.makespan <= simulate(OneFOneB(p, m), 1.0, 2.0, comm).makespan + EPS
 

@@ -37,6 +37,7 @@ __all__ = [
     "OneFOneB",
     "OneFOneBSplit",
     "SCHEDULES",
+    "ZeroBubbleH1",
     "Schedule",
     "Timeline",
     "get_schedule",
@@ -551,8 +552,8 @@ class OneFOneBSplit(OneFOneB):
     latency hides behind the `W` that follows it. Activation memory is
     1F1B's: a stage holds at most `min(p - s, m)` microbatches.
 
-    This is the first step of the zero-bubble schedules (Qi et al., 2024);
-    ZB-H1 also moves some `W`s into the drain, which this schedule does not.
+    The simplest zero-bubble schedule; `ZeroBubbleH1` also defers `W`s
+    into the drain, for a smaller bubble at more memory on later stages.
 
     Args:
         num_stages: Number of pipeline stages `p`, an int >= 1.
@@ -580,11 +581,56 @@ class OneFOneBSplit(OneFOneB):
         return out
 
 
+class ZeroBubbleH1(OneFOneB):
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2024).
+
+    1F1B's order of forwards and input-gradient passes (`I`), with each
+    weight-gradient pass (`W`) of stage `s` deferred by `s` microbatches
+    (`W` of microbatch `k` runs after `I` of microbatch `k + s`; the rest
+    at the end). The later stages then send their input gradients sooner
+    and do the deferred `W`s in the drain, where 1F1B leaves them idle:
+    with `m >= p` a step costs `m (F + B) + (p - 1) (F + I - W)`, against
+    1F1B's `(m + p - 1) (F + B)` (a third of 1F1B's bubble when
+    `F = I = W`). Every stage holds at most `min(p, m)` microbatches,
+    1F1B's peak (stage 0's); later stages hold more than in 1F1B.
+
+    Args:
+        num_stages: Number of pipeline stages `p`, an int >= 1.
+        num_microbatches: Number of microbatches per step `m`, an int >= 1.
+
+    Example:
+
+    >>> [str(a) for a in ZeroBubbleH1(2, 3).compute_actions(1)]
+    ['1F0', '1I0', '1F1', '1I1', '1W0', '1F2', '1I2', '1W1', '1W2']
+    >>> simulate(ZeroBubbleH1(4, 8), 1, 2).makespan
+    27.0
+    """
+
+    name = "zb_h1"
+
+    def in_flight_limit(self, stage):
+        self._check_stage(stage)
+        return min(self.num_stages, self.num_microbatches)
+
+    def _compute_actions(self, stage):
+        out, deferred = [], []
+        for a in super()._compute_actions(stage):
+            if a.kind == "F":
+                out.append(a)
+                continue
+            out.append(Action(stage, "I", a.microbatch))
+            deferred.append(a.microbatch)
+            if len(deferred) > stage:
+                out.append(Action(stage, "W", deferred.pop(0)))
+        return out + [Action(stage, "W", k) for k in deferred]
+
+
 #: Accepted schedule names (SMP's `"simple"` and `"interleaved"` included).
 SCHEDULES: dict[str, type] = {
     "gpipe": GPipe,
     "1f1b": OneFOneB,
     "1f1b_split": OneFOneBSplit,
+    "zb_h1": ZeroBubbleH1,
     "simple": GPipe,
     "interleaved": OneFOneB,
 }
@@ -595,12 +641,14 @@ def get_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
 
     Args:
         name: `"gpipe"` (alias `"simple"`), `"1f1b"` (alias
-            `"interleaved"`) or `"1f1b_split"`, case-insensitive.
+            `"interleaved"`), `"1f1b_split"` or `"zb_h1"`,
+            case-insensitive.
         num_stages: Number of pipeline stages `p`, an int >= 1.
         num_microbatches: Number of microbatches per step `m`, an int >= 1.
 
     Returns:
-        A `GPipe`, `OneFOneB` or `OneFOneBSplit` instance.
+        A `GPipe`, `OneFOneB`, `OneFOneBSplit` or `ZeroBubbleH1`
+        instance.
 
     Example:
 
@@ -1017,8 +1065,8 @@ def main(argv=None) -> int:
         prog="python -m keras_smp.pipeline.schedule",
         description="Print (and draw) a pipeline schedule.")
     parser.add_argument("--schedule", default="1f1b",
-                        help="gpipe | 1f1b | 1f1b_split | simple | interleaved "
-                        "(default 1f1b)")
+                        help="gpipe | 1f1b | 1f1b_split | zb_h1 | simple | "
+                        "interleaved (default 1f1b)")
     parser.add_argument("-p", "--num-stages", type=int, default=4)
     parser.add_argument("-m", "--num-microbatches", type=int, default=8)
     parser.add_argument("--forward-cost", type=float, default=1.0)
