@@ -259,6 +259,7 @@ def main():
 
     sys.path.insert(0, ROOT)
     from keras_smp.pipeline.schedule import get_schedule
+    from keras_smp.pipeline.schedule import simulate
 
     import platform
 
@@ -317,7 +318,11 @@ def main():
                      + ["--mode", "pipeline", "--schedule", schedule,
                         "--microbatches", str(m)])
             sched = get_schedule(schedule, STAGES, m)
-            ideal = m * STAGES / (m + STAGES - 1)
+            # The schedule's own ideal: its simulated makespan with F = 1,
+            # B = 2 (I = W = 1) and free transfers, against p stages' work
+            # done serially (m * p / (m + p - 1) for GPipe and 1F1B).
+            ideal = (m * STAGES * 3.0
+                     / simulate(sched, 1.0, 2.0).makespan)
             # Ideal overlap of the pipelined step's work (measured
             # serially in 1 process), relative to the baseline.
             bound = base / (serial[m] / STAGES * (m + STAGES - 1) / m)
@@ -355,7 +360,8 @@ def main():
     keras_rows = {(sc, m): r for sc, m, _, r, _, _ in rows}
     keras_rows[("dp", 0)] = median / dp
     peer_rows(args.peer_python, args.peers, ms_list, keras_rows)
-    print("ideal = m*p/(m+p-1); bound = the same pipelined step run serially "
+    print("ideal = the schedule's simulated speedup with F = 1, B = 2 and free "
+          "transfers (m*p/(m+p-1) for gpipe and 1f1b); bound = the same pipelined step run serially "
           "in 1 process, overlapped ideally (microbatches of BATCH/m rows "
           "make smaller, slower matmuls; with both stages on logical devices "
           "of one process this overstates the penalty the stage processes "

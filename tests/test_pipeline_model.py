@@ -114,6 +114,10 @@ GROUPS = {
     # run their whole backward in I, with a warning: the same results.
     + [dict(c, recompute=[1]) for c in
        _cases("mlp", (2,), ("1f1b_split",), (4,), "sgd")]
+    # A recomputed layer (a custom gradient) in stage 0: that stage falls
+    # back, stage 1 splits.
+    + [dict(c, recompute_layers=[0]) for c in
+       _cases("mlp", (2,), ("zb_h1",), (4,), "adam")]
     + [dict(c, xla=True) for c in
        _cases("mlp", (2,), ("1f1b_split",), (4,), "sgd")],
 }
@@ -173,7 +177,8 @@ def test_pipelined_training_matches_single_device(group):
             assert row["splits"] == 0 and row["split_fallbacks"] == 0, row
         elif row.get("xla"):
             assert row["splits"] == 0 and row["split_fallbacks"] > 0, row
-        elif row.get("recompute"):  # stage 1 recomputed: stage 0 splits
+        elif row.get("recompute") or row.get("recompute_layers"):
+            # one stage recomputes (whole or a layer): the other splits
             assert row["splits"] > 0 and row["split_fallbacks"] > 0, row
         else:
             assert row["splits"] > 0 and row["split_fallbacks"] == 0, row

@@ -63,19 +63,25 @@ def test_split_backward_equals_the_whole_backward():
     # one tf.gradients of the whole stage, on Keras models with biases,
     # LayerNorm, Dropout (its seed read and assigned in the forward), a
     # layer applied twice, Embedding (sparse) + attention, Conv2D +
-    # BatchNorm. The same math in another order: float32 rounding at most
-    # (1e-6 of the largest gradient).
+    # BatchNorm; an op taking one weight twice and its cast. The same math
+    # in another order: float32 rounding at most (1e-6 of the largest
+    # gradient).
     rows = {r["model"]: r for r in _results(run_python(
         [os.path.join(WORKERS, "split_backward.py")]).stdout)}
-    assert sorted(rows) == ["conv", "embed", "mlp", "nested", "tied"], rows
+    assert sorted(rows) == ["conv", "embed", "learned", "mlp", "nested",
+                            "tied", "twice"], rows
     for row in rows.values():
         assert row["diff"] <= 1e-6 * max(1.0, row["scale"]), row
         assert row["nonzero"], row
     assert {"MatMul", "BiasAdd"} <= set(rows["tied"]["meetings"])
     assert "GatherV2" in rows["embed"]["meetings"], rows["embed"]
     assert "Conv2D" in rows["conv"]["meetings"], rows["conv"]
-    # A weight read inside a nested tf.function: not split (None).
+    # A weight read inside a nested tf.function, or a stage output made of
+    # weights alone: not split (None; the stage runs its whole backward).
     assert rows["nested"]["meetings"] is None
+    assert rows["learned"]["meetings"] is None
+    # The embedding's gradient stays sparse (IndexedSlices) through W.
+    assert rows["embed"]["sparse"], rows["embed"]
 
 
 @pytest.mark.slow

@@ -80,7 +80,7 @@ def stage_backward(outputs, inputs, variables, output_grads=None):
     return input_grads, grads[len(floating):]
 
 
-def weight_meetings(ops, inputs, variables):
+def weight_meetings(ops, inputs, variables, outputs=None):
     """Where the stage's weights meet activations among the ops of one
     forward pass.
 
@@ -90,6 +90,8 @@ def weight_meetings(ops, inputs, variables):
         variables: the `tf.Variable`s being trained (their reads are the
             weights; other variables' reads, such as a seed generator's or
             moving statistics, count as constants).
+        outputs: the stage's outputs (the loss on the last stage), when
+            known: one computed from weights alone cannot be split.
 
     Returns:
         A list of `(op, weight_inputs)`: each op with an input computed
@@ -97,8 +99,10 @@ def weight_meetings(ops, inputs, variables):
         (their `ReadVariableOp`s and ops of those alone), and the positions
         of the latter; or `None` when the forward pass cannot be split: a
         weight reaches an op other than its read as a resource (a function
-        call or XLA-compiled stage capturing it, a custom gradient, a
-        sparse read).
+        call or XLA-compiled stage capturing it, a sparse read), or meets
+        activations in an op whose gradient is one unit (a custom gradient
+        such as a recomputed layer, a function call, control flow), or a
+        stage output comes from weights alone, or no weight is read.
 
     Example:
 
@@ -123,11 +127,13 @@ def weight_meetings(ops, inputs, variables):
     act = {t.ref() for t in inputs}
     weighted = set()
     found = []
+    reads = 0
     for op in ops:
         resources = [t for t in op.inputs if t.dtype == tf.resource]
         trained = [t for t in resources if t.ref() in handles]
         if op.type == "ReadVariableOp" and trained:
             weighted.update(t.ref() for t in op.outputs)
+            reads += 1
             continue
         if trained:
             return None
@@ -136,25 +142,55 @@ def weight_meetings(ops, inputs, variables):
         if a_in:
             act.update(t.ref() for t in op.outputs)
             if w_in:
+                if op.type in _WHOLE_GRADIENT_OPS or _overrides_gradient(op):
+                    # Its gradient is one unit (a custom gradient such as
+                    # a recomputed layer, a function, control flow): split,
+                    # W would run it a second time.
+                    return None
                 found.append((op, w_in))
         elif w_in:
             weighted.update(t.ref() for t in op.outputs)
+    if variables and not reads:
+        return None  # no weight read seen: nothing to split safely
+    if outputs is not None and any(
+            t.ref() in weighted for t in outputs if t.dtype.is_floating):
+        # A stage output computed from weights alone (a learned constant
+        # such as a position embedding): its gradient would reach no
+        # meeting op.
+        return None
     return found
 
 
+# Ops whose gradient is computed as one unit: a weight meeting an
+# activation there cannot be split into I and W.
+_WHOLE_GRADIENT_OPS = frozenset((
+    "IdentityN", "PartitionedCall", "StatefulPartitionedCall", "While",
+    "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
+    "SymbolicGradient", "CudnnRNN", "CudnnRNNV2", "CudnnRNNV3"))
+
+
+def _overrides_gradient(op):
+    try:
+        op.get_attr("_gradient_op_type")
+    except ValueError:
+        return False
+    return True
+
+
 def _handles_in_graph(variables):
-    """Refs of the variables' resource handles as the current graph sees
-    them (a `tf.function` captures each handle as a placeholder)."""
+    """`{ref of a variable's resource handle as the current graph sees it:
+    the variable's index}` (a `tf.function` captures each handle as a
+    placeholder)."""
     graph = tf.compat.v1.get_default_graph()
     inner = {}
     for external, internal in getattr(graph, "captures", ()):
         inner[id(external)] = internal
-    refs = set()
-    for v in variables:
+    refs = {}
+    for i, v in enumerate(variables):
         handle = getattr(v, "handle", None)
         if handle is None:
             continue
-        refs.add(inner.get(id(handle), handle).ref())
+        refs[inner.get(id(handle), handle).ref()] = i
     return refs
 
 
@@ -213,24 +249,44 @@ def weight_backward(saved, variables):
         Gradients aligned with `variables` (zeros where unconnected).
     """
     variables = list(variables)
+    handles = _handles_in_graph(variables)
+    direct = [None] * len(variables)
     by_tensor = {}
     for op, w_in, pairs in saved:
-        xs = [op.inputs[i] for i in w_in]
-        stop = [t for i, t in enumerate(op.inputs) if i not in w_in]
+        xs, seen = [], set()
+        for i in w_in:  # each weight-side tensor once
+            if op.inputs[i].ref() not in seen:
+                seen.add(op.inputs[i].ref())
+                xs.append(op.inputs[i])
+        # This op's own partial derivative only: the gradient stops at
+        # every input (an input computed from another, such as a read and
+        # its cast, would otherwise count the path between them twice).
         local = tf.gradients([t for t, _ in pairs], xs,
                              grad_ys=[g for _, g in pairs],
-                             stop_gradients=stop)
+                             stop_gradients=list(op.inputs))
         for x, g in zip(xs, local):
-            if g is not None and x.dtype.is_floating:
-                ref = x.ref()
-                tensor, total = by_tensor.get(ref, (x, None))
-                by_tensor[ref] = (tensor, accumulate(total, g))
-    if not by_tensor:
-        return [tf.zeros_like(_read(v)) for v in variables]
-    ys = [t for t, _ in by_tensor.values()]
-    grad_ys = [dense(g) for _, g in by_tensor.values()]
-    return tf.gradients(ys, variables, grad_ys=grad_ys,
-                        unconnected_gradients="zero")
+            if g is None or not x.dtype.is_floating:
+                continue
+            index = (handles.get(x.op.inputs[0].ref())
+                     if x.op.type == "ReadVariableOp" else None)
+            if index is not None:
+                # A variable's read: its gradient as is (an embedding's
+                # stays sparse).
+                direct[index] = accumulate(direct[index], g)
+                continue
+            ref = x.ref()
+            tensor, total = by_tensor.get(ref, (x, None))
+            by_tensor[ref] = (tensor, accumulate(total, g))
+    carried = [None] * len(variables)
+    if by_tensor:
+        ys = [t for t, _ in by_tensor.values()]
+        grad_ys = [dense(g) for _, g in by_tensor.values()]
+        carried = tf.gradients(ys, variables, grad_ys=grad_ys)
+    out = []
+    for v, a, b in zip(variables, direct, carried):
+        g = accumulate(a, b)
+        out.append(tf.zeros_like(_read(v)) if g is None else g)
+    return out
 
 
 def _read(v):

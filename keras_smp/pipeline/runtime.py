@@ -206,8 +206,8 @@ def execute(actions, stages, transport, num_stages, inputs, loss_fn=None,
                 f"execute: the action lists cannot run: {blocked} wait(s) "
                 "for data that no earlier action provides. Every RECV needs "
                 "its peer's SEND earlier in the peer's list, every F its "
-                "RECV_F (stage > 0), every B its F and its RECV_B (stage < "
-                "last).")
+                "RECV_F (stage > 0), every B or I its F and its RECV_B "
+                "(stage < last), every W its I.")
     return run.result(lists)
 
 
@@ -326,7 +326,8 @@ class _Builder:
                 self.snapshots[(s, mb)] = (stage.snapshot()
                                            if stage.snapshot else None)
             graph = tf.compat.v1.get_default_graph()
-            first_op = len(graph.get_operations())
+            first_op = (len(graph.get_operations()) if s in self.splits
+                        else None)
             out = _as_list(stage.fn(ins))
             done = list(out)
             if s == self.p - 1:
@@ -374,10 +375,11 @@ class _Builder:
                     ins = []
             meetings = None
             if a.kind == "I":
-                meetings = (weight_meetings(self.forward_ops.pop((s, mb)),
-                                            self.stage_in[(s, mb)],
-                                            self.tf_vars[s])
-                            if stage.replay is None else None)
+                ops = self.forward_ops.pop((s, mb), None)
+                meetings = (weight_meetings(ops, self.stage_in[(s, mb)],
+                                            self.tf_vars[s], ys)
+                            if stage.replay is None and ops is not None
+                            else None)
             if meetings is None:
                 in_grads, var_grads = stage_backward(
                     ys, ins, self.tf_vars[s], seed)

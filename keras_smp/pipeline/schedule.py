@@ -288,7 +288,8 @@ class Schedule:
         """Idle fraction of a step with equal stages and free transfers.
 
         Returns:
-            `(p - 1) / (m + p - 1)`, the same for GPipe and 1F1B.
+            `(p - 1) / (m + p - 1)`, the same for GPipe and 1F1B (the split
+            schedules do better: `simulate()` them).
 
         Example:
 
@@ -302,7 +303,7 @@ class Schedule:
         """Most microbatches whose activations a stage holds at once.
 
         Counted from the compute order alone: a microbatch is in flight
-        between the end of its `F` and the end of its `B`.
+        between the end of its `F` and the end of its `B` (or its `W`).
 
         Args:
             stage: Stage index in `[0, num_stages)`.
@@ -589,9 +590,9 @@ class ZeroBubbleH1(OneFOneB):
     (`W` of microbatch `k` runs after `I` of microbatch `k + s`; the rest
     at the end). The later stages then send their input gradients sooner
     and do the deferred `W`s in the drain, where 1F1B leaves them idle:
-    with `m >= p` a step costs `m (F + B) + (p - 1) (F + I - W)`, against
-    1F1B's `(m + p - 1) (F + B)` (a third of 1F1B's bubble when
-    `F = I = W`). Every stage holds at most `min(p, m)` microbatches,
+    with `m >= p` and `W <= I` a step costs `m (F + B) + (p - 1) (F + I -
+    W)` (simulated), against 1F1B's `(m + p - 1) (F + B)`: a third of
+    1F1B's bubble when `F = I = W`. Every stage holds at most `min(p, m)` microbatches,
     1F1B's peak (stage 0's); later stages hold more than in 1F1B.
 
     Args:
@@ -726,7 +727,7 @@ class Timeline:
         return (total - busy) / total
 
     def peak_in_flight(self, stage: int) -> int:
-        """Most microbatches with `F` done and `B` not yet done on a stage.
+        """Most microbatches with `F` done and `B` (or `W`) not yet done.
 
         Args:
             stage: Stage index in `[0, num_stages)`.

@@ -145,8 +145,10 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             "it whole in I (same results, no speed-up): a weight there "
             "reaches its op through a function (jit_compile=True compiles "
             "each stage as one), a custom gradient (activation "
-            "checkpointing) or a sparse read. Use jit_compile=False and no "
-            "activation_checkpointing for those stages, or pipeline='1f1b'.",
+            "checkpointing of the stage or of a layer in it) or a sparse "
+            "read, or a stage output is made of weights alone. Use "
+            "jit_compile=False and no activation checkpointing for those "
+            "stages, or pipeline='1f1b'.",
             stacklevel=2)
     variables = [v for s in held for v in stage_vars[s]] if training else []
     if links is None:

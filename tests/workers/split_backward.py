@@ -71,8 +71,39 @@ def nested():
     return keras.Sequential([keras.Input((8,)), L.Dense(8), Nested()])
 
 
+class Twice(keras.layers.Layer):
+    """One op takes the same weight twice and the weight's cast: each
+    counted once."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(4, shape[-1]))
+
+    def call(self, x):
+        w = tf.reduce_sum(self.w, 0, keepdims=True)
+        w4 = tf.broadcast_to(w, [4, 8])  # the batch of this test: 4 rows
+        h = tf.add_n([x * w, w4, w4, tf.identity(w4)])
+        return tf.concat([h, w4], axis=1)
+
+
+def twice():
+    return keras.Sequential([keras.Input((8,)), Twice(), L.Dense(6)])
+
+
+class Learned(keras.Model):
+    """Returns a tensor made of weights alone (a learned constant), as a
+    stage output: cannot be split."""
+
+    def __init__(self):
+        super().__init__()
+        self.d = L.Dense(6)
+        self.c = self.add_weight(shape=(4, 6))
+
+    def call(self, x):
+        return self.d(x) + 0.0 * self.c, self.c * 2.0
+
+
 MODELS = {"mlp": mlp, "tied": Tied, "embed": embed, "conv": conv,
-          "nested": nested}
+          "nested": nested, "twice": twice, "learned": Learned}
 INPUTS = {"embed": np.random.RandomState(1).randint(0, 20, (4, 5)),
           "conv": np.random.RandomState(1).randn(4, 6, 6, 2)}
 
@@ -82,6 +113,9 @@ for name, make in MODELS.items():
                     "int32" if name == "embed" else "float32")
     model(x)
     variables = [_replica_variable(v) for v in model.trainable_weights]
+    outputs_of = (lambda out: list(out)) if name == "learned" else (
+        lambda out: [out])
+    seeds = {"learned": [tf.ones([4, 6]), tf.ones([4, 6]) * 3.0]}
     seed = tf.constant(np.random.RandomState(2).randn(4, 6), "float32")
 
     @tf.function
@@ -93,18 +127,22 @@ for name, make in MODELS.items():
         # The seed generator's state is read and assigned in the forward:
         # the same draws for both backwards (one forward, differentiated
         # twice).
-        out = model(inp, training=True)
+        out = outputs_of(model(inp, training=True))
+        grads_of_out = seeds.get(name, [seed])
         ops = graph.get_operations()[first:]
-        whole_in, whole_w = stage_backward([out], [inp], variables, [seed])
-        meetings = weight_meetings(ops, [inp], variables)
+        whole_in, whole_w = stage_backward(out, [inp], variables,
+                                           grads_of_out)
+        meetings = weight_meetings(ops, [inp], variables, out)
         if meetings is None:
             return whole_in, whole_w, whole_in, whole_w, tf.constant([], tf.string)
-        split_in, saved = input_backward([out], [inp], meetings, [seed])
+        split_in, saved = input_backward(out, [inp], meetings, grads_of_out)
         split_w = weight_backward(saved, variables)
         return (whole_in, whole_w, split_in, split_w,
                 tf.constant([op.type for op, _ in meetings]))
 
     whole_in, whole_w, split_in, split_w, found = grads(x)
+    sparse = [type(g).__name__ for g in split_w
+              if isinstance(g, tf.IndexedSlices)]
     pairs = list(zip(whole_in, split_in)) + list(zip(whole_w, split_w))
     diff = max(float(np.max(np.abs(tf.convert_to_tensor(dense(a)).numpy()
                                    - tf.convert_to_tensor(dense(b)).numpy())))
@@ -116,5 +154,5 @@ for name, make in MODELS.items():
     kinds = sorted({k.decode() for k in found.numpy()})
     print("RESULT " + json.dumps({
         "model": name, "diff": diff, "scale": scale, "nonzero": nonzero,
-        "meetings": kinds if found.shape[0] else None,
+        "meetings": kinds if found.shape[0] else None, "sparse": sparse,
         "num_weights": len(variables)}), flush=True)
