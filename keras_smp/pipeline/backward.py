@@ -60,16 +60,7 @@ def stage_backward(outputs, inputs, variables, output_grads=None):
     ```
     """
     inputs, variables = list(inputs), list(variables)
-    outputs = list(outputs)
-    # Only floating tensors carry gradients: a Keras mask (bool) or token
-    # ids crossing a stage boundary get zeros (of their dtype) back.
-    if output_grads is not None:
-        pairs = [(y, g) for y, g in zip(outputs, output_grads)
-                 if y.dtype.is_floating]
-        outputs, output_grads = ([y for y, _ in pairs],
-                                 [g for _, g in pairs])
-    else:
-        outputs = [y for y in outputs if y.dtype.is_floating]
+    outputs, output_grads = _floating(outputs, output_grads)
     floating = [t for t in inputs if t.dtype.is_floating]
     grads = tf.gradients(
         outputs, floating + variables, grad_ys=output_grads,
@@ -206,14 +197,8 @@ def input_backward(outputs, inputs, meetings, output_grads=None):
         `saved`, for `weight_backward`: each meeting op with the gradients
         reaching its outputs.
     """
-    inputs, outputs = list(inputs), list(outputs)
-    if output_grads is not None:
-        pairs = [(y, g) for y, g in zip(outputs, output_grads)
-                 if y.dtype.is_floating]
-        outputs, output_grads = ([y for y, _ in pairs],
-                                 [g for _, g in pairs])
-    else:
-        outputs = [y for y in outputs if y.dtype.is_floating]
+    inputs = list(inputs)
+    outputs, output_grads = _floating(outputs, output_grads)
     floating = [t for t in inputs if t.dtype.is_floating]
     met = [(op, w_in, [t for t in op.outputs if t.dtype.is_floating])
            for op, w_in in meetings]
@@ -291,6 +276,18 @@ def weight_backward(saved, variables):
 
 def _read(v):
     return v.read_value() if hasattr(v, "read_value") else v
+
+
+def _floating(outputs, output_grads):
+    """The floating `outputs` and their gradients: only those carry
+    gradients (a Keras mask or token ids crossing a stage boundary get
+    zeros of their dtype back)."""
+    outputs = list(outputs)
+    if output_grads is None:
+        return [y for y in outputs if y.dtype.is_floating], None
+    pairs = [(y, g) for y, g in zip(outputs, output_grads)
+             if y.dtype.is_floating]
+    return [y for y, _ in pairs], [g for _, g in pairs]
 
 
 def variable_gradients(loss, variables):
