@@ -86,6 +86,7 @@ def test_horovod_backend_needs_one_replica_per_process(tmp_path):
 @pytest.mark.slow
 def test_horovod_backend_without_horovod_rendezvous_is_named(tmp_path):
     # `keras-smp launch` without --horovod: each Horovod starts alone.
+    hvd_env_or_skip()
     proc = launch(2, fit_model(tmp_path, "--config",
                                '{"allreduce": "horovod"}'),
                   python=HVD_PYTHON, check=False, timeout=180)
