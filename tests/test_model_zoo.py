@@ -82,14 +82,15 @@ FROZEN_STAGE = "frozen_stage_loss_scale"
 
 
 def _zoo_run(tmp_path_factory, mode, microbatches=2, models=MODELS,
-             split=None):
+             split=None, pipeline=None):
     """Runs `models` in `mode` once per session; returns the output dir."""
-    key = (mode, microbatches, tuple(models), split)
+    key = (mode, microbatches, tuple(models), split, pipeline)
     if key not in _runs:
         out = tmp_path_factory.mktemp(f"zoo_{mode}_m{microbatches}")
         args = [os.path.join(WORKERS, "zoo_fit.py"), "--out", str(out),
                 "--mode", mode, "--microbatches", str(microbatches),
-                *(["--split", split] if split else []), *models]
+                *(["--split", split] if split else []),
+                *(["--pipeline", pipeline] if pipeline else []), *models]
         if mode in ("dp", "stage", "hybrid"):
             proc = launch(2, args, timeout=900, check=False)
         else:
@@ -153,6 +154,25 @@ def test_zoo_model_matches_single_device(tmp_path_factory, reference, name,
                   for k in ref if k.startswith("w"))
     assert differs, f"{name} in {mode} now matches single-device ({why}): " \
         "update EXPECTED and docs/what-works.md"
+
+
+# Zero-bubble schedule (split backwards) on the models that stress it:
+# sparse embedding gradients and an embedding tied across the first and
+# last stage, attention, clipping, LSTM (its loop cannot split: falls back),
+# several outputs, a loss-scaled float16 model.
+ZB_MODELS = ["transformer_lm", "bert_classifier", "rnn_text", "multi_io",
+             "mixed_float16"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ZB_MODELS)
+def test_zoo_model_with_zero_bubble_schedule_matches_single_device(
+        tmp_path_factory, reference, name):
+    out, proc = _zoo_run(tmp_path_factory, "pipe", models=ZB_MODELS,
+                         pipeline="zb_h1")
+    rtol, atol = TOLERANCE.get(name, (RTOL, ATOL))
+    _assert_same(_load(out, name, 0, proc), reference(name), name, rtol,
+                 atol)
 
 
 @pytest.mark.slow
