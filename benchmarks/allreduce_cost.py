@@ -18,7 +18,6 @@ overlap. See docs/performance.md.
 """
 
 import os
-import subprocess
 import sys
 import time
 
@@ -77,15 +76,11 @@ def main():
         return worker()
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from measure import cpu_model
+    from measure import launch_workers
 
     print(f"CPU: {cpu_model()}; {os.cpu_count()} cores; TensorFlow "
           "collective all-reduce (ring, gRPC) between 2 local processes")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep
-               + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run(
-        [sys.executable, "-m", "keras_smp.launch", "-n", "2", "--timeout",
-         "300", "--", sys.executable, os.path.abspath(__file__), "--worker"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    out = launch_workers(ROOT, __file__, [], timeout=300)
     lines = [l.split("RESULT ", 1)[1] for l in out.stdout.splitlines()
              if "RESULT " in l]
     if out.returncode or not lines:

@@ -24,7 +24,6 @@ Two layouts:
 
 import argparse
 import os
-import subprocess
 import sys
 
 p = argparse.ArgumentParser()
@@ -41,16 +40,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if args.processes == 2 and not args.worker:
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from measure import cpu_model
+    from measure import launch_workers
 
     print(f"CPU: {cpu_model()}; {os.cpu_count()} cores; 2 stage processes, "
           "each 1 intra-op and 1 inter-op thread")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep
-               + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run(
-        [sys.executable, "-m", "keras_smp.launch", "-n", "2", "--timeout",
-         "600", "--", sys.executable, os.path.abspath(__file__), "--worker",
-         *sys.argv[1:]], env=env, cwd=ROOT, capture_output=True, text=True,
-        timeout=700)
+    out = launch_workers(ROOT, __file__, sys.argv[1:])
     lines = [l.split("] ", 1)[1] for l in out.stdout.splitlines()
              if l.startswith("[0] ")]
     if out.returncode:

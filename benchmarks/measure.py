@@ -1,5 +1,6 @@
-"""What the memory benchmarks measure, in one place: a process's peak
-resident memory and the CPU's name (figures hold for that CPU only)."""
+"""What the benchmarks share, in one place: a process's peak resident
+memory, the CPU's name (figures hold for that CPU only), and running a
+script's workers under `keras-smp launch`."""
 
 
 def peak_mb():
@@ -21,3 +22,20 @@ def cpu_model():
         import platform
 
         return platform.processor() or "unknown CPU"
+
+
+def launch_workers(root, script, args, n=2, timeout=600):
+    """Runs `python script --worker ARGS` on `n` local workers with
+    `keras-smp launch` (keras-smp from `root`); returns the finished
+    process (stdout lines prefixed `[rank] `)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep
+               + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-m", "keras_smp.launch", "-n", str(n), "--timeout",
+         str(timeout), "--", sys.executable, os.path.abspath(script),
+         "--worker", *args], env=env, cwd=root, capture_output=True,
+        text=True, timeout=timeout + 100)
