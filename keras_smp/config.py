@@ -44,6 +44,7 @@ CONFIG_KEYS: tuple[str, ...] = (
     "collective_timeout_seconds",
     "local_devices",
     "activation_checkpointing",
+    "virtual_stages",
 )
 
 #: Alternative spellings accepted on input, mapped to their canonical key.
@@ -57,6 +58,8 @@ _PIPELINES = {
     "1f1b": "1f1b",
     "1f1b_split": "1f1b_split",
     "zb_h1": "zb_h1",
+    "interleaved_1f1b": "interleaved_1f1b",  # Megatron's, virtual stages
+    "zb_v": "zb_v",
     "simple": "gpipe",  # SMP's name
     "interleaved": "1f1b",  # SMP's name
 }
@@ -184,17 +187,34 @@ def _normalise(values: Mapping[str, Any], origins: Mapping[str, str] | None = No
                 origins, "Use None to drive all visible GPUs (or 1 CPU device).",
             ) from None
     out["local_devices"] = local_devices
+    virtual = values["virtual_stages"]
+    if virtual is not None:
+        virtual = _check_int("virtual_stages", virtual, 1, origins)
+    # The schedule layer (pure Python) knows each schedule's rules.
+    from keras_smp.pipeline.schedule import get_schedule
+
+    try:
+        schedule = get_schedule(out["pipeline"], out["partitions"],
+                                out["microbatches"], virtual)
+    except ValueError as e:
+        where = "".join(_where(k, origins) for k in
+                        ("pipeline", "virtual_stages") if _where(k, origins))
+        raise ValueError(f"Invalid keras-smp config{where}: {e}") from None
+    out["virtual_stages"] = schedule.virtual_stages
+    stages = out["partitions"] * out["virtual_stages"]
     out["activation_checkpointing"] = _check_checkpointing(
-        values["activation_checkpointing"], out["partitions"], origins)
+        values["activation_checkpointing"], stages, origins)
 
     # Cross-field checks.
-    if out["default_partition"] >= out["partitions"]:
+    if out["default_partition"] >= stages:
         raise ValueError(
             f"Invalid keras-smp config value for 'default_partition'"
             f"{_where('default_partition', origins)}: received "
             f"{values['default_partition']!r}, but it must be < partitions="
-            f"{out['partitions']}{_where('partitions', origins)}. Use a value in "
-            f"0..{out['partitions'] - 1}, or increase 'partitions'."
+            f"{out['partitions']}{_where('partitions', origins)}"
+            + (f" x virtual_stages={out['virtual_stages']}"
+               if out["virtual_stages"] > 1 else "")
+            + f". Use a value in 0..{stages - 1}, or increase 'partitions'."
         )
     if out["horovod"]:
         if out["allreduce"] == "auto":
@@ -279,10 +299,13 @@ class SMPConfig:
         pipeline: `"1f1b"` (backward as early as possible), `"gpipe"`
             (all forwards, then all backwards), `"1f1b_split"` (1F1B
             with each backward split into input gradients, sent at once,
-            and weight gradients) or `"zb_h1"` (zero-bubble H1: weight
-            gradients also deferred into the drain); see
-            docs/schedules.md. SMP's names `"interleaved"` and `"simple"`
-            are accepted and mapped to the first two.
+            and weight gradients), `"zb_h1"` (zero-bubble H1: weight
+            gradients also deferred into the drain), `"interleaved_1f1b"`
+            (Megatron's interleaved 1F1B: `virtual_stages` model stages
+            per rank) or `"zb_v"` (zero-bubble V: two model stages per
+            rank in a V); see docs/schedules.md. SMP's names
+            `"interleaved"` and `"simple"` are accepted and mapped to the
+            first two.
         optimize: Auto-partition balance, `"memory"` or `"speed"`.
         auto_partition: Whether layers are partitioned automatically.
         default_partition: Partition for layers outside any
@@ -307,7 +330,14 @@ class SMPConfig:
             recomputed, see `keras_smp.set_activation_checkpointing`).
             Random layers (`Dropout`) draw the same values and state
             updates (`BatchNormalization`'s moving statistics) apply once,
-            so training is unchanged.
+            so training is unchanged. Stage indices count model stages
+            (`partitions * virtual_stages` of them).
+        virtual_stages: Model stages per pipeline rank `v`: the model is
+            cut into `partitions * v` stages and rank `r` runs stages `r,
+            r + partitions, ...` (`"interleaved_1f1b"`, any `v >= 2`,
+            default 2) or `r` and `2 partitions - 1 - r` (`"zb_v"`, 2).
+            `None` (default) takes the schedule's own; stored as an int
+            (1 for the other schedules, which accept only 1).
 
     Example:
 
@@ -333,6 +363,12 @@ class SMPConfig:
     collective_timeout_seconds: float = 300.0
     local_devices: int | None = None
     activation_checkpointing: bool | tuple = False
+    virtual_stages: int | None = None
+
+    @property
+    def num_model_stages(self) -> int:
+        """Pieces the model is cut into: `partitions * virtual_stages`."""
+        return self.partitions * self.virtual_stages
 
     def __post_init__(self):
         raw = {key: getattr(self, key) for key in CONFIG_KEYS}

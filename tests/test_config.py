@@ -40,6 +40,7 @@ def test_defaults():
         "collective_timeout_seconds": 300.0,
         "local_devices": None,
         "activation_checkpointing": False,
+        "virtual_stages": 1,
     }
     assert SMPConfig().to_dict() == expected
     assert build().to_dict() == expected
@@ -412,3 +413,34 @@ def test_docstring_examples_run(obj, monkeypatch):
     assert examples
     for code in examples:
         exec(compile(code, f"<{obj.__qualname__} example>", "exec"), {})
+
+
+def test_virtual_stages_follow_the_schedule():
+    # interleaved_1f1b: 2 by default, any v >= 2; zb_v: 2; others: 1.
+    assert SMPConfig(partitions=2, microbatches=4,
+                     pipeline="interleaved_1f1b").virtual_stages == 2
+    c = SMPConfig(partitions=2, microbatches=4, pipeline="interleaved_1f1b",
+                  virtual_stages=3)
+    assert (c.virtual_stages, c.num_model_stages) == (3, 6)
+    assert SMPConfig(partitions=2, pipeline="zb_v").num_model_stages == 4
+    assert SMPConfig(partitions=2).virtual_stages == 1
+    # default_partition and checkpointed stages count model stages.
+    assert SMPConfig(partitions=2, microbatches=2, pipeline="zb_v",
+                     default_partition=3,
+                     activation_checkpointing=[2]).default_partition == 3
+    with pytest.raises(ValueError, match="'virtual_stages'.*received 0"):
+        SMPConfig(partitions=2, microbatches=4, pipeline="interleaved_1f1b",
+                  virtual_stages=0)
+    with pytest.raises(ValueError, match="'1f1b'.*received 2.*interleaved_1f1b"):
+        SMPConfig(partitions=2, virtual_stages=2)
+    with pytest.raises(ValueError, match="'zb_v'.*received 3"):
+        SMPConfig(partitions=2, pipeline="zb_v", virtual_stages=3)
+    with pytest.raises(ValueError, match="multiple of num_stages=2.*"
+                                         "microbatches=2 or 4"):
+        SMPConfig(partitions=2, microbatches=3, pipeline="interleaved_1f1b")
+    with pytest.raises(ValueError, match="from environment variable SMP_CONFIG"):
+        build(environ={"SMP_CONFIG": '{"pipeline": "zb_v", '
+                                     '"virtual_stages": 4}'})
+    with pytest.raises(ValueError, match="default_partition.*partitions=2 x "
+                                         "virtual_stages=2"):
+        SMPConfig(partitions=2, pipeline="zb_v", default_partition=4)

@@ -6,8 +6,9 @@ its public names are re-exported here lazily, so that
 """
 
 _SCHEDULE_NAMES = (
-    "Action", "COMPUTE_KINDS", "COMM_KINDS", "GPipe", "KINDS", "OneFOneB",
-    "SCHEDULES", "Schedule", "Timeline", "get_schedule", "simulate",
+    "Action", "COMPUTE_KINDS", "COMM_KINDS", "GPipe", "Interleaved1F1B",
+    "KINDS", "OneFOneB", "OneFOneBSplit", "SCHEDULES", "Schedule",
+    "Timeline", "ZeroBubbleH1", "ZeroBubbleV", "get_schedule", "simulate",
 )
 
 __all__ = list(_SCHEDULE_NAMES)

@@ -35,9 +35,11 @@ __all__ = [
     "GPipe",
     "KINDS",
     "OneFOneB",
+    "Interleaved1F1B",
     "OneFOneBSplit",
     "SCHEDULES",
     "ZeroBubbleH1",
+    "ZeroBubbleV",
     "Schedule",
     "Timeline",
     "get_schedule",
@@ -193,8 +195,68 @@ class Schedule:
         self.num_microbatches = num_microbatches
 
     def __repr__(self):
+        extra = (f", virtual_stages={self.virtual_stages}"
+                 if self.virtual_stages > 1 else "")
         return (f"{type(self).__name__}(num_stages={self.num_stages}, "
-                f"num_microbatches={self.num_microbatches})")
+                f"num_microbatches={self.num_microbatches}{extra})")
+
+    # -- where the model's stages run -------------------------------------
+
+    #: Model stages per pipeline rank (`v`); 1 except for the schedules
+    #: with virtual stages (`Interleaved1F1B`, `ZeroBubbleV`).
+    virtual_stages = 1
+
+    @property
+    def num_model_stages(self) -> int:
+        """Pieces the model is cut into: `num_stages * virtual_stages`.
+
+        With virtual stages an `Action`'s `stage` is a model stage in
+        `[0, num_model_stages)`, run by pipeline rank `rank_of(stage)`;
+        otherwise model stage and rank are the same.
+
+        Example:
+
+        >>> Interleaved1F1B(2, 4, virtual_stages=2).num_model_stages
+        4
+        """
+        return self.num_stages * self.virtual_stages
+
+    def rank_of(self, stage: int) -> int:
+        """Pipeline rank (process or device) that runs model stage `stage`.
+
+        Args:
+            stage: Model stage index in `[0, num_model_stages)`.
+
+        Returns:
+            An int in `[0, num_stages)`: `stage` itself without virtual
+            stages, `stage % num_stages` for `Interleaved1F1B` (rank `r`
+            holds stages `r, r + p, ...`), a V for `ZeroBubbleV`.
+
+        Example:
+
+        >>> [Interleaved1F1B(2, 4).rank_of(s) for s in range(4)]
+        [0, 1, 0, 1]
+        """
+        if not _is_int(stage) or not 0 <= stage < self.num_model_stages:
+            raise ValueError(
+                f"Invalid model stage for {self!r}: received {stage!r}, "
+                f"expected an int in [0, {self.num_model_stages - 1}].")
+        return self._rank_of(stage)
+
+    def _rank_of(self, stage):
+        return stage % self.num_stages
+
+    def stages_of(self, rank: int) -> list[int]:
+        """Model stages that pipeline rank `rank` runs, in model order.
+
+        Example:
+
+        >>> ZeroBubbleV(2, 4).stages_of(0), ZeroBubbleV(2, 4).stages_of(1)
+        ([0, 3], [1, 2])
+        """
+        self._check_stage(rank)
+        return [s for s in range(self.num_model_stages)
+                if self._rank_of(s) == rank]
 
     def __str__(self):
         return simulate(self).grid()
@@ -209,8 +271,8 @@ class Schedule:
     def _check_stage(self, stage):
         if not _is_int(stage) or not 0 <= stage < self.num_stages:
             raise ValueError(
-                f"Invalid stage for {self!r}: received {stage!r}, expected an "
-                f"int in [0, {self.num_stages - 1}].")
+                f"Invalid pipeline rank (stage) for {self!r}: received "
+                f"{stage!r}, expected an int in [0, {self.num_stages - 1}].")
 
     def compute_actions(self, stage: int) -> list[Action]:
         """Forward and backward actions of one stage, in execution order.
@@ -250,21 +312,22 @@ class Schedule:
         ['0F0', '0SEND_F0', '0RECV_B0', '0B0']
         """
         out = []
-        first, last = stage == 0, stage == self.num_stages - 1
+        final = self.num_model_stages - 1
         for a in self.compute_actions(stage):
             k = a.microbatch
+            first, last = a.stage == 0, a.stage == final
             if a.kind == "F":
                 if not first:
-                    out.append(Action(stage, "RECV_F", k))
+                    out.append(Action(a.stage, "RECV_F", k))
                 out.append(a)
                 if not last:
-                    out.append(Action(stage, "SEND_F", k))
+                    out.append(Action(a.stage, "SEND_F", k))
             elif a.kind in _GRAD_KINDS:
                 if not last:
-                    out.append(Action(stage, "RECV_B", k))
+                    out.append(Action(a.stage, "RECV_B", k))
                 out.append(a)
                 if not first:
-                    out.append(Action(stage, "SEND_B", k))
+                    out.append(Action(a.stage, "SEND_B", k))
             else:
                 out.append(a)  # validate() reports it.
         return out
@@ -355,23 +418,25 @@ class Schedule:
         """
         p, m = self.num_stages, self.num_microbatches
         where = f"Invalid pipeline schedule {self!r}"
-        for s in range(p):
-            order = self.compute_actions(s)
+        for r in range(p):
+            order = self.compute_actions(r)
+            held = self.stages_of(r)
             seen = collections.defaultdict(list)
             for pos, a in enumerate(order):
-                if not isinstance(a, Action) or a.stage != s or not a.is_compute:
+                if not isinstance(a, Action) or not a.is_compute or (
+                        a.stage not in held):
                     raise ValueError(
-                        f"{where}: compute_actions({s}) returned {a!s} at "
+                        f"{where}: compute_actions({r}) returned {a!s} at "
                         f"position {pos}, expected a compute Action (F or B, "
-                        f"or I and W) of stage {s} (transfers are added by "
-                        f"actions()).")
+                        f"or I and W) of a stage rank {r} runs ({held}; "
+                        f"transfers are added by actions()).")
                 if a.microbatch >= m:
                     raise ValueError(
-                        f"{where}: stage {s} runs {a}, but microbatches are "
+                        f"{where}: rank {r} runs {a}, but microbatches are "
                         f"numbered 0..{m - 1}. Only use microbatch indices "
                         f"below num_microbatches.")
                 seen[a].append(pos)
-            for k in range(m):
+            for s, k in ((s, k) for s in held for k in range(m)):
                 f = Action(s, "F", k)
                 split = bool(seen[Action(s, "I", k)] or seen[Action(s, "W", k)])
                 kinds = ("F", "I", "W") if split else ("F", "B")
@@ -393,27 +458,29 @@ class Schedule:
                             f"{seen[before][0]}); a backward pass needs its "
                             f"forward pass, and W needs its I. Move {after} "
                             f"after {before}.")
-            peak, limit = _peak_in_flight(order), self.in_flight_limit(s)
+            peak, limit = _peak_in_flight(order), self.in_flight_limit(r)
             if peak > limit:
                 raise ValueError(
-                    f"{where}: stage {s} holds {peak} microbatches in flight, "
+                    f"{where}: {'rank' if self.virtual_stages > 1 else 'stage'} "
+                    f"{r} holds {peak} microbatches in flight, "
                     f"expected at most {limit} for this schedule. Run "
                     f"backward passes earlier.")
         self._validate_transfers()
         simulate(self)  # Raises if the compute order deadlocks.
 
     def _validate_transfers(self):
-        p = self.num_stages
+        p = self.num_model_stages
         where = f"Invalid pipeline schedule {self!r}"
         # Per link (sender, receiver, kind): microbatches in the order sent
         # and in the order received.
         sent = collections.defaultdict(list)
         received = collections.defaultdict(list)
         first_action = {}
-        for s in range(p):
-            for a in self.actions(s):
+        for r in range(self.num_stages):
+            for a in self.actions(r):
                 if a.is_compute:
                     continue
+                s = a.stage
                 if not 0 <= a.peer < p:
                     raise ValueError(
                         f"{where}: stage {s} runs {a}, whose peer stage "
@@ -452,14 +519,15 @@ class Schedule:
 
 def _peak_in_flight(order) -> int:
     # A microbatch is held from its F until its B (or its W: the weight
-    # gradients need the saved inputs).
+    # gradients need the saved inputs), per model stage: with virtual
+    # stages a rank counts one per (stage, microbatch) it holds.
     held, peak = set(), 0
     for a in order:
         if a.kind == "F":
-            held.add(a.microbatch)
+            held.add((a.stage, a.microbatch))
             peak = max(peak, len(held))
         elif a.kind in ("B", "W"):
-            held.discard(a.microbatch)
+            held.discard((a.stage, a.microbatch))
     return peak
 
 
@@ -626,43 +694,250 @@ class ZeroBubbleH1(OneFOneB):
         return out + [Action(stage, "W", k) for k in deferred]
 
 
+class Interleaved1F1B(Schedule):
+    """Megatron's interleaved 1F1B: `v` virtual stages per pipeline rank.
+
+    The model is cut into `p * v` stages and rank `r` runs stages `r, r +
+    p, ..., r + (v - 1) p` (Narayanan et al., "Efficient Large-Scale
+    Language Model Training on GPU Clusters Using Megatron-LM", 2021;
+    torch's `ScheduleInterleaved1F1B`). Each rank goes through its
+    stages' forward passes in rounds of `p` microbatches (stage `r` for
+    microbatches 0..p-1, then stage `r + p` for the same ones, ...) and
+    its backward passes in the reverse stage order, after a warm-up of
+    `2 (p - 1 - r) + (v - 1) p` forward passes. Every action is `1/v` of a
+    rank's work, so the fill and drain shrink `v` times: the idle fraction
+    is `(p - 1) / (v m + p - 1)` with free transfers, against `(p - 1) /
+    (m + p - 1)` for 1F1B, for `v` times as many transfers. A rank holds
+    at most `warm-up + 1` (stage, microbatch) pairs, each `1/v` of a
+    rank's activations: `(p - 1 - r) 2 / v + p` microbatches' worth, a bit
+    more than 1F1B's `p - r`.
+
+    `num_microbatches` must be a multiple of `num_stages` (as in
+    Megatron).
+
+    Args:
+        num_stages: Pipeline ranks `p` (processes or devices), an int >= 1.
+        num_microbatches: Microbatches per step `m`, a multiple of `p`.
+        virtual_stages: Model stages per rank `v`, an int >= 2 (default 2).
+
+    Example:
+
+    >>> sched = Interleaved1F1B(2, 4, virtual_stages=2)
+    >>> [str(a) for a in sched.compute_actions(1)]
+    ['1F0', '1F1', '3F0', '3B0', '3F1', '3B1', '1F2', '1B0', '1F3', '1B1', '3F2', '3B2', '3F3', '3B3', '1B2', '1B3']
+    >>> sched.ideal_bubble_fraction(), OneFOneB(2, 4).ideal_bubble_fraction()
+    (0.1111111111111111, 0.2)
+    """
+
+    name = "interleaved_1f1b"
+
+    def __init__(self, num_stages: int, num_microbatches: int,
+                 virtual_stages: int = 2):
+        super().__init__(num_stages, num_microbatches)
+        if not _is_int(virtual_stages) or virtual_stages < 2:
+            raise ValueError(
+                f"Invalid virtual_stages for the 'interleaved_1f1b' pipeline "
+                f"schedule: received {virtual_stages!r}, expected an int >= 2 "
+                f"(model stages per pipeline rank). Use pipeline='1f1b' for "
+                f"one stage per rank.")
+        if num_microbatches % num_stages:
+            raise ValueError(
+                f"Invalid num_microbatches for the 'interleaved_1f1b' "
+                f"pipeline schedule: received {num_microbatches}, expected a "
+                f"multiple of num_stages={num_stages} (microbatches go round "
+                f"the ranks in groups of {num_stages}). Use microbatches="
+                f"{max(num_stages, num_microbatches // num_stages * num_stages)}"
+                f" or {(num_microbatches // num_stages + 1) * num_stages}.")
+        self.virtual_stages = virtual_stages
+
+    def warmup(self, rank: int) -> int:
+        """Forward actions rank `rank` runs before its first backward.
+
+        Returns:
+            `min(2 (p - 1 - rank) + (v - 1) p, v m)`.
+
+        Example:
+
+        >>> [Interleaved1F1B(4, 8).warmup(r) for r in range(4)]
+        [10, 8, 6, 4]
+        """
+        self._check_stage(rank)
+        p, v = self.num_stages, self.virtual_stages
+        return min(2 * (p - 1 - rank) + (v - 1) * p,
+                   v * self.num_microbatches)
+
+    def in_flight_limit(self, stage):
+        return min(self.warmup(stage) + 1,
+                   self.virtual_stages * self.num_microbatches)
+
+    def ideal_bubble_fraction(self):
+        """`(p - 1) / (v m + p - 1)`: 1F1B's, with fill and drain `v` times
+        shorter.
+
+        Example:
+
+        >>> round(Interleaved1F1B(4, 8, 2).ideal_bubble_fraction(), 4)
+        0.1579
+        """
+        p, m, v = self.num_stages, self.num_microbatches, self.virtual_stages
+        return (p - 1) / (v * m + p - 1)
+
+    def _compute_actions(self, rank):
+        p, v, m = self.num_stages, self.virtual_stages, self.num_microbatches
+
+        def action(k, kind):
+            # The k-th forward (or backward) action of the rank: rounds of
+            # p microbatches per stage, stages in order (reversed for the
+            # backward), then the next p microbatches.
+            chunk = (k // p) % v
+            if kind == "B":
+                chunk = v - 1 - chunk
+            return Action(chunk * p + rank, kind, (k // (p * v)) * p + k % p)
+
+        total, w = v * m, self.warmup(rank)
+        order = [action(k, "F") for k in range(w)]
+        for i in range(total - w):
+            order += [action(w + i, "F"), action(i, "B")]
+        order += [action(k, "B") for k in range(total - w, total)]
+        return order
+
+
+class ZeroBubbleV(Schedule):
+    """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", 2024, section 6).
+
+    The model is cut into `2 p` stages placed in a V: rank `r` runs stage
+    `r` on the way down and stage `2 p - 1 - r` on the way back, so rank 0
+    holds both the first and the last stage, and the turn (stages `p - 1`
+    and `p`) stays on rank `p - 1` without a transfer. Every backward is
+    split into `I` and `W` (see `ZeroBubbleH1`), and the `W`s fill the
+    fill and drain: with `F = I = W` and free transfers the bubble is
+    close to zero for `m >= 2 p - 1`, at 1F1B's peak activation memory
+    (`2 p` half-size stages' microbatches on rank 0). The order follows
+    torch's `ScheduleZBVZeroBubble`.
+
+    Args:
+        num_stages: Pipeline ranks `p` (processes or devices), an int >= 1.
+        num_microbatches: Microbatches per step `m`, an int >= 1.
+
+    Example:
+
+    >>> sched = ZeroBubbleV(2, 4)
+    >>> sched.stages_of(0), sched.stages_of(1)
+    ([0, 3], [1, 2])
+    >>> t = simulate(sched, 1, 2, weight_cost=1)
+    >>> t.makespan, simulate(OneFOneB(2, 4), 2, 4).makespan
+    (25.0, 30.0)
+    """
+
+    name = "zb_v"
+    virtual_stages = 2
+
+    def _rank_of(self, stage):
+        p = self.num_stages
+        return stage if stage < p else 2 * p - 1 - stage
+
+    def in_flight_limit(self, stage):
+        self._check_stage(stage)
+        return min(2 * self.num_stages, 2 * self.num_microbatches)
+
+    def _compute_actions(self, rank):
+        p, m = self.num_stages, self.num_microbatches
+        n = max(2 * p - 1, m)  # then drop the microbatches >= m
+        down, up = rank, 2 * p - 1 - rank
+        order = []
+        count = collections.Counter()
+
+        def put(stage, kind, key=None):
+            key = key or kind
+            order.append(Action(stage, kind, count[(stage, key)]))
+            count[(stage, key)] += 1
+
+        for _ in range(2 * (p - rank) - 1):
+            put(down, "F")
+        for _ in range(rank):
+            put(up, "F")
+            put(down, "F")
+        for _ in range(p - rank):
+            put(up, "F")
+            put(up, "I")
+            put(up, "W")
+        while count[(up, "F")] < count[(down, "F")] or count[(down, "F")] < n:
+            if count[(down, "F")] < n:
+                put(down, "F")
+            put(down, "I")
+            put(down, "W")
+            put(up, "F")
+            put(up, "I")
+            put(up, "W")
+        for _ in range(rank):
+            put(down, "I")
+            put(up, "I")
+        for _ in range(p - rank):
+            put(down, "I")
+            put(down, "W")
+        while count[(up, "W")] < count[(up, "I")]:
+            put(up, "W")
+        while count[(down, "W")] < count[(down, "I")]:
+            put(down, "W")
+        return [a for a in order if a.microbatch < m]
+
+
 #: Accepted schedule names (SMP's `"simple"` and `"interleaved"` included).
 SCHEDULES: dict[str, type] = {
     "gpipe": GPipe,
     "1f1b": OneFOneB,
     "1f1b_split": OneFOneBSplit,
     "zb_h1": ZeroBubbleH1,
+    "interleaved_1f1b": Interleaved1F1B,
+    "zb_v": ZeroBubbleV,
     "simple": GPipe,
     "interleaved": OneFOneB,
 }
 
 
-def get_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+def get_schedule(name: str, num_stages: int, num_microbatches: int,
+                 virtual_stages: int | None = None) -> Schedule:
     """Builds a schedule from its name, as in `SMPConfig.pipeline`.
 
     Args:
         name: `"gpipe"` (alias `"simple"`), `"1f1b"` (alias
-            `"interleaved"`), `"1f1b_split"` or `"zb_h1"`,
-            case-insensitive.
-        num_stages: Number of pipeline stages `p`, an int >= 1.
+            `"interleaved"`), `"1f1b_split"`, `"zb_h1"`,
+            `"interleaved_1f1b"` or `"zb_v"`, case-insensitive.
+        num_stages: Number of pipeline ranks `p`, an int >= 1.
         num_microbatches: Number of microbatches per step `m`, an int >= 1.
+        virtual_stages: Model stages per rank `v`: `None` for the
+            schedule's own (2 for `"interleaved_1f1b"` and `"zb_v"`, 1 for
+            the others); any `v >= 2` for `"interleaved_1f1b"`, 2 for
+            `"zb_v"`, 1 for the others.
 
     Returns:
-        A `GPipe`, `OneFOneB`, `OneFOneBSplit` or `ZeroBubbleH1`
-        instance.
+        A `Schedule` instance.
 
     Example:
 
     >>> get_schedule("interleaved", 4, 8)
     OneFOneB(num_stages=4, num_microbatches=8)
+    >>> get_schedule("interleaved_1f1b", 2, 4, virtual_stages=3)
+    Interleaved1F1B(num_stages=2, num_microbatches=4, virtual_stages=3)
     """
     key = name.strip().lower() if isinstance(name, str) else None
     if key not in SCHEDULES:
         raise ValueError(
             f"Unknown pipeline schedule: received {name!r}, expected one of "
             f"{', '.join(repr(n) for n in SCHEDULES)}. 'simple' is GPipe and "
-            f"'interleaved' is 1F1B (SMP's names).")
-    return SCHEDULES[key](num_stages, num_microbatches)
+            f"'interleaved' is 1F1B (SMP's names); Megatron's interleaved "
+            f"schedule with virtual stages is 'interleaved_1f1b'.")
+    cls = SCHEDULES[key]
+    if cls is Interleaved1F1B:
+        return cls(num_stages, num_microbatches,
+                   2 if virtual_stages is None else virtual_stages)
+    if virtual_stages is not None and virtual_stages != cls.virtual_stages:
+        raise ValueError(
+            f"Invalid virtual_stages for the {key!r} pipeline schedule: "
+            f"received {virtual_stages!r}, but it runs {cls.virtual_stages} "
+            f"model stage(s) per rank. Leave virtual_stages unset, or use "
+            f"pipeline='interleaved_1f1b' for v >= 2 stages per rank.")
+    return cls(num_stages, num_microbatches)
 
 
 # --------------------------------------------------------------------------
@@ -775,6 +1050,7 @@ class Timeline:
                 f"Invalid grid step: received {step!r}, expected a number > 0 "
                 f"(the length of one column, in cost units).")
         slots = math.ceil(self.makespan / step - 1e-9)
+        virtual = getattr(self.schedule, "virtual_stages", 1) > 1
         rows = []
         for stage in self.entries:
             row, i = [], 0
@@ -784,18 +1060,20 @@ class Timeline:
                     i += 1
                 if i < len(stage) and stage[i][0] <= mid < stage[i][1]:
                     a = stage[i][2]
-                    row.append(f"{a.kind}{a.microbatch}")
+                    # With virtual stages a rank runs several: name it.
+                    row.append(str(a) if virtual else f"{a.kind}{a.microbatch}")
                 else:
                     row.append(".")
             rows.append(row)
         times = [f"{c * step:g}" for c in range(slots)]
         width = max([len(x) for x in times] + [len(x) for r in rows for x in r]
                     + [1])
-        label = len(f"stage {self.num_stages - 1}")
+        name = "rank" if virtual else "stage"
+        label = len(f"{name} {self.num_stages - 1}")
         lines = ["time".ljust(label) + "  " + " ".join(t.ljust(width)
                                                        for t in times)]
         for s, row in enumerate(rows):
-            lines.append(f"stage {s}".ljust(label) + "  "
+            lines.append(f"{name} {s}".ljust(label) + "  "
                          + " ".join(x.ljust(width) for x in row))
         return "\n".join(line.rstrip() for line in lines)
 
@@ -846,16 +1124,24 @@ class Timeline:
                      if a.is_compute] or [1.0]
         box_pt = min(durations) / span * fig.get_figwidth() * 72 * 0.8
         fontsize = max(5.0, min(9.0, box_pt / 2.2))
+        v = getattr(sched, "virtual_stages", 1)
         for s, stage in enumerate(self.entries):
+            held = sched.stages_of(s) if v > 1 else [s]
             for start, end, a in stage:
+                # Later virtual stages of a rank: lighter, hatched boxes.
+                later = held.index(a.stage) if a.stage in held else 0
                 ax.barh(s, end - start, left=start, height=0.8,
                         color=colors.get(a.kind, "#999999"),
+                        alpha=1.0 if later == 0 else 0.55,
+                        hatch="//" if later else None,
                         edgecolor="black", linewidth=0.6)
                 if a.is_compute:
                     ax.text((start + end) / 2, s, str(a.microbatch),
                             ha="center", va="center", fontsize=fontsize)
         ax.set_yticks(range(p))
-        ax.set_yticklabels([f"stage {s}" for s in range(p)])
+        ax.set_yticklabels([
+            (f"rank {s}: stages {','.join(map(str, sched.stages_of(s)))}"
+             if v > 1 else f"stage {s}") for s in range(p)])
         ax.set_ylim(p - 0.5, -0.5)
         ax.set_xlim(0, span)
         ax.set_xlabel(self.unit)
@@ -874,10 +1160,14 @@ class Timeline:
         ax.legend(handles=handles,
                   loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
                   frameon=False)
+        if v > 1:
+            handles.append(Patch(facecolor="white", edgecolor="black",
+                                 hatch="//", label="rank's later stage"))
         if title is None:
             peak = max((self.peak_in_flight(s) for s in range(p)), default=0)
             title = (f"{sched.name}: p={sched.num_stages}, "
-                     f"m={sched.num_microbatches}, bubble "
+                     + (f"v={v}, " if v > 1 else "")
+                     + f"m={sched.num_microbatches}, bubble "
                      f"{self.bubble_fraction():.1%}, peak in flight {peak}")
         ax.set_title(title)
         fig.tight_layout()
@@ -907,6 +1197,7 @@ class Timeline:
         """
         import json
 
+        virtual = getattr(self.schedule, "virtual_stages", 1) > 1
         events = [{"name": f"stage {s}", "ph": "M", "pid": 0, "tid": s,
                    "args": {"name": f"stage {s}"}}
                   for s in range(self.num_stages)]
@@ -914,7 +1205,8 @@ class Timeline:
         for s, stage in enumerate(self.entries):
             for start, end, a in stage:
                 events.append({
-                    "name": f"{a.kind}{a.microbatch}", "ph": "X", "pid": 0,
+                    "name": (str(a) if virtual else f"{a.kind}{a.microbatch}"),
+                    "ph": "X", "pid": 0,
                     "tid": s, "ts": 1000.0 * start,
                     "dur": 1000.0 * (end - start),
                     "cat": {"F": "forward", "W": "weight gradients"}.get(
@@ -955,11 +1247,14 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0,
              weight_cost: float | None = None) -> Timeline:
     """Plays a schedule, event by event, with fixed costs per action.
 
-    Each stage runs its compute actions in order, each as soon as the stage
-    is free and its inputs are there: `F` of stage `s` waits for `F` of the
-    same microbatch on stage `s - 1` (plus `comm_cost`); `B` waits for its
-    own `F` and for `B` of the same microbatch on stage `s + 1` (plus
-    `comm_cost`; the last stage's `B` only needs its `F`). A split
+    Each pipeline rank runs its compute actions in order, each as soon as
+    the rank is free and its inputs are there: `F` of stage `s` waits for
+    `F` of the same microbatch on stage `s - 1` (plus `comm_cost`); `B`
+    waits for its own `F` and for `B` of the same microbatch on stage `s +
+    1` (plus `comm_cost`; the last stage's `B` only needs its `F`). With
+    virtual stages a transfer between two stages of one rank costs
+    nothing, and each action is one model stage's: pass a rank's costs
+    divided by `virtual_stages` to compare with one stage per rank. A split
     backward's `I` waits as `B` does and costs `backward_cost -
     weight_cost`; its `W` waits for its `I` and costs `weight_cost`
     (default: half the backward, as for a matmul's two gradients).
@@ -969,6 +1264,7 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0,
         forward_cost: Duration of one forward pass on one stage, > 0.
         backward_cost: Duration of one backward pass on one stage, > 0.
         comm_cost: Delay of one transfer between neighbouring stages, >= 0.
+        weight_cost: Duration of a `W` (default `backward_cost / 2`).
 
     Returns:
         A `Timeline`.
@@ -994,21 +1290,29 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0,
             "the weight-gradient part of the backward.")
     costs["W"], costs["I"] = weight, costs["B"] - weight
     comm = _check_cost("comm_cost", comm_cost, True)
-    p = schedule.num_stages
-    orders = [schedule.compute_actions(s) for s in range(p)]
+    p, last = schedule.num_stages, schedule.num_model_stages - 1
+    rank_of = schedule.rank_of
+    orders = [schedule.compute_actions(r) for r in range(p)]
     split = set()
-    for s, order in enumerate(orders):
+    for r, order in enumerate(orders):
+        held = schedule.stages_of(r)
         for a in order:
-            if not isinstance(a, Action) or a.stage != s or not a.is_compute:
+            if not isinstance(a, Action) or not a.is_compute or (
+                    a.stage not in held):
                 raise ValueError(
-                    f"Cannot simulate {schedule!r}: compute_actions({s}) "
+                    f"Cannot simulate {schedule!r}: compute_actions({r}) "
                     f"returned {a!s}, expected only compute Actions (F, B, "
-                    f"I, W) of stage {s}.")
+                    f"I, W) of the stages rank {r} runs ({held}).")
             if a.kind == "I":
-                split.add((s, a.microbatch))
+                split.add((a.stage, a.microbatch))
 
     def grad_kind(stage, k):
         return "I" if (stage, k) in split else "B"
+
+    def deps_of(a):
+        # Dependencies, each with the transfer delay (none on one rank).
+        return [(d, comm if c and rank_of(d.stage) != rank_of(a.stage)
+                 else 0.0) for d, c in _dependencies(a, last + 1, grad_kind)]
     end = {}
     free = [0.0] * p
     pos = [0] * p
@@ -1016,38 +1320,38 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0,
     progress = True
     while progress:
         progress = False
-        for s in range(p):
-            while pos[s] < len(orders[s]):
-                a = orders[s][pos[s]]
-                deps = _dependencies(a, p, grad_kind)
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                a = orders[r][pos[r]]
+                deps = deps_of(a)
                 if any(d not in end for d, _ in deps):
                     break
-                start = max([free[s]] + [end[d] + (comm if c else 0.0)
-                                         for d, c in deps])
+                start = max([free[r]] + [end[d] + c for d, c in deps])
                 finish = start + costs[a.kind]
                 end[a] = finish
-                free[s] = finish
-                entries[s].append((start, finish, a))
-                pos[s] += 1
+                free[r] = finish
+                entries[r].append((start, finish, a))
+                pos[r] += 1
                 progress = True
-    if any(pos[s] < len(orders[s]) for s in range(p)):
+    if any(pos[r] < len(orders[r]) for r in range(p)):
         scheduled = {a for order in orders for a in order}
         stuck = []
-        for s in range(p):
-            if pos[s] < len(orders[s]):
-                a = orders[s][pos[s]]
+        for r in range(p):
+            if pos[r] < len(orders[r]):
+                a = orders[r][pos[r]]
                 waits = []
-                for d, _ in _dependencies(a, p, grad_kind):
+                for d, _ in deps_of(a):
                     if d in end:
                         continue
                     if d not in scheduled:
                         waits.append(f"{d} (stage {d.stage} never runs it)")
                     else:
                         waits.append(f"{d}")
-                stuck.append(f"stage {s} is stuck at {a}, waiting for "
+                who = "rank" if schedule.virtual_stages > 1 else "stage"
+                stuck.append(f"{who} {r} is stuck at {a}, waiting for "
                              f"{' and '.join(waits)}")
         raise ValueError(
-            f"Pipeline schedule {schedule!r} deadlocks: no stage can run its "
+            f"Pipeline schedule {schedule!r} deadlocks: no rank can run its "
             f"next action. " + "; ".join(stuck) + ". Reorder compute_actions() "
             f"so that every F runs after the previous stage's F of the same "
             f"microbatch, every B (or I) after its own F and the next stage's "
@@ -1066,10 +1370,15 @@ def main(argv=None) -> int:
         prog="python -m keras_smp.pipeline.schedule",
         description="Print (and draw) a pipeline schedule.")
     parser.add_argument("--schedule", default="1f1b",
-                        help="gpipe | 1f1b | 1f1b_split | zb_h1 | simple | "
-                        "interleaved (default 1f1b)")
-    parser.add_argument("-p", "--num-stages", type=int, default=4)
+                        help="gpipe | 1f1b | 1f1b_split | zb_h1 | interleaved_1f1b | "
+                        "zb_v | simple | interleaved (default 1f1b)")
+    parser.add_argument("-p", "--num-stages", type=int, default=4,
+                        help="pipeline ranks (processes or devices)")
     parser.add_argument("-m", "--num-microbatches", type=int, default=8)
+    parser.add_argument("-v", "--virtual-stages", type=int, default=None,
+                        help="model stages per rank (interleaved_1f1b: "
+                        "default 2; zb_v: 2). Costs are a rank's whole "
+                        "share and are divided by v per action")
     parser.add_argument("--forward-cost", type=float, default=1.0)
     parser.add_argument("--backward-cost", type=float, default=2.0)
     parser.add_argument("--comm-cost", type=float, default=0.0)
@@ -1081,27 +1390,38 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         schedule = get_schedule(args.schedule, args.num_stages,
-                                args.num_microbatches)
-        timeline = simulate(schedule, args.forward_cost, args.backward_cost,
-                            args.comm_cost)
+                                args.num_microbatches, args.virtual_stages)
+        v = schedule.virtual_stages
+        timeline = simulate(schedule, args.forward_cost / v,
+                            args.backward_cost / v, args.comm_cost)
         grid = timeline.grid(args.step)
     except ValueError as e:
         parser.error(str(e))
     p, m = schedule.num_stages, schedule.num_microbatches
-    print(f"{schedule.name}: p={p} stages, m={m} microbatches "
+    print(f"{schedule.name}: p={p} " + (
+        f"ranks x v={v} virtual stages, " if v > 1 else "stages, ")
+          + f"m={m} microbatches "
           f"(forward {args.forward_cost:g}, backward {args.backward_cost:g}, "
           f"comm {args.comm_cost:g})\n")
     print(grid + "\n")
     if args.actions:
         for s, actions in schedule.all_actions().items():
-            print(f"stage {s}: " + " ".join(str(a) for a in actions))
+            print(f"{'rank' if v > 1 else 'stage'} {s}: "
+                  + " ".join(str(a) for a in actions))
         print()
-    print(f"ideal bubble      {schedule.ideal_bubble_fraction():.2%}  "
-          f"(p-1)/(m+p-1) = {p - 1}/{m + p - 1}")
+    if isinstance(schedule, Interleaved1F1B):
+        print(f"ideal bubble      {schedule.ideal_bubble_fraction():.2%}  "
+              f"(p-1)/(vm+p-1) = {p - 1}/{v * m + p - 1} (interleaved)")
+    else:
+        split = any(a.kind == "I" for a in schedule.compute_actions(0))
+        print(f"ideal bubble      {(p - 1) / (m + p - 1):.2%}  "
+              f"(p-1)/(m+p-1) = {p - 1}/{m + p - 1} ("
+              + ("1F1B's, for comparison" if split else "GPipe, 1F1B") + ")")
     print(f"simulated bubble  {timeline.bubble_fraction():.2%}  "
           f"(makespan {timeline.makespan:g})")
     print("peak in flight    " + ", ".join(
-        f"stage {s}: {timeline.peak_in_flight(s)}" for s in range(p)))
+        f"{'rank' if v > 1 else 'stage'} {s}: {timeline.peak_in_flight(s)}"
+        for s in range(p)) + (f" (each a 1/{v} stage)" if v > 1 else ""))
     if args.draw:
         timeline.draw(args.draw)
         print(f"wrote {args.draw}")
