@@ -338,7 +338,11 @@ def test_saved_pipelined_model_loads_back_pipelined(tmp_path):
 @pytest.mark.parametrize("workers,pipeline,variant", [
     (2, "1f1b", "callbacks"), (2, "gpipe", "callbacks"), (4, "1f1b", ""),
     (4, "gpipe", ""), (2, "gpipe", "loss-only"), (2, "1f1b", "manual"),
-    (2, "gpipe", "recompute"), (2, "1f1b", "xla"), (2, "zb_h1", "")])
+    (2, "gpipe", "recompute"), (2, "1f1b", "xla"), (2, "zb_h1", ""),
+    # Virtual stages: each process runs 2 of the 4 model stages (rank 0
+    # stages 0 and 2 / 0 and 3), one collective group per boundary; ZB-V's
+    # turn (stages 1 -> 2) stays in rank 1, and rank 0 computes the loss.
+    (2, "interleaved_1f1b", "callbacks"), (4, "zb_v", "deep")])
 def test_one_stage_per_process_matches_single_device(
         tmp_path, reference, workers, pipeline, variant):
     # partitions=2 over 2 or 4 worker processes (1 or 2 replicas x 2
@@ -366,6 +370,9 @@ def test_one_stage_per_process_matches_single_device(
     if variant == "xla":  # stages compiled; plain Keras compiled whole
         ref_flags = ("--xla",)
         flags += ref_flags
+    if pipeline in ("interleaved_1f1b", "zb_v"):  # 4 model stages
+        flags += ["--model", "deep"]
+        ref_flags = ("--model", "deep")
     if variant == "manual":
         # Subclassed DistributedModel placed with partition scopes.
         flags = ["--pipelined", "--model", "manual", "--config", json.dumps(
@@ -518,8 +525,15 @@ def test_one_stage_per_process_resumes_from_backup(tmp_path, reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["in_process", "multi_process"])
-def test_tied_weights_match_single_device(tmp_path, reference, where):
+@pytest.mark.parametrize("where,pipeline", [
+    ("in_process", "1f1b"), ("multi_process", "1f1b"),
+    # Virtual stages (4 model stages, the tied layer's calls in stages 0
+    # and 3): zb_v holds both on rank 0 (its two stages share the copy, no
+    # collective), interleaved_1f1b on ranks 0 and 1 (summed across them).
+    ("in_process", "zb_v"), ("multi_process", "zb_v"),
+    ("multi_process", "interleaved_1f1b")])
+def test_tied_weights_match_single_device(tmp_path, reference, where,
+                                          pipeline):
     # One Dense layer applied at both ends of the model, so with 2 stages
     # both use its weights: their gradients are summed across the stages
     # (without it, or counting the first stage's part twice, weights were
@@ -527,6 +541,7 @@ def test_tied_weights_match_single_device(tmp_path, reference, where):
     # variable; with one stage per process each holds a copy and the copies
     # take the same steps.
     config = json.dumps({"partitions": 2, "microbatches": 4,
+                         "pipeline": pipeline,
                          "collective_timeout_seconds": 120})
     flags = ["--pipelined", "--model", "tied", "--config", config]
     if where == "in_process":

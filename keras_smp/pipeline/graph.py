@@ -83,8 +83,11 @@ class StagedGraph:
 
     @classmethod
     def auto(cls, inputs, outputs, num_stages, cost="parameters",
-             split_points=None):
-        """Partitions the graph into contiguous stages balancing `cost`."""
+             split_points=None, stages_name=None):
+        """Partitions the graph into contiguous stages balancing `cost`.
+
+        `stages_name`: how errors name the stage count (default
+        `partitions=<num_stages>`)."""
         nodes = cls.topological_nodes(inputs, outputs)
         seen, names, infos, counted = {}, {}, [], set()
         for node in nodes:
@@ -99,9 +102,10 @@ class StagedGraph:
                 name, params, _flops(node, params)))
         if num_stages > len(infos):
             raise ValueError(
-                f"partitions={num_stages} but the model has only "
-                f"{len(infos)} layers to place; every stage needs at least "
-                f"one layer. Use partitions <= {len(infos)}.")
+                f"{stages_name or f'partitions={num_stages}'} but the model "
+                f"has only {len(infos)} layers to place; every stage needs "
+                f"at least one layer. Use partitions <= {len(infos)}"
+                + (" / virtual_stages" if stages_name else "") + ".")
         plan = partition_lib.plan_partitions(
             infos, num_stages, cost=cost, split_points=split_points)
         stages = {id(n): s for n, s in zip(nodes, plan.stages)}

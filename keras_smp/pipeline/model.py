@@ -169,8 +169,15 @@ class DistributedModel(keras.Model):
 
     @property
     def num_stages(self):
-        """Pipeline stages (the config's `partitions`)."""
+        """Pipeline stages (the config's `partitions`): ranks (processes
+        or devices) of a pipeline."""
         return self._smp_config().partitions
+
+    @property
+    def num_model_stages(self):
+        """Pieces the model is cut into: `partitions * virtual_stages`
+        (the config's); `num_stages` without virtual stages."""
+        return self._smp_config().num_model_stages
 
     @property
     def num_microbatches(self):
@@ -179,10 +186,11 @@ class DistributedModel(keras.Model):
 
     @property
     def schedule(self):
-        """The pure-Python `Schedule` the steps run (gpipe or 1f1b)."""
+        """The pure-Python `Schedule` the steps run (the config's
+        `pipeline`, `partitions`, `microbatches`, `virtual_stages`)."""
         config = self._smp_config()
         return get_schedule(config.pipeline, config.partitions,
-                            config.microbatches)
+                            config.microbatches, config.virtual_stages)
 
     @property
     def staged_graph(self):
@@ -201,13 +209,16 @@ class DistributedModel(keras.Model):
 
     def _smp_plan(self, inputs, outputs, recorded):
         config = self._smp_config()
-        p = config.partitions
+        p = config.num_model_stages
         manual = any(v is not None for v in recorded.values())
         bad = sorted({v for v in recorded.values() if v is not None and v >= p})
+        stages = (f"partitions={config.partitions} x virtual_stages="
+                  f"{config.virtual_stages} = {p}"
+                  if config.virtual_stages > 1 else f"partitions={p}")
         if bad:
             raise ValueError(
                 f"keras_smp.partition({bad[0]}) is used in `call`, but there "
-                f"are only partitions={p} stages (indices 0 to {p - 1}). Use "
+                f"are only {stages} stages (indices 0 to {p - 1}). Use "
                 "a smaller index or raise `partitions`.")
         if manual and not config.auto_partition:
             return StagedGraph.manual(
@@ -219,8 +230,10 @@ class DistributedModel(keras.Model):
                 "SMPStrategy config to place layers manually.", stacklevel=3)
         cost = self._smp_cost or (
             "flops" if config.optimize == "speed" else "parameters")
-        return StagedGraph.auto(inputs, outputs, p, cost=cost,
-                                split_points=self._smp_split_points)
+        return StagedGraph.auto(
+            inputs, outputs, p, cost=cost,
+            split_points=self._smp_split_points,
+            stages_name=stages if config.virtual_stages > 1 else None)
 
     def _smp_set_graph(self, graph):
         for node in graph.nodes:
@@ -246,10 +259,12 @@ class DistributedModel(keras.Model):
         """
         rt = self._smp_runtime()
         topo = rt.topology
-        tied = [tuple(u) for u in self._smp_graph.weight_users().values()
-                if len(u) > 1]
-        self._smp_keys = PipelineKeys(topo.dp_size, topo.pp_size, tied,
-                                      allocator=rt.keys)
+        rank_of = self.schedule.rank_of
+        tied = [tuple(sorted({rank_of(s) for s in u}))
+                for u in self._smp_graph.weight_users().values()]
+        self._smp_keys = PipelineKeys(
+            topo.dp_size, self._smp_graph.num_stages,
+            [t for t in tied if len(t) > 1], allocator=rt.keys)
 
     def _smp_place_variables(self):
         """Puts every weight on the device of the first stage using it.
@@ -260,7 +275,7 @@ class DistributedModel(keras.Model):
         rt = self._smp_runtime()
         layout = rt.layout if rt is not None else None
         if (layout is None or layout.mode != "in_process"
-                or layout.num_stages != self._smp_graph.num_stages):
+                or layout.num_stages != self.num_stages):
             if layout is not None and layout.mode == "in_process":
                 with self.distribute_strategy.scope():
                     for w in self.weights:
@@ -269,14 +284,16 @@ class DistributedModel(keras.Model):
         rows = [layout.stage_devices(r)
                 for r in range(layout.num_local_replicas)]
         home = self._smp_graph.home_stage()
+        rank_of = self.schedule.rank_of
         with self.distribute_strategy.scope():
             for stage in range(self._smp_graph.num_stages):
-                want = [tf_private.canonical_device(row[stage]) for row in rows]
+                rank = rank_of(stage)  # with virtual stages, its rank's
+                want = [tf_private.canonical_device(row[rank]) for row in rows]
                 for w in self._smp_graph.stage_weights(stage):
                     if home[id(w)] != stage:
                         continue
                     if deferred.is_pending(w):
-                        with placement.placing(stage):
+                        with placement.placing(rank):
                             deferred.materialize(w)
                         continue
                     value = w.value
@@ -287,7 +304,7 @@ class DistributedModel(keras.Model):
                         continue
                     current = w.numpy()
                     w._value = None
-                    with placement.placing(stage):
+                    with placement.placing(rank):
                         w._initialize(current)
             for w in self.weights:  # used by no stage
                 deferred.materialize(w)
@@ -341,7 +358,7 @@ class DistributedModel(keras.Model):
         graph = self.staged_graph
         devices = self._smp_devices()
         tensors = self._smp_flat_inputs(inputs)
-        for s in range(graph.num_stages):
+        for s in range(graph.num_stages):  # model stages
             with tf.device(devices[s]), tf.name_scope(f"stage{s}"):
                 tensors = graph.stage_fn(s, training=training)(tensors)
         return graph.pack_outputs(tensors)
@@ -679,17 +696,20 @@ class DistributedModel(keras.Model):
     # -- steps -------------------------------------------------------------
 
     def _smp_devices(self):
-        """The device of each stage for the current replica."""
+        """The device of each model stage for the current replica (its
+        rank's, with virtual stages)."""
         p = self.staged_graph.num_stages
         rt = self._smp_runtime() or runtime.current()
         layout = rt.layout
         if (layout is None or layout.mode != "in_process"
-                or layout.num_stages != p):
+                or layout.num_stages != self.num_stages):
             return [None] * p
         local = 0
         if self._smp_runtime() is not None:
             local = tf_private.local_replica_index(layout.num_local_replicas)
-        return [d or None for d in layout.stage_devices(local)]
+        ranks = layout.stage_devices(local)
+        rank_of = self.schedule.rank_of
+        return [ranks[rank_of(s)] or None for s in range(p)]
 
     def _smp_flat_inputs(self, x):
         if self._smp_functional is not None:
@@ -704,16 +724,20 @@ class DistributedModel(keras.Model):
         """This stage process's `StageLinks` (one stage per process)."""
         rt = self._smp_runtime()
         topo = rt.topology
-        if self.staged_graph.num_stages != topo.pp_size:
+        schedule = self.schedule
+        if self.staged_graph.num_stages != schedule.num_model_stages or (
+                schedule.num_stages != topo.pp_size):
             raise ValueError(
                 f"The model has {self.staged_graph.num_stages} stages but "
                 f"the strategy runs {topo.pp_size} stage processes per "
-                "replica.")
+                f"replica with {schedule.virtual_stages} stage(s) each.")
         if getattr(self, "_smp_keys", None) is None:
             self._smp_allocate_keys()
         return StageLinks(topo.pp_size, topo.pp_rank, topo.dp_rank,
                           self._smp_keys,
-                          rt.config.collective_timeout_seconds)
+                          rt.config.collective_timeout_seconds,
+                          placement=[schedule.rank_of(s) for s in
+                                     range(schedule.num_model_stages)])
 
     def make_train_function(self, force=False):
         return self._smp_clear_errors(super().make_train_function(force))
@@ -764,14 +788,14 @@ class DistributedModel(keras.Model):
         if not any(getattr(v, "regularizer", None) is not None
                    for v in self.trainable_weights):
             return [], []
-        graph, stage = self.staged_graph, self._smp_links().stage
-        home = graph.home_stage()
+        graph, links = self.staged_graph, self._smp_links()
+        home = links.home_ranks(graph)
         local = [(v, aggregate(self, v.regularizer(v)))
-                 for v in graph.stage_weights(stage)
+                 for v in links.held_weights(graph)
                  if v.trainable and getattr(v, "regularizer", None) is not None]
         # A tied weight's copies each take its regularizer's gradient (so
         # they stay equal); its loss is logged once, by its first stage.
-        logged = [loss for v, loss in local if home[id(v)] == stage]
+        logged = [loss for v, loss in local if home[id(v)] == links.rank]
         total = reduce_sum(tf.add_n(logged) if logged else tf.zeros([]))
         return [total], [loss for _, loss in local]
 
@@ -798,7 +822,7 @@ class DistributedModel(keras.Model):
         def reduce_sum(tensor):
             return links.reduce(
                 tf.cast(tensor, tf.float32),
-                links.keys.replica(links.replica), links.num_stages,
+                links.keys.replica(links.replica), links.num_ranks,
                 next(calls))
 
         return reduce_sum
@@ -808,10 +832,11 @@ class DistributedModel(keras.Model):
         norm, loss-scale finite check) sum over the stage processes."""
         if reduce_sum is None:
             return contextlib.nullcontext()
-        stage = self._smp_links().stage
-        users = self.staged_graph.weight_users()
-        elsewhere = [w for w, stages in users.items()
-                     if len(stages) > 1 and min(stages) != stage]
+        links = self._smp_links()
+        graph = self.staged_graph
+        home = links.home_ranks(graph)
+        elsewhere = [w for w, ranks in links.weight_ranks(graph).items()
+                     if len(ranks) > 1 and home[w] != links.rank]
         return patches.across_stages(self.optimizer, reduce_sum, elsewhere)
 
     def train_step(self, data):

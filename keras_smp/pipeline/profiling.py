@@ -8,9 +8,10 @@ pictures, grids and bubble fractions compare directly.
 
 With one stage per process, every stage process of the replica runs the
 step (every rank calls `executed_timeline`, as it calls `fit`); each times
-its own actions and the stages' timings are summed over the replica's
-pipeline group (each stage fills its own row of a zero tensor), so every
-rank returns the whole replica's timeline. Times are `tf.timestamp()`s,
+its own actions and the ranks' timings are summed over the replica's
+pipeline group (each rank fills its own row of a zero tensor), so every
+rank returns the whole replica's timeline. With virtual stages a row is a
+pipeline rank, holding the actions of all its model stages. Times are `tf.timestamp()`s,
 wall-clock seconds: comparable between processes of one host, and between
 hosts only as far as their clocks agree.
 """
@@ -47,17 +48,17 @@ def executed_timeline(model, x, y=None, sample_weight=None, runs=3):
             return spans, tf.add_n(used)
         # One stage per process: every stage's spans, in the stages'
         # order, on every stage (see the module docstring).
-        plan = [[a for a in model.schedule.compute_actions(s)
-                 if training or a.kind == "F"] for s in range(p)]
+        plan = [[a for a in model.schedule.compute_actions(r)
+                 if training or a.kind == "F"] for r in range(p)]
         recorded[:] = [a for acts in plan for a in acts]
         n = max(len(acts) for acts in plan)
         mine = [a for a, _, _ in times]
-        if mine != plan[links.stage]:
+        if mine != plan[links.rank]:
             raise AssertionError(
-                f"executed_timeline: stage {links.stage} ran {mine}, its "
-                f"schedule says {plan[links.stage]}")
+                f"executed_timeline: rank {links.rank} ran {mine}, its "
+                f"schedule says {plan[links.rank]}")
         rows = [tf.zeros([n, 2], tf.float64)] * p
-        rows[links.stage] = tf.pad(spans, [[0, n - len(mine)], [0, 0]])
+        rows[links.rank] = tf.pad(spans, [[0, n - len(mine)], [0, 0]])
         every = links.reduce(
             tf.stack(rows), links.keys.replica(links.replica), p,
             links.INSTANCE_TIMELINE + n)
@@ -80,7 +81,7 @@ def executed_timeline(model, x, y=None, sample_weight=None, runs=3):
     t0 = spans[:, 0].min()
     entries = [[] for _ in range(p)]
     for action, (start, end) in zip(recorded, spans):
-        entries[action.stage].append(
+        entries[model.schedule.rank_of(action.stage)].append(
             (1000.0 * (start - t0), 1000.0 * (end - t0), action))
     return Timeline(model.schedule, [sorted(e, key=lambda t: t[0])
                                      for e in entries], unit="ms")

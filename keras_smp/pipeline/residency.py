@@ -118,7 +118,7 @@ class StageResidency:
     def foreign(self):
         """Weights and optimizer slots this stage process does not use."""
         graph = self.model.staged_graph
-        mine = {id(w) for w in graph.stage_weights(self.links().stage)}
+        mine = {id(w) for w in self.links().held_weights(graph)}
         home = graph.home_stage()
         slots = self.slots_by_weight()
         out = []
@@ -148,7 +148,7 @@ class StageResidency:
         """
         links = self.links()
         graph = self.model.staged_graph
-        mine = graph.stage_weights(links.stage)
+        mine = links.held_weights(graph)
         eager = [w for w in self.model.weights if not is_local(w)
                  and w.value.shape.num_elements() > 0
                  and id(w) not in {id(v) for v in mine}]
@@ -177,23 +177,24 @@ class StageResidency:
         self.release()
 
     def _copy_tied(self, graph, links):
-        """Copies each tied weight from its first stage to its others."""
-        home = graph.home_stage()
-        users = graph.weight_users()
-        mine = {id(w): w for w in graph.stage_weights(links.stage)}
+        """Copies each tied weight from its first stage's rank to the
+        other ranks using it."""
+        home = links.home_ranks(graph)
+        users = links.weight_ranks(graph)
+        mine = {id(w): w for w in links.held_weights(graph)}
         index = 0
         for w in self.model.weights:
-            stages = users.get(id(w), [])
-            if len(stages) < 2:
+            ranks = users.get(id(w), [])
+            if len(ranks) < 2:
                 continue
-            if links.stage in stages:
-                key = links.keys.tied(links.replica, stages)
+            if links.rank in ranks:
+                key = links.keys.tied(links.replica, ranks)
                 instance = links.INSTANCE_INIT + index
-                if home[id(w)] == links.stage:
-                    links.send(mine[id(w)].value, key, len(stages), instance)
+                if home[id(w)] == links.rank:
+                    links.send(mine[id(w)].value, key, len(ranks), instance)
                 else:
                     mine[id(w)].assign(links.recv(w.shape, w.dtype, key,
-                                                  len(stages), instance))
+                                                  len(ranks), instance))
             index += 1
 
     @contextlib.contextmanager
@@ -255,14 +256,14 @@ class StageResidency:
         # ranges of 190,000 (weights and slots, plus the closing barrier).
         base = links.INSTANCE_WEIGHTS + (self._syncs % 100) * 190_000
         self._syncs += 1
-        key, size = links.keys.replica(links.replica), links.num_stages
+        key, size = links.keys.replica(links.replica), links.num_ranks
         index = 0
         for stage in range(graph.num_stages):
             for w in graph.stage_weights(stage):
                 if home[id(w)] != stage:
                     continue
                 for v in [w] + slots.get(id(w), []):
-                    if links.stage == stage:
+                    if links.holds(stage):
                         links.send(v.value, key, size, base + index)
                     elif id(v) in foreign:
                         set_local(v, links.recv(v.shape, v.dtype, key, size,

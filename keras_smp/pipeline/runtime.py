@@ -14,9 +14,11 @@ the schedule and wherever the stages are:
   `CollectiveTransport` between stage processes (TensorFlow collective
   send/recv over its gRPC/NCCL runtime);
 - `execute` builds, inside a `tf.function`, the ops of every action of the
-  stages held here, in each stage's order: every compute action is
-  control-dependent on the previous action of its stage (sends included),
-  so a stage runs exactly its list; a send itself waits only for its data,
+  pipeline ranks held here, in each rank's order: every compute action is
+  control-dependent on the previous action of its rank (sends included),
+  so a rank runs exactly its list (with virtual stages a rank's list mixes
+  the actions of several model stages: its chain runs through all of
+  them); a send itself waits only for its data,
   so a backward's weight gradients never delay the input gradients a peer
   waits for. Receives are chained too when the transport says
   so (`chain_receives`); otherwise they are posted at the start of the
@@ -121,11 +123,15 @@ def execute(actions, stages, transport, num_stages, inputs, loss_fn=None,
     `tf.gradients`).
 
     Args:
-        actions: `{stage index: [Action, ...]}` for the stages held here,
-            transfers included (see `Schedule.actions(stage)`).
-        stages: `{stage index: Stage}`, the same keys as `actions`.
+        actions: `{rank: [Action, ...]}` for the pipeline ranks held here,
+            transfers included (see `Schedule.actions(rank)`); an action's
+            `stage` is a model stage (the rank itself without virtual
+            stages).
+        stages: `{model stage index: Stage}` for every stage those lists
+            run.
         transport: a `LocalTransport` or `CollectiveTransport`.
-        num_stages: stages of the whole pipeline (`p`).
+        num_stages: model stages of the whole pipeline (`p`, or `p * v`
+            with virtual stages).
         inputs: per microbatch, the list of model inputs (used by stage 0).
         loss_fn: `(last_stage_outputs, microbatch) -> scalar` for the last
             stage, or `None` (no loss: forward only).
@@ -168,33 +174,40 @@ def execute(actions, stages, transport, num_stages, inputs, loss_fn=None,
     ```
     """
     p = num_stages
-    if set(actions) != set(stages):
-        raise ValueError(
-            f"execute: actions are given for stages {sorted(actions)} but "
-            f"stage functions for {sorted(stages)}; pass both for the same "
-            "stages.")
     m = len(inputs)
-    lists = {}
-    for s, acts in actions.items():
+    lists, lane = {}, {}
+    for r, acts in actions.items():
         acts = [Action.parse(a) if isinstance(a, str) else a for a in acts]
         if forward_only:
             acts = [a for a in acts
                     if a.kind not in ("B", "I", "W", "SEND_B", "RECV_B")]
         for a in acts:
-            if a.stage != s or not 0 <= a.microbatch < m:
+            if a.stage not in stages or not 0 <= a.microbatch < m:
                 raise ValueError(
-                    f"execute: action {a} in the list of stage {s} does not "
+                    f"execute: action {a} in the list of rank {r} does not "
                     f"belong there (stage {a.stage}, microbatch "
-                    f"{a.microbatch} of {m}).")
-        lists[s] = acts
+                    f"{a.microbatch} of {m}; stages given: "
+                    f"{sorted(stages)}).")
+            if lane.setdefault(a.stage, r) != r:
+                raise ValueError(
+                    f"execute: stage {a.stage} has actions in the lists of "
+                    f"ranks {lane[a.stage]} and {r}; a stage runs on one "
+                    "rank.")
+        lists[r] = acts
+    unused = sorted(set(stages) - set(lane))
+    if unused and not forward_only:
+        raise ValueError(
+            f"execute: stage function(s) {unused} are given but no action "
+            "list runs them; pass the stages of the ranks held here.")
     run = _Builder(stages, transport, p, inputs, loss_fn, times)
-    run.splits = {s for s, acts in lists.items()
-                  if any(a.kind == "I" for a in acts)}
+    run.lane = lane
+    run.splits = {a.stage for acts in lists.values() for a in acts
+                  if a.kind == "I"}
     pos = {s: 0 for s in lists}
     while any(pos[s] < len(lists[s]) for s in lists):
         progressed = False
         for s in sorted(lists):
-            # Build as many actions of stage s as can be built now.
+            # Build as many actions of rank s as can be built now.
             while pos[s] < len(lists[s]) and run.ready(lists[s][pos[s]]):
                 run.build(lists[s][pos[s]])
                 pos[s] += 1
@@ -228,7 +241,8 @@ class _Builder:
         self.received = {}
         self.grad_in = {}
         self.grads = {s: [None] * len(st.variables) for s, st in stages.items()}
-        self.last = {}
+        self.last = {}  # per rank (lane): its previous action's op
+        self.lane = {}  # model stage -> rank (set by execute)
         self.sends = []
         # Split backwards (I, then W): the forward's ops, then what I saved.
         self.forward_ops, self.saved = {}, {}
@@ -259,7 +273,11 @@ class _Builder:
     # -- building ---------------------------------------------------------
 
     def _chain(self, s):
-        return [self.last[s]] if s in self.last else []
+        r = self.lane[s]
+        return [self.last[r]] if r in self.last else []
+
+    def _set_last(self, s, op):
+        self.last[self.lane[s]] = op
 
     def _timestamp(self, deps):
         with tf.control_dependencies(deps):
@@ -285,7 +303,7 @@ class _Builder:
                 sent = self.transport.send(a, tensors)
                 if sent:
                     self.sends += sent
-                    self.last[s] = tf.group(*sent, *self._chain(s))
+                    self._set_last(s, tf.group(*sent, *self._chain(s)))
             elif a.kind == "F":
                 self._forward(a)
             elif a.kind == "W":
@@ -307,7 +325,7 @@ class _Builder:
         with tf.control_dependencies(deps):
             got = self.transport.receive(a)
         self.received[key] = got
-        self.last[s] = tf.group(*got) if got else tf.no_op()
+        self._set_last(s, tf.group(*got) if got else tf.no_op())
         if self.times is not None:
             self.times.append((a, start, self._timestamp(got)))
 
@@ -437,12 +455,12 @@ class _Builder:
         # (a frozen stage's backward) must not cut the chain, or TensorFlow
         # prunes what came before it (receives included).
         done = list(done) + self._chain(s)
-        self.last[s] = tf.group(*done) if done else tf.no_op()
+        self._set_last(s, tf.group(*done) if done else tf.no_op())
         if self.times is not None:
-            self.times.append((a, start, self._timestamp([self.last[s]])))
+            self.times.append((a, start, self._timestamp(self._chain(s))))
 
     def result(self, lists):
-        finals = [self.last[s] for s in lists if s in self.last]
+        finals = [self.last[r] for r in lists if r in self.last]
         with tf.control_dependencies(self.sends + finals):
             done = tf.no_op(name="pipeline_step_done")
         return StepResult(self.losses, self.outputs, self.grads, done,

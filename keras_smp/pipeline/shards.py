@@ -161,7 +161,7 @@ def _layout(model):
     rank = rt.topology.rank if rt is not None else 0
     if model._smp_residency() is not None:  # pylint: disable=protected-access
         links = model._smp_links()  # pylint: disable=protected-access
-        return rank, lambda s: s == links.stage and links.replica == 0
+        return rank, lambda s: links.holds(s) and links.replica == 0
     return rank, lambda s: rank == 0
 
 

@@ -94,10 +94,11 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     loss_fn = (_loss_fn(model, ys, sws, sample_weight, m, training)
                if has_loss else None)
     graph = model.staged_graph
-    p = graph.num_stages
+    p = graph.num_stages  # model stages (p x v with virtual stages)
     schedule = model.schedule
     links = model._smp_links() if model._smp_multi_process() else None
-    held = [links.stage] if links else list(range(p))
+    ranks = [links.rank] if links else list(range(schedule.num_stages))
+    held = list(links.held) if links else list(range(p))
     devices = ([None] * p) if links else model._smp_devices()
     stage_vars = {s: [w for w in graph.stage_weights(s) if w.trainable]
                   for s in held}
@@ -119,12 +120,15 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     if links is None:
         transport = LocalTransport()
     else:
-        s = links.stage
         rows = batch // m
-        transport = CollectiveTransport(links, {
-            "F": _specs(graph.carries[s - 1], rows) if s > 0 else [],
-            "B": _specs(graph.carries[s], rows) if s < p - 1 else []}, rows)
-        if s < p - 1:
+        specs = {}
+        for s in held:
+            if s > 0 and not links.holds(s - 1):
+                specs[("F", s)] = _specs(graph.carries[s - 1], rows)
+            if s < p - 1 and not links.holds(s + 1):
+                specs[("B", s)] = _specs(graph.carries[s], rows)
+        transport = CollectiveTransport(links, specs, rows)
+        if not links.holds(p - 1):
             loss_fn = None  # only the last stage computes the loss
     trackers = []
     if links is not None and loss_fn is not None:
@@ -134,7 +138,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         trackers = [(v, tf.identity(v.value)) for m in
                     keras_private.loss_output_trackers(model)
                     for v in m.variables]
-    result = execute({s: schedule.actions(s) for s in held}, stages,
+    result = execute({r: schedule.actions(r) for r in ranks}, stages,
                      transport, p, xs, loss_fn, forward_only=not training,
                      times=times)
     if result.split_fallbacks:
@@ -150,7 +154,10 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             "jit_compile=False and no activation checkpointing for those "
             "stages, or pipeline='1f1b'.",
             stacklevel=2)
-    variables = [v for s in held for v in stage_vars[s]] if training else []
+    # A weight used by several stages here (tied) is trained once, with
+    # the sum of their gradients.
+    variables = list({id(v): v for s in held for v in stage_vars[s]}.values()
+                     ) if training else []
     if links is None:
         with tf.device(devices[-1]):
             y_pred = graph.pack_outputs(
@@ -163,9 +170,14 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                 for v, g in zip(stage_vars[s], result.grads[s]):
                     grads[id(v)] = accumulate(grads.get(id(v)), g)
         return StepRun(x, y, sample_weight, y_pred, losses, grads, variables)
+    grads = {}
+    for s in held:
+        for v, g in zip(stage_vars[s], result.grads[s]):
+            grads[id(v)] = accumulate(grads.get(id(v)), g)
     return _share(model, links, result, x, y, sample_weight, batch,
                   transport.rows, has_loss, need_outputs, training,
-                  stage_vars[links.stage], variables, trackers, loss_fn)
+                  variables, [grads.get(id(v)) for v in variables],
+                  trackers, loss_fn)
 
 
 def _specs(tensors, rows):
@@ -184,7 +196,7 @@ def _specs(tensors, rows):
 
 
 def _share(model, links, result, x, y, sample_weight, batch, rows,
-           has_loss, need_outputs, training, stage_vars, variables, trackers,
+           has_loss, need_outputs, training, variables, grads, trackers,
            loss_fn):
     """One stage per process: the last stage's outputs and loss to all.
 
@@ -195,12 +207,12 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
     that is 4 MB per step.
     """
     graph = model.staged_graph
-    s, p = links.stage, links.num_stages
+    last = links.rank == links.last_rank
     pred_specs = _specs(graph.outputs, batch) if need_outputs else []
     tracked = ([v for m in keras_private.loss_output_trackers(model)
                 for v in m.variables] if has_loss else [])
     mine, merged = [], None
-    if s == p - 1:
+    if last:
         merged = [microbatch.merge([o[i] for o in result.outputs])
                   for i in range(len(graph.outputs))]
         mine = list(merged) if need_outputs else []
@@ -219,13 +231,13 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
             mine, specs, [links.batched_key(k, rows) for k in positions])
     if tracked:
         changes, shared = shared[-len(tracked):], shared[:-len(tracked)]
-        if s < p - 1:
+        if not last:
             shared.append(_after(
                 [v.assign_add(c) for v, c in zip(tracked, changes)],
                 shared.pop()))
-    grads = [_after([result.done], g) for g in result.grads[s]]
+    grads = [_after([result.done], g) for g in grads]
     if training:
-        grads = _sum_tied(model, links, stage_vars, grads)
+        grads = _sum_tied(model, links, variables, grads)
     # TensorFlow prunes collective ops whose results nobody uses (they are
     # not control outputs, see auto_control_deps.ASYNC_STATEFUL_OPS): a
     # receive left unused on one rank leaves its peer's send waiting.
@@ -236,33 +248,33 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
     if need_outputs:
         y_pred = graph.pack_outputs(shared[:len(graph.outputs)])
     else:  # unused by the step (no metrics)
-        y_pred = graph.pack_outputs(merged) if s == p - 1 else None
+        y_pred = graph.pack_outputs(merged) if last else None
     losses = [shared[-1]] if has_loss else [None]
-    by_var = {id(v): g for v, g in zip(stage_vars, grads)} if training else {}
+    by_var = {id(v): g for v, g in zip(variables, grads)} if training else {}
     return StepRun(x, y, sample_weight, y_pred, losses, by_var, variables)
 
 
 def _sum_tied(model, links, stage_vars, grads):
-    """Sums the gradients of weights used by several stages (tied).
+    """Sums the gradients of weights used by several stage processes (tied).
 
     Every stage process using a tied weight holds a copy, computes its part
-    of the gradient and receives the sum over the stages using it, so all
-    copies take the same optimizer step.
+    of the gradient and receives the sum over the processes using it, so
+    all copies take the same optimizer step.
     """
-    users = model.staged_graph.weight_users()
+    users = links.weight_ranks(model.staged_graph)
     # Instance keys from each tied weight's place in the model's weight
     # order (`weight_users` is the same dict, in the same order, on every
     # rank), so every stage uses the same key for the same weight.
     position = {w: i for i, w in enumerate(
-        w for w, stages in users.items() if len(stages) > 1)}
+        w for w, ranks in users.items() if len(ranks) > 1)}
     out = list(grads)
     for i, v in enumerate(stage_vars):
-        stages = users.get(id(v), [])
-        if len(stages) < 2 or out[i] is None:
+        ranks = users.get(id(v), [])
+        if len(ranks) < 2 or out[i] is None:
             continue
         out[i] = links.reduce(
-            dense(out[i]), links.keys.tied(links.replica, stages),
-            len(stages), links.INSTANCE_TIED + position[id(v)])
+            dense(out[i]), links.keys.tied(links.replica, ranks),
+            len(ranks), links.INSTANCE_TIED + position[id(v)])
     return out
 
 

@@ -15,9 +15,11 @@ every `SEND_*` / `RECV_*` action; one transport serves each setting:
   `timeout_seconds`: a dead or hung peer becomes a `DeadlineExceededError`
   instead of a hang.
 
-`StageLinks` holds the collective groups of one stage process: its
-neighbour pairs, its replica's pipeline group (losses, outputs, weights)
-and tied-weight groups, with keys from one `PipelineKeys` allocation.
+`StageLinks` holds the collective groups of one stage process: one pair
+per boundary between model stages, its replica's pipeline group (losses,
+outputs, weights) and tied-weight groups, with keys from one
+`PipelineKeys` allocation. With virtual stages a process runs several
+model stages (`StageLinks.held`).
 """
 
 import tensorflow as tf
@@ -65,11 +67,16 @@ class LocalTransport:
 class CollectiveTransport:
     """Moves tensors between stage processes with TensorFlow collectives.
 
+    With virtual stages a process runs several model stages; a transfer
+    between two of its own stages (ZB-V's turn) is handed over in the
+    process, as `LocalTransport` does.
+
     Args:
         links: this process's `StageLinks`.
-        recv_specs: `{"F": specs, "B": specs}`: `(shape, dtype)` of each
-            tensor this stage receives forward (from the previous stage)
-            and backward (gradients from the next stage).
+        recv_specs: `{(direction, stage): specs}`: `(shape, dtype)` of each
+            tensor model stage `stage` (held here) receives forward
+            (`"F"`, from stage - 1) and backward (`"B"`, gradients from
+            stage + 1).
         rows: the microbatch's rows (a Python int or an int32 tensor):
             transfers of different microbatch sizes use different instance
             keys (`StageLinks.batched_key`).
@@ -81,28 +88,33 @@ class CollectiveTransport:
         self.links = links
         self.recv_specs = recv_specs
         self.rows = links.checked_rows(rows)
+        self._local = LocalTransport()
+
+    def _is_local(self, action):
+        return self.links.rank_of(action.peer) == self.links.rank
 
     def can_receive(self, action):
+        if self._is_local(action):
+            return self._local.can_receive(action)
         return True  # a posted receive waits for its data
 
     def pending(self, action):
         return []
 
     def send(self, action, tensors):
-        if action.peer != self.links.stage + (1 if action.kind == "SEND_F"
-                                              else -1):
-            raise ValueError(
-                f"CollectiveTransport: {action} sends to stage {action.peer}, "
-                f"but stage {self.links.stage} only links to its neighbours.")
-        return self.links.send_to(action.peer, action.kind[-1],
-                                  action.microbatch,
+        if self._is_local(action):
+            return self._local.send(action, tensors)
+        return self.links.send_to(action.stage, action.peer,
+                                  action.kind[-1], action.microbatch,
                                   [dense(t) for t in tensors], self.rows)
 
     def receive(self, action):
+        if self._is_local(action):
+            return self._local.receive(action)
         direction = action.kind[-1]
-        return self.links.receive_from(action.peer, direction,
-                                       action.microbatch,
-                                       self.recv_specs[direction], self.rows)
+        return self.links.receive_from(
+            action.stage, action.peer, direction, action.microbatch,
+            self.recv_specs[(direction, action.stage)], self.rows)
 
 
 class PipelineKeys:
@@ -114,9 +126,10 @@ class PipelineKeys:
 
     Args:
         num_replicas: data-parallel replicas (`dp_size`).
-        num_stages: pipeline stages (`pp_size`).
-        tied_sets: the distinct sets of stages sharing a weight (sorted
-            tuples), the same on every rank.
+        num_stages: model stages of a replica (`pp_size`, times the
+            virtual stages): one two-process group per stage boundary.
+        tied_sets: the distinct sets of pipeline ranks sharing a weight
+            (sorted tuples), the same on every rank.
         allocator: a `keras_smp.runtime.keys.KeyAllocator` (default: the
             process-wide one).
     """
@@ -129,6 +142,8 @@ class PipelineKeys:
         self.num_replicas, self.num_stages = num_replicas, num_stages
         self.tied_sets = sorted({tuple(sorted(t)) for t in tied_sets})
         r, p = num_replicas, num_stages
+        # One group per boundary between model stages: with virtual stages
+        # two processes meet at several boundaries, each its own group.
         self._pairs = allocator.allocate("pipeline/pairs", r * max(1, p - 1))
         self._replica = allocator.allocate("pipeline/replica", r)
         self._tied = allocator.allocate(
@@ -136,16 +151,17 @@ class PipelineKeys:
         self._world = allocator.allocate("pipeline/world", 1)
 
     def pair(self, replica, boundary):
-        """Stages `boundary` and `boundary + 1` of `replica`."""
+        """Model stages `boundary` and `boundary + 1` of `replica`."""
         return self._pairs.key(replica * (self.num_stages - 1) + boundary)
 
     def replica(self, replica):
-        """Every stage of `replica`."""
+        """Every pipeline rank of `replica`."""
         return self._replica.key(replica)
 
-    def tied(self, replica, stages):
-        """The stages of `replica` in `stages` (which share a weight)."""
-        index = self.tied_sets.index(tuple(sorted(stages)))
+    def tied(self, replica, ranks):
+        """The pipeline ranks of `replica` in `ranks` (which share a
+        weight)."""
+        index = self.tied_sets.index(tuple(sorted(ranks)))
         return self._tied.key(replica * len(self.tied_sets) + index)
 
     def world(self):
@@ -157,11 +173,14 @@ class StageLinks:
     """Collective links of one stage process within its pipeline replica.
 
     Args:
-        num_stages: stages per replica (`P`).
-        stage: this process's stage (`pp_rank`).
+        num_ranks: pipeline ranks (stage processes) per replica (`P`).
+        rank: this process's pipeline rank (`pp_rank`).
         replica: this process's data-parallel replica (`dp_rank`).
         keys: the model's `PipelineKeys`.
         timeout_seconds: timeout of every collective op (0 = none).
+        placement: the pipeline rank of each model stage (default: stage
+            `s` on rank `s`); with virtual stages a rank runs several
+            (`Schedule.rank_of`).
     """
 
     # Instance keys (unique within a group) of the collectives whose shapes
@@ -186,12 +205,56 @@ class StageLinks:
     SHARE_LOSS = 61_000
     SHARE_TRACKED = 61_001  # + loss-tracker variable index
 
-    def __init__(self, num_stages, stage, replica, keys, timeout_seconds=0):
-        self.num_stages = num_stages
-        self.stage = stage
+    def __init__(self, num_ranks, rank, replica, keys, timeout_seconds=0,
+                 placement=None):
+        self.num_ranks = num_ranks
+        self.rank = rank
         self.replica = replica
         self.keys = keys
         self.timeout = float(timeout_seconds or 0)
+        self.placement = tuple(range(num_ranks) if placement is None
+                               else placement)
+        #: The model stages this process runs, in model order.
+        self.held = tuple(s for s, r in enumerate(self.placement)
+                          if r == rank)
+
+    @property
+    def num_model_stages(self):
+        return len(self.placement)
+
+    def rank_of(self, stage):
+        """The pipeline rank running model stage `stage`."""
+        return self.placement[stage]
+
+    @property
+    def last_rank(self):
+        """The rank running the last model stage (its outputs, the loss)."""
+        return self.placement[-1]
+
+    def holds(self, stage):
+        return self.placement[stage] == self.rank
+
+    # -- weights of the stages held here ---------------------------------
+
+    def held_weights(self, graph):
+        """Weights of the model stages held here, each once, in order."""
+        out, seen = [], set()
+        for s in self.held:
+            for w in graph.stage_weights(s):
+                if id(w) not in seen:
+                    seen.add(id(w))
+                    out.append(w)
+        return out
+
+    def weight_ranks(self, graph):
+        """`id(weight) -> sorted pipeline ranks using it` (a weight used
+        by two stages of one rank counts that rank once)."""
+        return {w: sorted({self.placement[s] for s in stages})
+                for w, stages in graph.weight_users().items()}
+
+    def home_ranks(self, graph):
+        """`id(weight) -> the rank of its first stage` (which owns it)."""
+        return {w: self.placement[s] for w, s in graph.home_stage().items()}
 
     def send(self, tensor, group_key, group_size, instance_key):
         return tf.raw_ops.CollectiveBcastSendV2(
@@ -247,20 +310,27 @@ class StageLinks:
                 "most 299 microbatches and 100 tensors. Use fewer.")
         return key
 
-    def _pair_key(self, peer):
-        return self.keys.pair(self.replica, min(self.stage, peer))
+    def _pair_key(self, stage, peer):
+        if abs(stage - peer) != 1 or not self.holds(stage):
+            raise ValueError(
+                f"StageLinks: model stage {stage} (rank "
+                f"{self.rank_of(stage)}) cannot exchange with stage {peer} "
+                f"from rank {self.rank}: transfers go between neighbouring "
+                "model stages, from the rank running them.")
+        return self.keys.pair(self.replica, min(stage, peer))
 
-    def send_to(self, peer, direction, microbatch, tensors, rows):
-        """Sends `tensors` of `microbatch` to the neighbouring stage `peer`
-        (`rows`: from `checked_rows`)."""
-        key = self._pair_key(peer)
+    def send_to(self, stage, peer, direction, microbatch, tensors, rows):
+        """Sends `tensors` of `microbatch` from model stage `stage` (held
+        here) to its neighbour `peer` (`rows`: from `checked_rows`)."""
+        key = self._pair_key(stage, peer)
         return [self.send(t, key, 2, self.batched_key(
                     self._position(direction, microbatch, i), rows))
                 for i, t in enumerate(tensors)]
 
-    def receive_from(self, peer, direction, microbatch, specs, rows):
-        """Receives tensors of `specs` `(shape, dtype)` from stage `peer`."""
-        key = self._pair_key(peer)
+    def receive_from(self, stage, peer, direction, microbatch, specs, rows):
+        """Receives into model stage `stage` (held here) tensors of `specs`
+        `(shape, dtype)` from its neighbour `peer`."""
+        key = self._pair_key(stage, peer)
         return [self.recv(shape, dtype, key, 2, self.batched_key(
                     self._position(direction, microbatch, i), rows))
                 for i, (shape, dtype) in enumerate(specs)]
@@ -276,17 +346,17 @@ class StageLinks:
                            instance_key)
 
     def share_from_last(self, tensors, specs, instance_keys):
-        """Broadcasts the last stage's `tensors` to every stage of the replica.
+        """Broadcasts the last stage's `tensors` to every rank of the replica.
 
-        On the last stage returns `tensors` (after sending); elsewhere
+        On the last stage's rank returns `tensors` (after sending); elsewhere
         receives tensors of `specs` (shape, dtype). `instance_keys`: one
         per tensor.
         """
-        p = self.num_stages
+        p = self.num_ranks
         if p == 1:
             return list(tensors)
         key = self.keys.replica(self.replica)
-        if self.stage == p - 1:
+        if self.rank == self.last_rank:
             sends = [self.send(t, key, p, k)
                      for t, k in zip(tensors, instance_keys, strict=True)]
             with tf.control_dependencies(sends):

@@ -99,7 +99,12 @@ def build():
         h = keras.layers.Dense(32, activation="tanh", name="d1")(tied(inputs))
         h = tied(keras.layers.Dense(8, activation="tanh", name="d2")(h))
         model = keras.Model(inputs, keras.layers.Dense(3, name="out")(h))
-        split = ["d2"]
+        # 2 stages: split before d2; with virtual stages (4 model stages)
+        # the automatic plan puts the tied layer's two calls in stages 0
+        # and 3 (rank 0 for zb_v, ranks 0 and 1 for interleaved_1f1b).
+        virtual = json.loads(args.config).get("pipeline") in (
+            "interleaved_1f1b", "zb_v")
+        split = None if virtual else ["d2"]
     elif args.model == "deep":
         model = keras.Sequential([keras.Input((8,))] + [
             keras.layers.Dense(n, activation="tanh") for n in (32, 32, 16, 16)

@@ -8,6 +8,7 @@ one device with the same global batch.
 Usage: pipeline_fit.py CASE [CASE ...], CASE = JSON object with keys
 model (mlp|cnn|skip|manual), partitions, microbatches, pipeline,
 optimizer (sgd|adam), devices (logical CPUs, default = partitions),
+virtual_stages (model stages per rank, for interleaved_1f1b),
 recompute (activation_checkpointing), xla (compile both models with
 jit_compile=True; needs TF_DETERMINISTIC_OPS=0, which Keras requires for XLA).
 """
@@ -103,7 +104,9 @@ def build(case, pipelined):
     keras.utils.set_random_seed(1234)
     kind = case["model"]
     if kind == "manual":
-        model = (ManualPipelined(partitions=case["partitions"]) if pipelined
+        stages = case["partitions"] * (case.get("virtual_stages") or (
+            2 if case["pipeline"] in ("interleaved_1f1b", "zb_v") else 1))
+        model = (ManualPipelined(partitions=stages) if pipelined
                  else Manual())
         model(np.zeros((1, 8), "float32"))  # builds (pipelined: traces)
     else:
@@ -167,7 +170,8 @@ for case in CASES:
                   pipeline=case["pipeline"],
                   auto_partition=case["model"] != "manual",
                   local_devices=case.get("devices", case["partitions"]),
-                  activation_checkpointing=case.get("recompute", False))
+                  activation_checkpointing=case.get("recompute", False),
+                  virtual_stages=case.get("virtual_stages"))
     if "break_loss_weight" in case:  # mutation check: a wrong gradient
         from keras_smp.pipeline import step as step_lib
 
