@@ -120,6 +120,27 @@ GROUPS = {
        _cases("mlp", (2,), ("zb_h1",), (4,), "adam")]
     + [dict(c, xla=True) for c in
        _cases("mlp", (2,), ("1f1b_split",), (4,), "sgd")],
+    # Virtual stages: 2 ranks (logical CPUs) each running 2 of 4 model
+    # stages (interleaved_1f1b: 0,2 / 1,3; zb_v: 0,3 / 1,2, split
+    # backwards), 3 stages each for the skip model; replicas; a recomputed
+    # model stage; XLA-compiled model stages.
+    "virtual": (_cases("mlp", (2,), ("interleaved_1f1b",), (2, 4, 8), "sgd")
+                + _cases("mlp", (2,), ("interleaved_1f1b", "zb_v"), (4,),
+                         "adam")
+                + _cases("mlp", (2,), ("zb_v",), (1, 8), "sgd")
+                + _cases("cnn", (2,), ("interleaved_1f1b", "zb_v"), (4,),
+                         "sgd")
+                + _cases("skip", (2,), ("zb_v",), (2,), "sgd")
+                + [dict(c, virtual_stages=3) for c in _cases(
+                    "skip", (2,), ("interleaved_1f1b",), (4,), "sgd")]
+                + _cases("manual", (2,), ("interleaved_1f1b", "zb_v"), (2,),
+                         "adam")
+                + _cases("mlp", (2,), ("interleaved_1f1b", "zb_v"), (4,),
+                         "sgd", devices=4))
+    + [dict(c, recompute=[2]) for c in
+       _cases("mlp", (2,), ("interleaved_1f1b",), (4,), "sgd")]
+    + [dict(c, xla=True) for c in
+       _cases("mlp", (2,), ("interleaved_1f1b",), (4,), "sgd")],
 }
 
 
@@ -156,7 +177,9 @@ def test_pipelined_training_matches_single_device(group):
         # Guard: training really moved the weights (so equality means
         # something) and every stage got layers.
         assert row["moved"] > 1e-3, (label, row)
-        assert len(row["stage_layers"]) == row["partitions"], row
+        virtual = row.get("virtual_stages") or (
+            2 if row["pipeline"] in ("interleaved_1f1b", "zb_v") else 1)
+        assert len(row["stage_layers"]) == row["partitions"] * virtual, row
         assert min(row["stage_layers"]) >= 1, row
         expected_replicas = row.get("devices", row["partitions"]) // row[
             "partitions"]
@@ -173,7 +196,7 @@ def test_pipelined_training_matches_single_device(group):
         assert row["jit_compile"] == bool(row.get("xla")), row
         # Backwards were split exactly where the schedule asks for it and
         # the stage allows it; the others fell back with a warning.
-        if row["pipeline"] not in ("1f1b_split", "zb_h1"):
+        if row["pipeline"] not in ("1f1b_split", "zb_h1", "zb_v"):
             assert row["splits"] == 0 and row["split_fallbacks"] == 0, row
         elif row.get("xla"):
             assert row["splits"] == 0 and row["split_fallbacks"] > 0, row
@@ -193,10 +216,11 @@ def test_fidelity_detects_a_wrong_gradient():
     assert rows[0]["weights"] > 1e-3, rows
 
 
-@pytest.fixture(scope="module")
-def placement():
+@pytest.fixture(scope="module", params=["1f1b", "zb_v"])
+def placement(request):
+    # zb_v: 4 model stages, rank 0 running stages 0 and 3, rank 1 1 and 2.
     proc = run_python([os.path.join(WORKERS, "pipeline_placement.py"),
-                       "2", "4"], timeout=300)
+                       "2", "4", request.param], timeout=300)
     line = [l for l in proc.stdout.splitlines() if l.startswith("{")][-1]
     return json.loads(line)
 
@@ -206,19 +230,21 @@ def _suffix(device):
 
 
 def test_every_variable_lives_on_its_stage_device(placement):
-    rows = placement["stage_devices"]
+    rows, rank_of = placement["stage_devices"], placement["rank_of"]
     for var in placement["variables"]:
         got = [_suffix(d) for d in var["devices"]]
         if var["stage"] is None:
             continue
-        want = [_suffix(row[var["stage"]]) for row in rows]
+        want = [_suffix(row[rank_of[var["stage"]]]) for row in rows]
         assert got == want, var
     # Optimizer slots follow their variable.
+    # (dense_2 is the last layer: the last stage, on rank 1 of each
+    # replica for 1F1B, on rank 0 for ZB-V, which ends where it starts.)
+    last = ["CPU:1", "CPU:3"] if rank_of[-1] == 1 else ["CPU:0", "CPU:2"]
     slots = [v for v in placement["variables"]
              if v["path"].startswith("optimizer/") and "dense_2" in v["path"]]
     assert slots and all(
-        [_suffix(d) for d in s["devices"]] == ["CPU:1", "CPU:3"]
-        for s in slots), slots
+        [_suffix(d) for d in s["devices"]] == last for s in slots), slots
 
 
 def test_weights_are_created_on_their_stage_device_only(placement):
@@ -229,11 +255,11 @@ def test_weights_are_created_on_their_stage_device_only(placement):
 
 
 def test_forward_and_backward_ops_run_on_their_stage_device(placement):
-    rows = placement["stage_devices"]
+    rows, rank_of = placement["stage_devices"], placement["rank_of"]
     ops = placement["ops"]
     expected = {
-        f"{r}/{s}/{kind}": [_suffix(rows[r][s])]
-        for r in range(len(rows)) for s in range(len(rows[0]))
+        f"{r}/{s}/{kind}": [_suffix(rows[r][rank_of[s]])]
+        for r in range(len(rows)) for s in range(len(rank_of))
         for kind in ("fwd", "bwd")}
     got = {k: sorted({_suffix(d) for d in v}) for k, v in ops.items()}
     assert got == expected

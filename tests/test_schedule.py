@@ -18,6 +18,8 @@ from keras_smp.pipeline.schedule import KINDS
 from keras_smp.pipeline.schedule import SCHEDULES
 from keras_smp.pipeline.schedule import Action
 from keras_smp.pipeline.schedule import GPipe
+from keras_smp.pipeline.schedule import Interleaved1F1B
+from keras_smp.pipeline.schedule import ZeroBubbleV
 from keras_smp.pipeline.schedule import OneFOneB
 from keras_smp.pipeline.schedule import OneFOneBSplit
 from keras_smp.pipeline.schedule import ZeroBubbleH1
@@ -510,3 +512,153 @@ def test_split_backward_errors_name_the_fix():
     assert t.spans[Action(0, "I", 1)][0] >= t.spans[Action(1, "B", 1)][1] + 0.5
     with pytest.raises(ValueError, match="weight_cost.*less than backward_cost"):
         simulate(OneFOneBSplit(2, 2), 1.0, 2.0, weight_cost=2.0)
+
+
+# --------------------------------------------------------------------------
+# Virtual stages: interleaved 1F1B and ZB-V (several model stages per rank)
+# --------------------------------------------------------------------------
+
+
+def _check_virtual(sched, comm):
+    """Validates, simulates with a transfer delay and checks every
+    dependency, the rank's order and the in-flight count."""
+    sched.validate()
+    p, m, v = sched.num_stages, sched.num_microbatches, sched.virtual_stages
+    n = sched.num_model_stages
+    assert n == p * v
+    assert sorted(s for r in range(p) for s in sched.stages_of(r)) == list(
+        range(n))
+    t = simulate(sched, 1.0, 2.0, comm_cost=comm)
+    span = t.spans
+    kinds = "FIW" if isinstance(sched, ZeroBubbleV) else "FB"
+    assert len(span) == len(kinds) * n * m
+    for r in range(p):
+        order = sched.compute_actions(r)
+        assert [a for _, _, a in t.entries[r]] == order
+        assert {a.stage for a in order} == set(sched.stages_of(r))
+        assert all(sched.rank_of(a.stage) == r for a in order)
+        for (_, e0, _), (s1, _, _) in zip(t.entries[r], t.entries[r][1:]):
+            assert s1 >= e0 - EPS  # one action at a time per rank
+        assert t.peak_in_flight(r) <= sched.in_flight_limit(r)
+    grad = "I" if kinds == "FIW" else "B"
+    for s in range(n):
+        for k in range(m):
+            f, g = span[Action(s, "F", k)], span[Action(s, grad, k)]
+            assert f[1] <= g[0] + EPS
+            if s > 0:  # a transfer costs only between ranks
+                delay = comm if sched.rank_of(s - 1) != sched.rank_of(s) else 0
+                assert span[Action(s - 1, "F", k)][1] + delay <= f[0] + EPS
+            if s < n - 1:
+                delay = comm if sched.rank_of(s + 1) != sched.rank_of(s) else 0
+                assert span[Action(s + 1, grad, k)][1] + delay <= g[0] + EPS
+    return t
+
+
+@pytest.mark.parametrize("p", range(1, 6))
+@pytest.mark.parametrize("rounds", range(1, 4))
+@pytest.mark.parametrize("v", (2, 3))
+def test_interleaved_1f1b_validates_and_divides_the_bubble_by_v(p, rounds, v):
+    m = p * rounds
+    sched = Interleaved1F1B(p, m, virtual_stages=v)
+    _check_virtual(sched, comm=0.25)
+    assert [sched.rank_of(s) for s in range(p * v)] == [
+        s % p for s in range(p * v)]
+    # Each action is 1/v of a rank's work: with free transfers and B = 2F
+    # the step costs (v m + p - 1)(F + B) / v: 1F1B's fill and drain / v.
+    t = simulate(sched, 1.0 / v, 2.0 / v)
+    assert t.makespan == pytest.approx((v * m + p - 1) * 3.0 / v)
+    assert t.bubble_fraction() == pytest.approx(
+        sched.ideal_bubble_fraction())
+    if p > 1:
+        assert t.makespan < simulate(OneFOneB(p, m), 1.0, 2.0).makespan - EPS
+    # Memory: the warm-up forwards, plus one (Megatron's bound).
+    for r in range(p):
+        assert sched.peak_in_flight(r) == min(
+            2 * (p - 1 - r) + (v - 1) * p + 1, v * m)
+
+
+def test_interleaved_order_goes_round_the_ranks_in_groups_of_p():
+    order = [str(a) for a in Interleaved1F1B(2, 4).compute_actions(0)]
+    # Forwards: stage 0 for microbatches 0, 1; stage 2 for 0, 1; then 2, 3.
+    assert [a for a in order if "F" in a] == [
+        "0F0", "0F1", "2F0", "2F1", "0F2", "0F3", "2F2", "2F3"]
+    # Backwards: the later stage first.
+    assert [a for a in order if "B" in a] == [
+        "2B0", "2B1", "0B0", "0B1", "2B2", "2B3", "0B2", "0B3"]
+    acts = [str(a) for a in Interleaved1F1B(2, 2).actions(1)]
+    # Rank 1's stages 1 and 3: 3 is the last (no SEND_F, no RECV_B).
+    assert acts[:6] == ["1RECV_F0", "1F0", "1SEND_F0", "1RECV_F1", "1F1",
+                        "1SEND_F1"]
+    assert "3SEND_F0" not in acts and "3RECV_B0" not in acts
+    assert "3SEND_B0" in acts and "3RECV_F0" in acts
+
+
+@pytest.mark.parametrize("p", range(1, 6))
+@pytest.mark.parametrize("m", range(1, 11))
+def test_zb_v_validates_and_is_near_zero_bubble(p, m):
+    sched = ZeroBubbleV(p, m)
+    t = _check_virtual(sched, comm=0.25)
+    # A V: rank r runs stage r down and stage 2p - 1 - r back up.
+    for r in range(p):
+        assert sched.stages_of(r) == sorted([r, 2 * p - 1 - r])
+    # Its turn (stages p - 1 and p) is on one rank: no transfer there.
+    acts = [str(a) for a in sched.actions(p - 1)]
+    assert f"{p - 1}SEND_F0" in acts and f"{p}RECV_F0" in acts
+    # Activation memory: at most 2p half-size stages' microbatches (1F1B's
+    # p whole ones), on every rank.
+    assert max(sched.peak_in_flight(r) for r in range(p)) <= min(2 * p, 2 * m)
+    # With F = I = W (each 1/2 of a rank's F) and m >= 2p - 1, the bubble
+    # is small: below ZB-H1's and well below 1F1B's at equal work.
+    ones = simulate(sched, 0.5, 1.0)
+    if p > 1 and m >= 2 * p - 1:
+        assert ones.bubble_fraction() < simulate(
+            ZeroBubbleH1(p, m), 1.0, 2.0).bubble_fraction() - EPS
+        assert ones.bubble_fraction() < 0.5 * simulate(
+            OneFOneB(p, m), 1.0, 2.0).bubble_fraction()
+    assert t.makespan > 0
+
+
+def test_virtual_schedules_grid_names_stages_and_ranks():
+    grid = simulate(ZeroBubbleV(2, 2), 0.5, 1.0).grid()
+    lines = grid.splitlines()
+    assert lines[1].startswith("rank 0") and lines[2].startswith("rank 1")
+    assert "0F0" in lines[1] and "3F0" in lines[1] and "2F0" in lines[2]
+    assert repr(Interleaved1F1B(2, 4, 3)) == (
+        "Interleaved1F1B(num_stages=2, num_microbatches=4, virtual_stages=3)")
+
+
+def test_virtual_stage_errors_name_the_fix():
+    with pytest.raises(ValueError, match="multiple of num_stages=2.*"
+                                         "microbatches=2 or 4"):
+        Interleaved1F1B(2, 3)
+    with pytest.raises(ValueError, match="virtual_stages.*received 1.*"
+                                         "pipeline='1f1b'"):
+        Interleaved1F1B(2, 4, virtual_stages=1)
+    with pytest.raises(ValueError, match="'zb_h1'.*received 2.*"
+                                         "interleaved_1f1b"):
+        get_schedule("zb_h1", 2, 4, virtual_stages=2)
+    with pytest.raises(ValueError, match="model stage.*received 4.*0, 3"):
+        ZeroBubbleV(2, 2).rank_of(4)
+    # A rank running another rank's stage is refused by validate().
+    class Wrong(ZeroBubbleV):
+        def _compute_actions(self, rank):
+            return [Action(1 - rank, a.kind, a.microbatch) if a.stage == rank
+                    else a for a in super()._compute_actions(rank)]
+    with pytest.raises(ValueError, match="of a stage rank 0 runs"):
+        Wrong(2, 2).validate()
+
+
+def test_cli_prints_virtual_stage_schedules(capsys, tmp_path):
+    out_png = tmp_path / "zbv.png"
+    assert main(["--schedule", "zb_v", "-p", "2", "-m", "4", "--actions",
+                 "--draw", str(out_png)]) == 0
+    out = capsys.readouterr().out
+    assert "p=2 ranks x v=2 virtual stages" in out
+    assert "rank 0: 0F0 0SEND_F0" in out
+    assert "1F1B's, for comparison" in out
+    assert out_png.stat().st_size > 0
+    assert main(["--schedule", "interleaved_1f1b", "-p", "2", "-m", "4",
+                 "-v", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "(p-1)/(vm+p-1) = 1/13" in out
+    assert "simulated bubble  7.69%" in out

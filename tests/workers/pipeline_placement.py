@@ -1,7 +1,7 @@
 """Where a pipelined model's variables and ops live (used by tests).
 
 2 model replicas x 2 stages on 4 logical CPUs (or PARTITIONS stages on
-PARTITIONS CPUs). Fits one step, then inspects the traced train step graph:
+PARTITIONS CPUs; with PIPELINE zb_v, 2 model stages per rank). Fits one step, then inspects the traced train step graph:
 prints one JSON object with the placement of every variable copy and of
 every compute op, grouped by (replica, stage, forward/backward), and the
 variables created while the model was built and then thrown away
@@ -18,8 +18,10 @@ import keras_smp  # noqa: E402
 
 PARTITIONS = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 DEVICES = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+PIPELINE = sys.argv[3] if len(sys.argv) > 3 else "1f1b"  # zb_v: 2 per rank
 strategy = keras_smp.SMPStrategy(
-    partitions=PARTITIONS, microbatches=2, local_devices=DEVICES)
+    partitions=PARTITIONS, microbatches=2, local_devices=DEVICES,
+    pipeline=PIPELINE)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -97,6 +99,8 @@ discarded = [{"device": v.device, "shape": list(v.shape)} for v in created
 print(json.dumps({
     "discarded": discarded,
     "stage_devices": strategy.stage_devices,
+    # The pipeline rank (column of stage_devices) of each model stage.
+    "rank_of": [model.schedule.rank_of(s) for s in range(graph.num_stages)],
     "variables": variables,
     "ops": {k: sorted(v) for k, v in ops.items()},
     "unscoped": unscoped,
