@@ -81,7 +81,9 @@ for w in model.optimizer.variables:
 
 ops = {}
 unscoped = []
-pattern = re.compile(r"^(?:replica_(\d+)/)?.*?stage(\d+)/(fwd|bwd)_mb\d+/")
+# Split backwards (zb_v) run as `i_mb` (input gradients) and `w_mb`.
+pattern = re.compile(
+    r"^(?:replica_(\d+)/)?.*?stage(\d+)/(fwd|bwd|i|w)_mb\d+/")
 for op in graphs[0].get_operations():
     if op.type not in COMPUTE:
         continue
@@ -90,7 +92,8 @@ for op in graphs[0].get_operations():
         unscoped.append(op.name)
         continue
     replica = int(match.group(1) or 0)
-    key = f"{replica}/{match.group(2)}/{match.group(3)}"
+    kind = "fwd" if match.group(3) == "fwd" else "bwd"
+    key = f"{replica}/{match.group(2)}/{kind}"
     ops.setdefault(key, set()).add(op.device)
 kept = {id(part) for w in model.variables + model.optimizer.variables
         for part in getattr(w.value, "values", (w.value,))}
