@@ -18,7 +18,11 @@ baseline run: measured, not computed from shapes. What the schedules
 predict: GPipe holds every microbatch's activations (m = 8) on every stage
 before the first backward; 1F1B at most p - s microbatches on stage s
 (2 on stage 0, 1 on stage 1); with recomputation a stage keeps only each
-microbatch's stage inputs and recomputes one microbatch at a time.
+microbatch's stage inputs and recomputes one microbatch at a time. ZB-H1
+holds 2 on both ranks (a split backward keeps a microbatch until its W),
+interleaved 1F1B (2 virtual stages per rank) up to 5 and 3 half-stage
+microbatches, ZB-V 4 on both; the "planned" column prints these in whole
+stages' worth.
 
 Per-layer recomputation (`activation_checkpointing=[layer names]`) pays
 where a layer holds large activations inside it: `--model blocks` is 4
@@ -42,6 +46,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import cpu_model  # noqa: E402
 from measure import peak_mb  # noqa: E402
+sys.path.insert(0, ROOT)
+from keras_smp.pipeline.schedule import get_schedule  # noqa: E402
 LAYERS, WIDTH, M = 8, 1024, 8
 BLOCKS = 4  # --model blocks
 DATA = 16  # input and target features: the data stays small
@@ -142,9 +148,12 @@ def main():
               f"{args.rows * WIDTH * 4 / 2**20:.0f} MB (a stage keeps one "
               f"per layer for its backward: ~{per_mb:.0f} MB per "
               "microbatch, the unit of the last column)")
-        configs = [(p, r) for p in ("gpipe", "1f1b") for r in ("off", "on")]
-    print(f"{'schedule':>8} {'recompute':>9} {'stage':>5} {'baseline':>8} "
-          f"{'peak':>6} {'activations (MB)':>16} {'in microbatches':>15}")
+        configs = ([(p, r) for p in ("gpipe", "1f1b") for r in ("off", "on")]
+                   + [(p, "off") for p in ("zb_h1", "interleaved_1f1b",
+                                           "zb_v")])
+    print(f"{'schedule':>16} {'recompute':>9} {'rank':>4} {'baseline':>8} "
+          f"{'peak':>6} {'activations (MB)':>16} {'in microbatches':>15} "
+          f"{'planned':>7}")
     me = [sys.executable, os.path.abspath(__file__), "--worker",
           "--model", args.model]
     for pipeline, recompute in configs:
@@ -153,11 +162,16 @@ def main():
         flags = ["--pipeline", pipeline, "--recompute", recompute]
         base = run(me, *flags, "--rows", "8")
         peaks = run(me, *flags, "--rows", str(args.rows))
+        sched = get_schedule(pipeline, 2, M)
         for stage in range(2):
             act = peaks[stage] - base[stage]
-            print(f"{pipeline:>8} {recompute:>9} {stage:>5} "
+            # The schedule's peak of microbatches in flight on this rank, in
+            # whole stages' worth (a virtual stage holds 1/v of the layers).
+            planned = sched.peak_in_flight(stage) / sched.virtual_stages
+            print(f"{pipeline:>16} {recompute:>9} {stage:>4} "
                   f"{base[stage]:>8.0f} {peaks[stage]:>6.0f} "
-                  f"{act:>16.0f} {act / per_mb:>15.1f}", flush=True)
+                  f"{act:>16.0f} {act / per_mb:>15.1f} "
+                  f"{planned if recompute == 'off' else '':>7}", flush=True)
 
 
 if __name__ == "__main__":

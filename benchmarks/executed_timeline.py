@@ -1,8 +1,14 @@
 """Planned vs executed pipeline timelines, side by side.
 
-For GPipe and 1F1B on 2 stages, measures one batch with
-`DistributedModel.executed_timeline` and prints the planned (simulated)
-bubble next to the executed one, then draws the executed 1F1B timeline.
+For every schedule on 2 pipeline ranks (GPipe, 1F1B, 1f1b_split, ZB-H1,
+interleaved 1F1B with 2 virtual stages per rank, ZB-V), measures one batch
+with `DistributedModel.executed_timeline` and prints the planned
+(simulated) bubble next to the executed one, then draws the executed
+timelines. Two plans: with the textbook costs (F = 1, B = 2, free
+transfers), and with this run's own measured costs (the mean F, B, I and
+W durations and the median transfer gap, fed to `simulate`): the second
+is the simulator's prediction for this machine, which the executed bubble
+should match within a few points (stated in docs/schedules.md).
 
 Two layouts:
 
@@ -66,7 +72,8 @@ else:
     width, depth, batch = 512, 4, 512
 strategies = {name: keras_smp.SMPStrategy(
     partitions=2, microbatches=m, pipeline=name)
-    for name in ("gpipe", "1f1b", "1f1b_split", "zb_h1")}
+    for name in ("gpipe", "1f1b", "1f1b_split", "zb_h1", "interleaved_1f1b",
+                 "zb_v")}
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -84,8 +91,9 @@ where = ("2 logical CPU devices of one process" if args.processes == 1
 print(f"2 stages ({where}), {m} microbatches, batch {batch}, MLP "
       f"{inputs}-{width}x{depth}-{outputs}, XLA {'on' if args.xla else 'off'}"
       f", {os.cpu_count()} CPU cores")
-print(f"{'schedule':10s} {'planned bubble':>15s} {'executed bubble':>16s} "
-      f"{'makespan ms':>12s}  busy ms per stage, mean wait for a neighbour")
+print(f"{'schedule':16s} {'planned':>8s} {'predicted':>10s} {'executed':>9s} "
+      f"{'makespan ms':>12s} {'predicted':>9s}  busy ms per rank, median "
+      "wait for a neighbour")
 for name, strategy in strategies.items():
     with strategy.scope():
         model = keras_smp.DistributedModel(keras.Sequential(
@@ -94,7 +102,9 @@ for name, strategy in strategies.items():
                for _ in range(depth)]
             + ([keras.layers.Dense(outputs)] if args.processes == 1 else [])))
         model.compile(optimizer="sgd", loss="mse", jit_compile=args.xla)
-    planned = simulate(get_schedule(name, 2, m), 1.0, 2.0)
+    schedule = get_schedule(name, 2, m)
+    v = schedule.virtual_stages
+    planned = simulate(schedule, 1.0 / v, 2.0 / v)
     executed = model.executed_timeline(x, y, runs=5)
     busy = [executed.busy_time(s) for s in range(2)]
     # Transfer latency as executed: from the end of the action whose output
@@ -107,18 +117,36 @@ for name, strategy in strategies.items():
             continue  # waits only for its own stage's I
         prev = [b for b in spans if b.microbatch == a.microbatch
                 and b.kind in (("F",) if a.kind == "F" else ("B", "I"))
-                and b.stage == a.stage + (-1 if a.kind == "F" else 1)]
+                and b.stage == a.stage + (-1 if a.kind == "F" else 1)
+                and schedule.rank_of(b.stage) != schedule.rank_of(a.stage)]
         if prev:
             waits.append(start - spans[prev[0]][1])
-    wait = f"{np.mean(waits):.1f}" if waits else "-"
-    print(f"{name:10s} {planned.bubble_fraction():15.1%} "
-          f"{executed.bubble_fraction():16.1%} {executed.makespan:12.1f}  "
+    # The simulator fed with this run's costs: mean durations per kind, the
+    # median transfer gap (>= 0) as the transfer cost.
+    def mean(kind):
+        d = [e - b for a, (b, e) in spans.items() if a.kind == kind]
+        return float(np.mean(d)) if d else None
+    f, b, i, w = mean("F"), mean("B"), mean("I"), mean("W")
+    comm = max(0.0, float(np.median(waits))) if waits else 0.0
+    if i is not None:  # split backwards: B = I + W
+        predicted = simulate(schedule, f, i + w, comm, weight_cost=w)
+    else:
+        predicted = simulate(schedule, f, b, comm)
+    wait = f"{np.median(waits):.1f}" if waits else "-"
+    print(f"{name:16s} {planned.bubble_fraction():8.1%} "
+          f"{predicted.bubble_fraction():10.1%} "
+          f"{executed.bubble_fraction():9.1%} {executed.makespan:12.1f} "
+          f"{predicted.makespan:9.1f}  "
           f"{busy[0]:.0f} / {busy[1]:.0f}, {wait} ms", flush=True)
-    if name in ("1f1b", "zb_h1") and keras_smp.rank() == 0:
+    if keras_smp.rank() == 0 and (args.processes == 2 or name == "1f1b"):
         os.makedirs(args.out, exist_ok=True)
         suffix = "" if args.processes == 1 else "_2proc"
         path = os.path.join(args.out, f"executed_{name}_p2_m{m}{suffix}.png")
-        executed.draw(path, title=f"executed {name}, 2 stages, {m} microbatches "
+        executed.draw(path, title=f"executed {name}, 2 ranks, {m} microbatches "
                                   f"({where}, "
                                   f"bubble {executed.bubble_fraction():.0%})")
         print("wrote", path)
+print("planned = simulated with F = 1, B = 2 (I = W = 1), free transfers; "
+      "predicted = simulated with this run's mean action durations and "
+      "median transfer wait; executed = measured (busy = compute actions "
+      "only)")

@@ -8,7 +8,8 @@ tf-keras-facts.md). Measured side by side in one run:
 - baseline: the whole model, plain Keras, in 1 serial process;
 - pipelined: `keras_smp.DistributedModel`, partitions=2, one stage per
   serial process (`keras-smp launch -n 2`), microbatches 1, 2, 4, 8, 16,
-  schedules gpipe, 1f1b, 1f1b_split and zb_h1;
+  schedules gpipe, 1f1b, 1f1b_split, zb_h1, interleaved_1f1b (2 virtual
+  stages per process) and zb_v (2 per process, in a V);
 - data parallel: the plain model under `SMPStrategy()` in 2 serial
   processes, the same global batch.
 
@@ -16,16 +17,22 @@ With `--xla` every run (the baseline too) compiles with
 `jit_compile=True`: plain Keras compiles its whole step, keras-smp each
 stage's forward and backward (or, data parallel, the model's call).
 
-Prints the median ms/step, the speedup over the baseline beside the ideal
-m*p/(m+p-1) and beside the bound of this CPU (the same pipelined step run
-serially in 1 process, ideally overlapped: small microbatches make slower
-matmuls), and the peak activation memory per stage of each schedule (the
-schedule's peak in-flight microbatches x one microbatch's stored activations
-of that stage). Target: >= 1.6x at m = 8 (ideal 1.78x). Results of the last
-run on the CI machine: benchmarks/results_pipeline_cpu.txt.
+Prints the median ms/step, the speedup over the baseline beside the
+schedule's ideal (simulated, m*p/(m+p-1) for GPipe and 1F1B) and beside the
+bound of this CPU (the same pipelined step run serially in 1 process,
+ideally overlapped: small microbatches make slower matmuls), the planned
+bubble fraction, and each process's measured step memory: TensorFlow's
+allocator peak during a step above what lives between steps (every run
+uses the BFC allocator, `TF_CPU_ALLOCATOR_USE_BFC=true`, whose statistics
+`tf.config.experimental.get_memory_info` reads), beside the schedule's
+planned peak of microbatches in flight. Then each schedule's speed against
+1F1B's at the same m. Target: >= 1.6x at m = 8 (ideal 1.78x). Results of
+the last run on the CI machine: benchmarks/results_pipeline_cpu.txt.
 
     python benchmarks/pipeline_cpu.py            # ~30 minutes on 2 cores
     python benchmarks/pipeline_cpu.py --quick    # m = 1, 4, 8 only
+    python benchmarks/pipeline_cpu.py --schedules 1f1b zb_h1 \
+        interleaved_1f1b zb_v --microbatch-counts 2 4 8
 
 Rows beside keras-smp's, when their environments exist (each skipped with
 a printed reason otherwise; neither is a dependency of keras-smp):
@@ -63,7 +70,10 @@ WIDTH, LAYERS, BATCH, STAGES = 1024, 8, 1024, 2
 # 1f1b_split and zb_h1 split each backward into I and W (docs/schedules.md);
 # with --xla their stages cannot split (each stage is one compiled
 # function) and they run as 1F1B does, with a warning.
-SCHEDULES = ("gpipe", "1f1b", "1f1b_split", "zb_h1")
+# interleaved_1f1b (v = 2) and zb_v run 2 model stages of 2 layers per
+# process: stages 0, 2 / 1, 3 and 0, 3 / 1, 2.
+SCHEDULES = ("gpipe", "1f1b", "1f1b_split", "zb_h1", "interleaved_1f1b",
+             "zb_v")
 
 
 def worker(args):
@@ -111,14 +121,27 @@ def worker(args):
     else:
         model = build()
     model.fit(ds, steps_per_epoch=args.warmup, epochs=1, verbose=0)
+    memory = tf.config.experimental
+
+    # Memory: TensorFlow's allocator statistics (the BFC allocator on CPU,
+    # TF_CPU_ALLOCATOR_USE_BFC=true, set by `run`): the peak of live
+    # tensors during each step above what lived when it began (weights,
+    # optimizer state, the data pipeline): activations, gradient buffers,
+    # transfers. Measured, per process; the largest over the steps.
 
     class StepTimes(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.times, self.last = [], None
+            self.times, self.last, self.peaks = [], None, []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            memory.reset_memory_stats("CPU:0")
+            self.rest = memory.get_memory_info("CPU:0")["current"]
 
         def on_train_batch_end(self, batch, logs=None):
             now = time.perf_counter()
+            self.peaks.append(memory.get_memory_info("CPU:0")["peak"]
+                              - self.rest)
             if self.last is not None:
                 self.times.append(now - self.last)
             self.last = now
@@ -128,18 +151,26 @@ def worker(args):
               callbacks=[timer])
     # Median step time: robust to a noisy neighbour on a shared host.
     ms = float(np.median(timer.times)) * 1000
-    if strategy is None or strategy.is_chief:
-        print("RESULT " + json.dumps({"ms_per_step": ms}), flush=True)
+    rank = strategy.topology.rank if strategy is not None else 0
+    print("RESULT " + json.dumps({"ms_per_step": ms, "rank": rank,
+                                  "step_mb": max(timer.peaks) / 2**20}),
+          flush=True)
 
 
-def run(cmd, timeout=900, root=ROOT):
+def run(cmd, timeout=900, root=ROOT, memory=False):
+    """Median ms/step of the chief; with `memory`, also each process's
+    peak step memory (MB, in rank order)."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               TF_CPU_ALLOCATOR_USE_BFC="true",
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run(cmd, env=env, cwd=root, capture_output=True,
                          text=True, timeout=timeout)
-    for line in out.stdout.splitlines():
-        if "RESULT " in line:
-            return json.loads(line.split("RESULT ", 1)[1])["ms_per_step"]
+    results = sorted((json.loads(line.split("RESULT ", 1)[1])
+                      for line in out.stdout.splitlines()
+                      if "RESULT " in line), key=lambda r: r.get("rank", 0))
+    if out.returncode == 0 and results:
+        ms = results[0]["ms_per_step"]
+        return (ms, [r.get("step_mb") for r in results]) if memory else ms
     raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n"
                        f"{out.stderr[-3000:]}")
 
@@ -237,6 +268,10 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--schedules", nargs="*", default=None,
+                   help=f"a subset of {' '.join(SCHEDULES)}")
+    p.add_argument("--microbatch-counts", nargs="*", type=int, default=None,
+                   help="m values (default 1 2 4 8 16; --quick 1 4 8)")
     p.add_argument("--xla", action="store_true",
                    help="compile(jit_compile=True) in every run, baseline "
                    "included")
@@ -283,62 +318,71 @@ def main():
                  os.path.join(other_root, "benchmarks", "pipeline_cpu.py"),
                  "--worker", "--steps", str(args.steps), "--warmup",
                  str(args.warmup)] + xla
-    bases = [run(me + ["--mode", "single"])]
-    base = bases[0]
+    base, base_mem = run(me + ["--mode", "single"], memory=True)
+    bases = [base]
     print(f"baseline: whole model, batch {BATCH}, 1 serial process: "
           f"{base:.0f} ms/step (measured again mid-run and at the end; "
-          "ratios use the median of the three)")
-    ms_list = (1, 4, 8) if args.quick else (1, 2, 4, 8, 16)
+          "ratios use the median of the three); step memory "
+          f"{base_mem[0]:.0f} MB")
+    ms_list = args.microbatch_counts or (
+        (1, 4, 8) if args.quick else (1, 2, 4, 8, 16))
+    schedules = args.schedules or SCHEDULES
     # Small matmuls are less efficient than big ones: the pipelined step's
     # own work, run serially in 1 process, bounds what overlap can reach.
     serial = {m: run(me + ["--mode", "serial", "--microbatches", str(m)])
               for m in ms_list}
-    # Stored activations of one stage for one microbatch: each Dense keeps
-    # its input and its ReLU output (float32), LAYERS/STAGES layers a stage.
-    per_sample = (LAYERS // STAGES) * 2 * WIDTH * 4
     def compare(schedule, m):
         return run([sys.executable, "-m", "keras_smp.launch", "-n", "2",
                     "--timeout", "800", "--"] + other
                    + ["--mode", "pipeline", "--schedule", schedule,
                       "--microbatches", str(m)], root=other_root)
 
-    print(f"{'schedule':>8} {'m':>3} {'ms/step':>8} {'speedup':>8} "
-          f"{'ideal':>6} {'bound':>6}  peak activations per stage (MB)")
+    print(f"{'schedule':>16} {'m':>3} {'ms/step':>8} {'speedup':>8} "
+          f"{'ideal':>6} {'bound':>6} {'bubble':>6}  step memory per process, "
+          "MB (measured; planned peak in flight)")
     rows = []
-    for schedule in SCHEDULES:
-        if schedule == "1f1b_split":
+    for schedule in schedules:
+        if schedule == schedules[len(schedules) // 2]:
             bases.append(run(me + ["--mode", "single"]))
         for m in ms_list:
+            try:
+                sched = get_schedule(schedule, STAGES, m)
+            except ValueError as e:
+                print(f"{schedule:>16} {m:>3}  not run: {e}")
+                continue
             ms_other = None
             if other is not None and len(rows) % 2:
                 # Alternate which tree runs first (warm-up order effects).
                 ms_other = compare(schedule, m)
-            ms = run([sys.executable, "-m", "keras_smp.launch", "-n", "2",
-                      "--timeout", "800", "--"] + me
-                     + ["--mode", "pipeline", "--schedule", schedule,
-                        "--microbatches", str(m)])
-            sched = get_schedule(schedule, STAGES, m)
+            ms, mems = run([sys.executable, "-m", "keras_smp.launch", "-n",
+                            "2", "--timeout", "800", "--"] + me
+                           + ["--mode", "pipeline", "--schedule", schedule,
+                              "--microbatches", str(m)], memory=True)
             # The schedule's own ideal: its simulated makespan with F = 1,
-            # B = 2 (I = W = 1) and free transfers, against p stages' work
-            # done serially (m * p / (m + p - 1) for GPipe and 1F1B).
-            ideal = (m * STAGES * 3.0
-                     / simulate(sched, 1.0, 2.0).makespan)
+            # B = 2 (I = W = 1; each 1/v of that with v virtual stages) and
+            # free transfers, against p stages' work done serially (m * p /
+            # (m + p - 1) for GPipe and 1F1B); its bubble fraction.
+            v = sched.virtual_stages
+            planned = simulate(sched, 1.0 / v, 2.0 / v)
+            ideal = m * STAGES * 3.0 / planned.makespan
             # Ideal overlap of the pipelined step's work (measured
             # serially in 1 process), relative to the baseline.
             bound = base / (serial[m] / STAGES * (m + STAGES - 1) / m)
-            peaks = [sched.peak_in_flight(s) * (BATCH // m) * per_sample / 2**20
-                     for s in range(STAGES)]
-            rows.append((schedule, m, ms, base / ms, ideal, peaks))
+            rows.append((schedule, m, ms, base / ms, ideal, mems))
             compared = ""
             if other is not None:
                 if ms_other is None:
                     ms_other = compare(schedule, m)
                 compared = (f"  | compare-tree: {ms_other:.0f} ms/step, "
                             f"this tree {ms_other / ms:.2f}x its speed")
-            print(f"{schedule:>8} {m:>3} {ms:>8.0f} {base / ms:>7.2f}x "
-                  f"{ideal:>5.2f}x {bound:>5.2f}x  "
-                  + ", ".join(f"stage {s}: {v:.0f} ({sched.peak_in_flight(s)}"
-                              f" mb)" for s, v in enumerate(peaks))
+            # Planned: microbatches in flight, in whole stages' worth (a
+            # virtual stage's microbatch is 1/v of a rank's activations).
+            print(f"{schedule:>16} {m:>3} {ms:>8.0f} {base / ms:>7.2f}x "
+                  f"{ideal:>5.2f}x {bound:>5.2f}x "
+                  f"{planned.bubble_fraction():>6.1%}  "
+                  + ", ".join(f"rank {r}: {mb:.0f} "
+                              f"({sched.peak_in_flight(r) / v:g} mb)"
+                              for r, mb in enumerate(mems))
                   + compared, flush=True)
     dp = run([sys.executable, "-m", "keras_smp.launch", "-n", "2",
               "--timeout", "800", "--"] + me + ["--mode", "dp"])
@@ -352,6 +396,14 @@ def main():
             for sc, m, ms, _, ideal, peaks in rows]
     print("speedups over the median baseline: " + ", ".join(
         f"{sc} m={m}: {r:.2f}x" for sc, m, _, r, _, _ in rows))
+    step = {(sc, m): ms for sc, m, ms, _, _, _ in rows}
+    for m in ms_list:
+        if ("1f1b", m) in step:
+            print(f"against 1f1b at m={m} (its ms/step / theirs, > 1: "
+                  "faster): " + ", ".join(
+                      f"{sc} {step[('1f1b', m)] / step[(sc, m)]:.2f}"
+                      for sc in schedules if sc != "1f1b"
+                      and (sc, m) in step), flush=True)
     print(f"data parallel, 2 serial processes (batch {BATCH // 2} each): "
           f"{dp:.0f} ms/step, {median / dp:.2f}x (target >= 1.6x, ideal 2x)")
     worker_args = ["--worker", "--steps", str(args.steps), "--warmup",
@@ -361,7 +413,12 @@ def main():
     keras_rows[("dp", 0)] = median / dp
     peer_rows(args.peer_python, args.peers, ms_list, keras_rows)
     print("ideal = the schedule's simulated speedup with F = 1, B = 2 and free "
-          "transfers (m*p/(m+p-1) for gpipe and 1f1b); bound = the same pipelined step run serially "
+          "transfers (m*p/(m+p-1) for gpipe and 1f1b), bubble = its idle "
+          "fraction; step memory = TensorFlow's allocator peak during a "
+          "step above what lives between steps (activations, gradient "
+          f"buffers, transfers; the baseline's: {base_mem[0]:.0f} MB): "
+          "the gradient buffers are the same for every schedule, so the "
+          "differences between rows are activations; bound = the same pipelined step run serially "
           "in 1 process, overlapped ideally (microbatches of BATCH/m rows "
           "make smaller, slower matmuls; with both stages on logical devices "
           "of one process this overstates the penalty the stage processes "

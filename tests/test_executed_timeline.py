@@ -53,8 +53,11 @@ def test_executed_timeline_follows_the_schedule(schedule, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "interleaved_1f1b",
+                                      "zb_v"])
 def test_executed_timeline_across_stage_processes(schedule, tmp_path):
+    # (interleaved_1f1b, zb_v: each process runs 2 of the 4 model stages;
+    # a timeline row is a rank, holding the actions of both.)
     out = launch(2, [f"{WORKERS}/executed_timeline.py", schedule,
                      str(tmp_path)]).stdout
     results = [json.loads(line.split("RESULT ", 1)[1])
@@ -85,10 +88,11 @@ def test_executed_timeline_across_stage_processes(schedule, tmp_path):
         # backward of k started. (Not "after it ended": an action's end is
         # stamped when its stage gets to it, which may be after its output
         # was already sent.)
-        grad = "I" if schedule == "zb_h1" else "B"  # input gradients
+        grad = "I" if schedule in ("zb_h1", "zb_v") else "B"  # input grads
         for k in range(4):
-            assert spans[f"1F{k}"][0] >= spans[f"0F{k}"][0], spans
-            if name == "train":
-                assert (spans[f"0{grad}{k}"][0]
-                        >= spans[f"1{grad}{k}"][0]), spans
+            for s in range(1, plan.num_model_stages):
+                assert spans[f"{s}F{k}"][0] >= spans[f"{s - 1}F{k}"][0], spans
+                if name == "train":
+                    assert (spans[f"{s - 1}{grad}{k}"][0]
+                            >= spans[f"{s}{grad}{k}"][0]), spans
         assert (tmp_path / f"{name}.png").stat().st_size > 1000

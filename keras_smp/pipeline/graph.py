@@ -278,16 +278,20 @@ class StagedGraph:
                 home.setdefault(id(w), s)
         return home
 
-    def summary(self):
-        """A printable table: stage, parameters, layers."""
+    def summary(self, rank_of=None):
+        """A printable table: stage, parameters, layers (and, with virtual
+        stages, `rank_of(stage)`: the pipeline rank running each)."""
         home = self.home_stage()
+        ranks = rank_of is not None
         lines = [f"Partition plan ({self.num_stages} stages)",
-                 f"{'stage':>5}  {'params':>10}  layers"]
+                 f"{'stage':>5}  " + (f"{'rank':>4}  " if ranks else "")
+                 + f"{'params':>10}  layers"]
         for s in range(self.num_stages):
             params = sum(math.prod(w.shape) for w in self.stage_weights(s)
                          if home[id(w)] == s)
             names = ", ".join(self.names[id(n)] for n in self.stage_nodes(s))
-            lines.append(f"{s:>5}  {params:>10,}  {names}")
+            lines.append(f"{s:>5}  " + (f"{rank_of(s):>4}  " if ranks else "")
+                         + f"{params:>10,}  {names}")
         return "\n".join(lines)
 
 

@@ -202,8 +202,11 @@ class DistributedModel(keras.Model):
         return self._smp_graph
 
     def partition_summary(self):
-        """Returns the partition plan: stage, parameters, layers."""
-        return self.staged_graph.summary()
+        """Returns the partition plan: stage, parameters, layers (and the
+        rank running each stage, with virtual stages)."""
+        schedule = self.schedule
+        return self.staged_graph.summary(
+            schedule.rank_of if schedule.virtual_stages > 1 else None)
 
     # -- building ---------------------------------------------------------
 

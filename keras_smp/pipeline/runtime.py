@@ -409,9 +409,7 @@ class _Builder:
                     ys, ins, meetings, seed)
                 var_grads = []
         self.grad_in[(s, mb)] = in_grads
-        total = self.grads[s]
-        for i, g in enumerate(var_grads):
-            total[i] = accumulate(total[i], g)
+        summed = self._accumulate(s, var_grads)
         # The received gradients count as done too: a stage with nothing
         # to train (frozen) uses them for nothing else, and TensorFlow
         # would prune the receive, leaving the sender waiting.
@@ -422,7 +420,7 @@ class _Builder:
                     for _, g in pairs]
         self._finish(a, start, [
             g.values if isinstance(g, tf.IndexedSlices) else g
-            for g in list(in_grads) + list(var_grads) + list(seed or [])
+            for g in list(in_grads) + summed + list(seed or [])
             + reaching])
 
     def _weights(self, a):
@@ -442,12 +440,22 @@ class _Builder:
                 # has none (the optimizer needs each gradient's device).
                 var_grads = [_on_this_device(g) for g in
                              weight_backward(saved, self.tf_vars[s])]
-            total = self.grads[s]
-            for i, g in enumerate(var_grads):
-                total[i] = accumulate(total[i], g)
         self._finish(a, start, [
             g.values if isinstance(g, tf.IndexedSlices) else g
-            for g in var_grads])
+            for g in self._accumulate(s, var_grads)])
+
+    def _accumulate(self, s, var_grads):
+        """Adds a microbatch's weight gradients to the stage's sums; returns
+        the new sums, which the action's completion waits for: each
+        microbatch's gradients are added (and freed) within its action,
+        not all kept until the end of the step (m times the weights'
+        size, with one inter-op thread)."""
+        total, summed = self.grads[s], []
+        for i, g in enumerate(var_grads):
+            total[i] = accumulate(total[i], g)
+            if g is not None:
+                summed.append(total[i])
+        return summed
 
     def _finish(self, a, start, done):
         s = a.stage

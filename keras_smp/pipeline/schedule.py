@@ -1157,18 +1157,19 @@ class Timeline:
         if any(not a.is_compute for st in self.entries for _, _, a in st):
             handles.append(Patch(color=colors["RECV_F"],
                                  label="communication"))
-        ax.legend(handles=handles,
-                  loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
-                  frameon=False)
         if v > 1:
             handles.append(Patch(facecolor="white", edgecolor="black",
                                  hatch="//", label="rank's later stage"))
+        ax.legend(handles=handles,
+                  loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+                  frameon=False)
         if title is None:
             peak = max((self.peak_in_flight(s) for s in range(p)), default=0)
             title = (f"{sched.name}: p={sched.num_stages}, "
                      + (f"v={v}, " if v > 1 else "")
                      + f"m={sched.num_microbatches}, bubble "
-                     f"{self.bubble_fraction():.1%}, peak in flight {peak}")
+                     f"{self.bubble_fraction():.1%}, peak in flight {peak}"
+                     + (f" (1/{v}-stage microbatches)" if v > 1 else ""))
         ax.set_title(title)
         fig.tight_layout()
         fig.savefig(path, dpi=120)

@@ -118,8 +118,10 @@ else:
     keys = PipelineKeys(num_replicas=1, num_stages=2)
     links = StageLinks(2, s, 0, keys, timeout_seconds=60)
     rows = ROWS // M
-    specs = {"F": [((rows, 16), tf.float32)] if s == 1 else [],
-             "B": [((rows, 16), tf.float32)] if s == 0 else []}
+    # (direction, receiving stage): stage 1 receives activations, stage 0
+    # their gradients.
+    specs = {("F", 1): [((rows, 16), tf.float32)],
+             ("B", 0): [((rows, 16), tf.float32)]}
 
     @tf.function
     def step(x):
