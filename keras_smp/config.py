@@ -141,7 +141,7 @@ def _check_checkpointing(value, partitions, origins):
             not 0 <= s < partitions for s in stages):
         raise _bad("activation_checkpointing", value, expected, origins,
                    "Each stage or layer at most once, and stages below "
-                   "'partitions'.")
+                   "'partitions' (times 'virtual_stages').")
     return tuple(stages) + tuple(names)
 
 
@@ -197,8 +197,10 @@ def _normalise(values: Mapping[str, Any], origins: Mapping[str, str] | None = No
         schedule = get_schedule(out["pipeline"], out["partitions"],
                                 out["microbatches"], virtual)
     except ValueError as e:
-        where = "".join(_where(k, origins) for k in
-                        ("pipeline", "virtual_stages") if _where(k, origins))
+        where = [f"{k} from {(origins or {})[k]}" for k in
+                 ("pipeline", "partitions", "microbatches", "virtual_stages")
+                 if (origins or {}).get(k)]
+        where = f" ({'; '.join(where)})" if where else ""
         raise ValueError(f"Invalid keras-smp config{where}: {e}") from None
     out["virtual_stages"] = schedule.virtual_stages
     stages = out["partitions"] * out["virtual_stages"]
@@ -424,6 +426,16 @@ class SMPConfig:
             base: Mapping = {}
         elif isinstance(config, SMPConfig):
             base = config.to_dict()
+            # Its virtual_stages is resolved (1, or 2 for interleaved_1f1b
+            # and zb_v): when that is its schedule's own default, leave it
+            # unset, so that another `pipeline` given here (or in the
+            # environment) takes its own default instead of failing.
+            from keras_smp.pipeline.schedule import get_schedule
+
+            if base["virtual_stages"] == get_schedule(
+                    base["pipeline"], base["partitions"],
+                    base["microbatches"]).virtual_stages:
+                base.pop("virtual_stages")
         elif isinstance(config, Mapping):
             base = config
         else:

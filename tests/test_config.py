@@ -436,8 +436,25 @@ def test_virtual_stages_follow_the_schedule():
     with pytest.raises(ValueError, match="'zb_v'.*received 3"):
         SMPConfig(partitions=2, pipeline="zb_v", virtual_stages=3)
     with pytest.raises(ValueError, match="multiple of num_stages=2.*"
-                                         "microbatches=2 or 4"):
+                                         "microbatches=2 or microbatches=4"):
         SMPConfig(partitions=2, microbatches=3, pipeline="interleaved_1f1b")
+    with pytest.raises(ValueError, match=r"microbatches from keyword "
+                                         r"arguments\).*num_microbatches"):
+        build(partitions=2, microbatches=3, pipeline="interleaved_1f1b")
+    # A built config rebuilt with another pipeline takes that pipeline's
+    # own virtual_stages (its resolved 1 or 2 is not a user's choice).
+    base = SMPConfig(partitions=2, microbatches=4)
+    assert build(base, pipeline="interleaved_1f1b").virtual_stages == 2
+    zbv = SMPConfig(partitions=2, microbatches=4, pipeline="zb_v")
+    assert build(zbv, pipeline="1f1b").virtual_stages == 1
+    assert build(zbv, environ={"SMP_CONFIG": '{"pipeline": "gpipe"}'}
+                 ).virtual_stages == 1
+    # An explicit, non-default choice is kept, and checked.
+    v3 = SMPConfig(partitions=2, microbatches=4, pipeline="interleaved_1f1b",
+                   virtual_stages=3)
+    assert build(v3, microbatches=8).virtual_stages == 3
+    with pytest.raises(ValueError, match="'1f1b'.*received 3"):
+        build(v3, pipeline="1f1b")
     with pytest.raises(ValueError, match="from environment variable SMP_CONFIG"):
         build(environ={"SMP_CONFIG": '{"pipeline": "zb_v", '
                                      '"virtual_stages": 4}'})

@@ -175,6 +175,27 @@ def test_zoo_model_with_zero_bubble_schedule_matches_single_device(
                  atol)
 
 
+# Virtual stages across 2 stage processes (4 model stages): transformer_lm
+# ties its embedding to the output projection, stages 0 and 3: one rank
+# under zb_v (one copy, no collective), both ranks under interleaved_1f1b;
+# global_clipnorm sums the gradient norm over the ranks. mixed_float16: a
+# loss-scale skip decided across ranks.
+VIRTUAL_MODELS = ["transformer_lm", "multi_io", "mixed_float16"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipeline", ["zb_v", "interleaved_1f1b"])
+@pytest.mark.parametrize("name", VIRTUAL_MODELS)
+def test_zoo_model_with_virtual_stages_across_processes_matches_single_device(
+        tmp_path_factory, reference, name, pipeline):
+    out, proc = _zoo_run(tmp_path_factory, "stage", models=VIRTUAL_MODELS,
+                         pipeline=pipeline)
+    rtol, atol = TOLERANCE.get(name, (RTOL, ATOL))
+    for rank in range(2):
+        _assert_same(_load(out, name, rank, proc), reference(name), name,
+                     rtol, atol)
+
+
 @pytest.mark.slow
 def test_batchnorm_pipeline_with_one_microbatch_matches_single_device(
         tmp_path_factory, reference):

@@ -601,9 +601,12 @@ def test_zb_v_validates_and_is_near_zero_bubble(p, m):
     # A V: rank r runs stage r down and stage 2p - 1 - r back up.
     for r in range(p):
         assert sched.stages_of(r) == sorted([r, 2 * p - 1 - r])
-    # Its turn (stages p - 1 and p) is on one rank: no transfer there.
+    # Its turn (stages p - 1 and p) is on one rank: the action list still
+    # sends and receives there (the runtime hands it over in-process) and
+    # the simulation charges no transfer for it (_check_virtual).
     acts = [str(a) for a in sched.actions(p - 1)]
     assert f"{p - 1}SEND_F0" in acts and f"{p}RECV_F0" in acts
+    assert sched.rank_of(p - 1) == sched.rank_of(p) == p - 1
     # Activation memory: at most 2p half-size stages' microbatches (1F1B's
     # p whole ones), on every rank.
     assert max(sched.peak_in_flight(r) for r in range(p)) <= min(2 * p, 2 * m)
@@ -629,8 +632,10 @@ def test_virtual_schedules_grid_names_stages_and_ranks():
 
 def test_virtual_stage_errors_name_the_fix():
     with pytest.raises(ValueError, match="multiple of num_stages=2.*"
-                                         "microbatches=2 or 4"):
+                                         "microbatches=2 or microbatches=4"):
         Interleaved1F1B(2, 3)
+    with pytest.raises(ValueError, match=r"Use microbatches=4\."):
+        Interleaved1F1B(4, 2)
     with pytest.raises(ValueError, match="virtual_stages.*received 1.*"
                                          "pipeline='1f1b'"):
         Interleaved1F1B(2, 4, virtual_stages=1)

@@ -104,8 +104,9 @@ class StagedGraph:
             raise ValueError(
                 f"{stages_name or f'partitions={num_stages}'} but the model "
                 f"has only {len(infos)} layers to place; every stage needs "
-                f"at least one layer. Use partitions <= {len(infos)}"
-                + (" / virtual_stages" if stages_name else "") + ".")
+                f"at least one layer. Use "
+                + ("partitions x virtual_stages" if stages_name
+                   else "partitions") + f" <= {len(infos)}.")
         plan = partition_lib.plan_partitions(
             infos, num_stages, cost=cost, split_points=split_points)
         stages = {id(n): s for n, s in zip(nodes, plan.stages)}
@@ -126,7 +127,7 @@ class StagedGraph:
                 raise ValueError(
                     f"Layer '{names[id(node)]}' is called inside "
                     f"keras_smp.partition({stages[id(node)]}), but there are "
-                    f"only partitions={num_stages} stages (indices 0 to "
+                    f"only {num_stages} stages (indices 0 to "
                     f"{num_stages - 1}). Use a smaller index or raise "
                     "`partitions`.")
         return cls(inputs, outputs, stages, num_stages, names)

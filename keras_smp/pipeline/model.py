@@ -724,7 +724,9 @@ class DistributedModel(keras.Model):
         return rt is not None and rt.mode == "multi_process"
 
     def _smp_links(self):
-        """This stage process's `StageLinks` (one stage per process)."""
+        """This stage process's `StageLinks` (one pipeline rank per
+        process, running one model stage, or several with virtual
+        stages)."""
         rt = self._smp_runtime()
         topo = rt.topology
         schedule = self.schedule

@@ -709,8 +709,8 @@ class Interleaved1F1B(Schedule):
     is `(p - 1) / (v m + p - 1)` with free transfers, against `(p - 1) /
     (m + p - 1)` for 1F1B, for `v` times as many transfers. A rank holds
     at most `warm-up + 1` (stage, microbatch) pairs, each `1/v` of a
-    rank's activations: `(p - 1 - r) 2 / v + p` microbatches' worth, a bit
-    more than 1F1B's `p - r`.
+    rank's activations: `p + (p - 1 - 2 r) / v` microbatches' worth
+    (capped at `m`), against 1F1B's `p - r`.
 
     `num_microbatches` must be a multiple of `num_stages` (as in
     Megatron).
@@ -741,13 +741,14 @@ class Interleaved1F1B(Schedule):
                 f"(model stages per pipeline rank). Use pipeline='1f1b' for "
                 f"one stage per rank.")
         if num_microbatches % num_stages:
+            lower = num_microbatches // num_stages * num_stages
+            fixes = " or ".join(f"microbatches={n}" for n in
+                                (lower, lower + num_stages) if n > 0)
             raise ValueError(
                 f"Invalid num_microbatches for the 'interleaved_1f1b' "
                 f"pipeline schedule: received {num_microbatches}, expected a "
                 f"multiple of num_stages={num_stages} (microbatches go round "
-                f"the ranks in groups of {num_stages}). Use microbatches="
-                f"{max(num_stages, num_microbatches // num_stages * num_stages)}"
-                f" or {(num_microbatches // num_stages + 1) * num_stages}.")
+                f"the ranks in groups of {num_stages}). Use {fixes}.")
         self.virtual_stages = virtual_stages
 
     def warmup(self, rank: int) -> int:
@@ -812,7 +813,8 @@ class ZeroBubbleV(Schedule):
     split into `I` and `W` (see `ZeroBubbleH1`), and the `W`s fill the
     fill and drain: with `F = I = W` and free transfers the bubble is
     close to zero for `m >= 2 p - 1`, at 1F1B's peak activation memory
-    (`2 p` half-size stages' microbatches on rank 0). The order follows
+    (at most `2 p` half-size stages' microbatches, on every rank: 1F1B's
+    `p` whole ones, which 1F1B holds on rank 0 only). The order follows
     torch's `ScheduleZBVZeroBubble`.
 
     Args:
@@ -1199,8 +1201,9 @@ class Timeline:
         import json
 
         virtual = getattr(self.schedule, "virtual_stages", 1) > 1
-        events = [{"name": f"stage {s}", "ph": "M", "pid": 0, "tid": s,
-                   "args": {"name": f"stage {s}"}}
+        row = "rank" if virtual else "stage"
+        events = [{"name": f"{row} {s}", "ph": "M", "pid": 0, "tid": s,
+                   "args": {"name": f"{row} {s}"}}
                   for s in range(self.num_stages)]
         events = [dict(e, name="thread_name") for e in events]
         for s, stage in enumerate(self.entries):

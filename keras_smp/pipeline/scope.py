@@ -34,7 +34,9 @@ def partition(index):
     layer called in two scopes shares its weights between the two stages.
 
     Args:
-        index: stage index, `0 <= index < partitions`. Stages must be used
+        index: stage index, `0 <= index < partitions` (times
+            `virtual_stages` with several model stages per rank: see
+            docs/schedules.md). Stages must be used
             in data-flow order (a stage never consumes a later stage's
             output).
 

@@ -72,7 +72,7 @@ def describe(error, topology, cluster, timeout):
     lines = [l.strip() for l in text.splitlines() if l.strip()]
     telling = [l for l in lines if any(h in l.lower() for h in _HINTS)]
     first = (telling or lines or [""])[0][:240]
-    where = (f"pipeline stage {topo.pp_rank} (rank {topo.rank} of "
+    where = (f"pipeline rank {topo.pp_rank} (rank {topo.rank} of "
              f"{topo.world_size}, replica {topo.dp_rank})"
              if topo.pp_size > 1 else
              f"worker rank {topo.rank} of {topo.world_size}")
