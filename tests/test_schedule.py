@@ -667,3 +667,75 @@ def test_cli_prints_virtual_stage_schedules(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "(p-1)/(vm+p-1) = 1/13" in out
     assert "simulated bubble  7.69%" in out
+
+
+# --------------------------------------------------------------------------
+# Where receives are posted between processes (sends block until then)
+# --------------------------------------------------------------------------
+
+
+def _outstanding(acts, rank_of):
+    """Most receives from other ranks posted and not yet consumed."""
+    held, peak = set(), 0
+    for a in acts:
+        if a.kind.startswith("RECV") and rank_of(a.peer) != rank_of(a.stage):
+            held.add((a.stage, a.kind, a.microbatch))
+            peak = max(peak, len(held))
+        elif a.is_compute:
+            held.discard((a.stage, "RECV_F" if a.kind == "F" else "RECV_B",
+                          a.microbatch))
+    return peak
+
+
+# interleaved_1f1b needs m to be a multiple of p: only those.
+POSTED_GRID = [(name, p, m) for name in ("gpipe", "1f1b", "1f1b_split",
+                                         "zb_h1", "interleaved_1f1b", "zb_v")
+               for p in range(1, 5) for m in (1, 2, 3, 4, 8)
+               if name != "interleaved_1f1b" or m % p == 0]
+
+
+@pytest.mark.parametrize("name,p,m", POSTED_GRID)
+def test_posted_receives_never_deadlock_and_hold_few_buffers(name, p, m):
+    sched = get_schedule(name, p, m)
+    lists = {r: sched.posted_actions(r) for r in range(p)}
+    # Played with blocking sends (a send waits for its posted receive),
+    # every rank finishes.
+    assert schedule_module._blocked_sends(lists, sched.rank_of) == []
+    for r in range(p):
+        plain = sched.actions(r)
+        # The same actions, the same compute order, sends where they were
+        # (after their compute); only receives from other ranks moved, and
+        # only earlier.
+        assert sorted(map(str, lists[r])) == sorted(map(str, plain))
+        assert [a for a in lists[r] if a.is_compute] == [
+            a for a in plain if a.is_compute]
+        def computes_before(acts, a):
+            return sum(1 for b in acts[:acts.index(a)] if b.is_compute)
+        for a in lists[r]:
+            if a.kind.startswith("RECV"):
+                assert computes_before(lists[r], a) <= computes_before(
+                    plain, a), (a, lists[r])
+        # Fewer buffers than posting every receive at the start (one per
+        # microbatch and link); 1F1B's last rank holds at most 2 inputs.
+        start = sum(1 for a in plain if a.kind.startswith("RECV")
+                    and sched.rank_of(a.peer) != r)
+        assert _outstanding(lists[r], sched.rank_of) <= start
+        if name == "1f1b" and p > 1 and r == p - 1:
+            assert _outstanding(lists[r], sched.rank_of) <= 2
+
+
+def test_receives_posted_just_before_their_use_would_deadlock():
+    # actions() puts each receive right before its consumer; with blocking
+    # sends 1F1B deadlocks (stage 0 blocks sending F1, stage 1 sending B0);
+    # posted_actions() moves the receive of F1 before 1SEND_B0.
+    sched = OneFOneB(2, 2)
+    plain = {r: sched.actions(r) for r in range(2)}
+    stuck = schedule_module._blocked_sends(plain, sched.rank_of)
+    assert stuck and {str(recv) for recv, _, _ in stuck} <= {"1RECV_F1",
+                                                             "0RECV_B0"}
+    posted = [str(a) for a in sched.posted_actions(1)]
+    assert posted.index("1RECV_F1") < posted.index("1SEND_B0")
+    # The 8-microbatch 1F1B's last rank: 2 inputs posted at a time, not 8.
+    deep = OneFOneB(2, 8)
+    assert _outstanding(deep.posted_actions(1), deep.rank_of) == 2
+    assert _outstanding(deep.actions(1), deep.rank_of) == 1

@@ -903,8 +903,8 @@ class DistributedModel(keras.Model):
         on every process (as `fit`): each stage process times its own
         actions and every rank returns its replica's whole timeline, in
         wall-clock time shared by the processes of one host (across hosts,
-        as far as their clocks agree); the receives, posted at the step's
-        start there, are not drawn, so the gap between an action and the
+        as far as their clocks agree); the receives (posted ahead, not
+        chained, there) are not drawn, so the gap between an action and the
         neighbour's action that waits for its output is the transfer.
 
         Example:

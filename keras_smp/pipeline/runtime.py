@@ -21,9 +21,11 @@ the schedule and wherever the stages are:
   them); a send itself waits only for its data,
   so a backward's weight gradients never delay the input gradients a peer
   waits for. Receives are chained too when the transport says
-  so (`chain_receives`); otherwise they are posted at the start of the
-  step and wait for their data, so that a blocking send always finds its
-  receive posted (what makes 1F1B deadlock-free across processes).
+  so (`chain_receives`); otherwise (between processes, where a send
+  blocks until its receive is posted) each receive is posted when its
+  rank's chain reaches its place in `Schedule.posted_actions` (in time
+  for the peer's send in the plan, and early enough that no send waits
+  forever), and waits for its data without holding the chain up.
 
 The runtime knows nothing of Keras or of particular schedules: a new
 schedule is a new action list. Ops of an action are named
@@ -315,7 +317,11 @@ class _Builder:
         s, mb = a.stage, a.microbatch
         key = (s, a.kind[-1], mb)
         if not self.transport.chain_receives:
-            self.received[key] = self.transport.receive(a)
+            # Posted when the rank's chain gets here (its place in
+            # `Schedule.posted_actions`), without holding the chain up: a
+            # posted receive holds its buffer until the data comes.
+            with tf.control_dependencies(self._chain(s)):
+                self.received[key] = self.transport.receive(a)
             return
         deps = self._chain(s)
         start = None

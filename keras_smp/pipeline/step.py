@@ -138,7 +138,10 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         trackers = [(v, tf.identity(v.value)) for m in
                     keras_private.loss_output_trackers(model)
                     for v in m.variables]
-    result = execute({r: schedule.actions(r) for r in ranks}, stages,
+    # Between processes sends block until the peer posts the receive:
+    # receives are moved to their posting points.
+    lists = schedule.posted_actions if links else schedule.actions
+    result = execute({r: lists(r) for r in ranks}, stages,
                      transport, p, xs, loss_fn, forward_only=not training,
                      times=times)
     if result.split_fallbacks:

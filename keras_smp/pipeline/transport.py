@@ -9,9 +9,11 @@ every `SEND_*` / `RECV_*` action; one transport serves each setting:
 - `CollectiveTransport`: one stage per worker process. Sends and receives
   are TensorFlow collective point-to-point ops (`CollectiveBcastSendV2` /
   `CollectiveBcastRecvV2` on the two-member group of neighbouring stages)
-  over TensorFlow's own runtime (gRPC; NCCL on GPUs). Receives are posted
-  at the start of the step (`chain_receives = False`), so a blocking send
-  always finds its receive posted whatever the schedule. Every op carries
+  over TensorFlow's own runtime (gRPC; NCCL on GPUs). A send blocks until
+  its receive is posted: receives are not chained (`chain_receives =
+  False`) but posted where `Schedule.posted_actions` puts them, early
+  enough that no send waits forever and late enough that a rank does not
+  hold a buffer per microbatch. Every op carries
   `timeout_seconds`: a dead or hung peer becomes a `DeadlineExceededError`
   instead of a hang.
 
