@@ -88,7 +88,7 @@ def test_lost_worker_fails_the_others_in_bounded_time(victim, how, partitions):
         # Our error names this worker and the lost one, unless TensorFlow's
         # coordination service ended the process first (task 0 lost), in
         # which case TensorFlow's own message names the lost task.
-        where = (f"keras-smp: pipeline stage {1 - victim}" if partitions > 1
+        where = (f"keras-smp: pipeline rank {1 - victim}" if partitions > 1
                  else f"keras-smp: worker rank {1 - victim} of 2")
         ours = where in err and f"lost rank {victim} (" in err
         tf_own = re.search(rf"task:{victim}\b.*(heartbeat|coordinat|"

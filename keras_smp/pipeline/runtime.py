@@ -126,7 +126,11 @@ def execute(actions, stages, transport, num_stages, inputs, loss_fn=None,
 
     Args:
         actions: `{rank: [Action, ...]}` for the pipeline ranks held here,
-            transfers included (see `Schedule.actions(rank)`); an action's
+            transfers included (see `Schedule.actions(rank)`; between
+            processes, where a send waits until its receive is posted and
+            a receive is posted at its place in the list,
+            `Schedule.posted_actions(rank)`, or any lists passed through
+            `schedule.post_receives`); an action's
             `stage` is a model stage (the rank itself without virtual
             stages).
         stages: `{model stage index: Stage}` for every stage those lists

@@ -43,6 +43,7 @@ __all__ = [
     "Schedule",
     "Timeline",
     "get_schedule",
+    "post_receives",
     "simulate",
 ]
 
@@ -610,8 +611,44 @@ def _post_receives(schedule):
                 pos += 1
             out.append(a)
         lists[r] = out
-    # Blocking sends: move a receive earlier where a send would wait for
-    # it forever.
+    return post_receives(lists, rank_of)
+
+
+def post_receives(lists, rank_of=None):
+    """Per-rank action lists whose receives are posted early enough for
+    blocking sends.
+
+    Plays the lists with sends that wait until the peer has posted the
+    matching receive (TensorFlow's collective send between processes) and
+    a compute that waits for the data of its receives; wherever a send
+    would wait forever, moves the receive it waits for to just before where
+    its rank is stuck, and plays again. Receives already early enough stay
+    where they are. `Schedule.posted_actions` uses it after placing each
+    receive by the simulated plan; hand-written lists for
+    `keras_smp.pipeline.runtime.execute` across processes can use it as
+    they are.
+
+    Args:
+        lists: `{rank: [Action or str, ...]}`, transfers included.
+        rank_of: `stage -> rank` (default: the stage is the rank).
+
+    Returns:
+        `{rank: [Action, ...]}`, the same actions with receives moved.
+
+    Raises:
+        ValueError: if the lists deadlock whatever the receives' places.
+
+    Example:
+
+    >>> plain = {0: "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+    ...          1: "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1"}
+    >>> posted = post_receives({r: a.split() for r, a in plain.items()})
+    >>> " ".join(map(str, posted[1]))
+    '1RECV_F0 1F0 1B0 1RECV_F1 1SEND_B0 1F1 1B1 1SEND_B1'
+    """
+    rank_of = rank_of or (lambda stage: stage)
+    lists = {r: [Action.parse(a) if isinstance(a, str) else a for a in acts]
+             for r, acts in lists.items()}
     for _ in range(sum(len(a) for a in lists.values()) + 1):
         stuck = _blocked_sends(lists, rank_of)
         if not stuck:
@@ -620,7 +657,7 @@ def _post_receives(schedule):
             acts = lists[r]
             acts.remove(recv)
             acts.insert(at, recv)
-    raise AssertionError(f"{schedule!r}: receive posting did not converge")
+    raise AssertionError("receive posting did not converge")
 
 
 def _blocked_sends(lists, rank_of):

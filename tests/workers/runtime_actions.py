@@ -38,6 +38,7 @@ if MODE == "local":
 from keras_smp.pipeline.runtime import Stage  # noqa: E402
 from keras_smp.pipeline.runtime import execute  # noqa: E402
 from keras_smp.pipeline.schedule import Action  # noqa: E402
+from keras_smp.pipeline.schedule import post_receives  # noqa: E402
 from keras_smp.pipeline.transport import CollectiveTransport  # noqa: E402
 from keras_smp.pipeline.transport import LocalTransport  # noqa: E402
 from keras_smp.pipeline.transport import PipelineKeys  # noqa: E402
@@ -64,6 +65,7 @@ if os.environ.get("SPLIT_PLAN"):
     PLAN = SPLIT_PLAN
 ACTIONS = {s: [Action.parse(a) for a in text.split()]
            for s, text in PLAN.items()}
+POSTED = post_receives(ACTIONS)
 M, ROWS = 3, 12
 
 rng = np.random.RandomState(0)
@@ -125,7 +127,10 @@ else:
 
     @tf.function
     def step(x):
-        result = execute({s: ACTIONS[s]}, {s: Stage(s, FNS[s], STAGE_VARS[s])},
+        # Between processes a send waits until its receive is posted, and
+        # a receive is posted where the list puts it: move the receives
+        # early enough (`post_receives`, the same for every rank).
+        result = execute({s: POSTED[s]}, {s: Stage(s, FNS[s], STAGE_VARS[s])},
                          CollectiveTransport(links, specs, rows), 2,
                          [[t] for t in tf.split(x, M)], loss_fn)
         with tf.control_dependencies([result.done]):
