@@ -179,8 +179,8 @@ def test_zoo_model_with_zero_bubble_schedule_matches_single_device(
 # ties its embedding to the output projection, stages 0 and 3: one rank
 # under zb_v (one copy, no collective), both ranks under interleaved_1f1b;
 # global_clipnorm sums the gradient norm over the ranks. mixed_float16: a
-# loss-scale skip decided across ranks. (Several outputs: multi_io with
-# zb_v/zb_h1 in one process, above.)
+# loss-scale skip decided across ranks. (Several outputs: multi_io, with
+# zb_h1 in one process, above.)
 VIRTUAL_MODELS = ["transformer_lm", "mixed_float16"]
 
 
