@@ -1053,10 +1053,9 @@ class ZeroBubbleV(Schedule):
         order = []
         count = collections.Counter()
 
-        def put(stage, kind, key=None):
-            key = key or kind
-            order.append(Action(stage, kind, count[(stage, key)]))
-            count[(stage, key)] += 1
+        def put(stage, kind):
+            order.append(Action(stage, kind, count[(stage, kind)]))
+            count[(stage, kind)] += 1
 
         for _ in range(2 * (p - rank) - 1):
             put(down, "F")
