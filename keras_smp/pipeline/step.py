@@ -161,22 +161,18 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     # the sum of their gradients.
     variables = list({id(v): v for s in held for v in stage_vars[s]}.values()
                      ) if training else []
+    grads = {}
+    if training:
+        for s in held:
+            for v, g in zip(stage_vars[s], result.grads[s]):
+                grads[id(v)] = accumulate(grads.get(id(v)), g)
     if links is None:
         with tf.device(devices[-1]):
             y_pred = graph.pack_outputs(
                 [microbatch.merge([o[i] for o in result.outputs])
                  for i in range(len(graph.outputs))])
         losses = _logged(loss_fn, result.losses)
-        grads = {}
-        if training:
-            for s in held:
-                for v, g in zip(stage_vars[s], result.grads[s]):
-                    grads[id(v)] = accumulate(grads.get(id(v)), g)
         return StepRun(x, y, sample_weight, y_pred, losses, grads, variables)
-    grads = {}
-    for s in held:
-        for v, g in zip(stage_vars[s], result.grads[s]):
-            grads[id(v)] = accumulate(grads.get(id(v)), g)
     return _share(model, links, result, x, y, sample_weight, batch,
                   transport.rows, has_loss, need_outputs, training,
                   variables, [grads.get(id(v)) for v in variables],
