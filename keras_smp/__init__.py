@@ -20,7 +20,12 @@ Public API:
   function on N local worker processes from a Jupyter notebook.
 - rank helpers with SageMaker smp's names: `rank()`, `size()`,
   `local_rank()`, `local_size()`, `dp_rank()`, `dp_size()`, `pp_rank()`,
-  `pp_size()`, `mp_rank()`, `mp_size()`.
+  `pp_size()`, `tp_rank()`, `tp_size()`, `mp_rank()`, `mp_size()`.
+- tensor parallelism: `tensor_parallelism()` (a scope: Dense,
+  EinsumDense, MultiHeadAttention, Embedding and ReversibleEmbedding
+  layers created inside are split across `tensor_parallel_degree`
+  processes), `set_tensor_parallelism(layer)`, `is_tensor_parallel`,
+  `tensor_parallel_layers(model)`.
 
 TensorFlow is imported lazily: `import keras_smp` and the rank helpers work
 without it, so launch scripts can read ranks before building anything.
@@ -39,6 +44,8 @@ from keras_smp.ranks import pp_rank
 from keras_smp.ranks import pp_size
 from keras_smp.ranks import rank
 from keras_smp.ranks import size
+from keras_smp.ranks import tp_rank
+from keras_smp.ranks import tp_size
 
 __version__ = "0.1.0"
 
@@ -52,6 +59,10 @@ _LAZY = {
     "assemble_checkpoint": "keras_smp.pipeline.shards",
     "set_activation_checkpointing": "keras_smp.pipeline.recompute",
     "notebook_launcher": "keras_smp.notebook",
+    "tensor_parallelism": "keras_smp.tensor.layers",
+    "set_tensor_parallelism": "keras_smp.tensor.layers",
+    "is_tensor_parallel": "keras_smp.tensor.layers",
+    "tensor_parallel_layers": "keras_smp.tensor.layers",
     "broadcast": "keras_smp.smp.comms",
     "allgather": "keras_smp.smp.comms",
     "send": "keras_smp.smp.comms",
@@ -97,6 +108,8 @@ def __getattr__(name):
 __all__ = [
     "SMPConfig", "SMPStrategy", "DistributedModel", "partition", "rank", "size", "local_rank", "local_size",
     "dp_rank", "dp_size", "pp_rank", "pp_size", "mp_rank", "mp_size",
+    "tp_rank", "tp_size", "tensor_parallelism", "set_tensor_parallelism",
+    "is_tensor_parallel", "tensor_parallel_layers",
     "is_chief", "init", "step", "StepOutput", "CheckpointManager",
     "notebook_launcher", "assemble_checkpoint", "set_activation_checkpointing",
     "broadcast", "allgather", "send", "recv_from", "barrier", "dp_barrier",

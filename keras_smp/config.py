@@ -45,10 +45,12 @@ CONFIG_KEYS: tuple[str, ...] = (
     "local_devices",
     "activation_checkpointing",
     "virtual_stages",
+    "tensor_parallel_degree",
 )
 
 #: Alternative spellings accepted on input, mapped to their canonical key.
-KEY_ALIASES: dict[str, str] = {"pipeline_parallel_degree": "partitions"}
+KEY_ALIASES: dict[str, str] = {"pipeline_parallel_degree": "partitions",
+                               "tp": "tensor_parallel_degree"}
 
 #: Every key accepted by `SMPConfig.build` (canonical keys plus aliases).
 ALLOWED_KEYS: tuple[str, ...] = CONFIG_KEYS + tuple(KEY_ALIASES)
@@ -187,6 +189,8 @@ def _normalise(values: Mapping[str, Any], origins: Mapping[str, str] | None = No
                 origins, "Use None to drive all visible GPUs (or 1 CPU device).",
             ) from None
     out["local_devices"] = local_devices
+    out["tensor_parallel_degree"] = _check_int(
+        "tensor_parallel_degree", values["tensor_parallel_degree"], 1, origins)
     virtual = values["virtual_stages"]
     if virtual is not None:
         virtual = _check_int("virtual_stages", virtual, 1, origins)
@@ -340,6 +344,11 @@ class SMPConfig:
             default 2) or `r` and `2 partitions - 1 - r` (`"zb_v"`, 2).
             `None` (default) takes the schedule's own; stored as an int
             (1 for the other schedules, which accept only 1).
+        tensor_parallel_degree: Processes (or local devices) that split the
+            layers marked tensor-parallel (`keras_smp.tensor_parallelism()`),
+            an int >= 1; alias `tp`. `partitions * tensor_parallel_degree`
+            processes hold one model replica (see
+            docs/tensor-parallelism.md).
 
     Example:
 
@@ -366,6 +375,7 @@ class SMPConfig:
     local_devices: int | None = None
     activation_checkpointing: bool | tuple = False
     virtual_stages: int | None = None
+    tensor_parallel_degree: int = 1
 
     @property
     def num_model_stages(self) -> int:

@@ -55,13 +55,24 @@ def pp_size():
     return state.topology().pp_size
 
 
+def tp_rank():
+    """Index of this process in its tensor-parallel group."""
+    return state.topology().tp_rank
+
+
+def tp_size():
+    """Tensor-parallel degree (`tensor_parallel_degree`)."""
+    return state.topology().tp_size
+
+
 def mp_rank():
-    """Model-parallel rank; equals `pp_rank()` (no tensor parallelism)."""
+    """Model-parallel rank: `pp_rank() * tp_size() + tp_rank()` (SMP's
+    rank within a model replica, tensor x pipeline)."""
     return state.topology().mp_rank
 
 
 def mp_size():
-    """Model-parallel degree; equals `pp_size()`."""
+    """Model-parallel degree: `pp_size() * tp_size()`."""
     return state.topology().mp_size
 
 

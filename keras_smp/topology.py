@@ -1,8 +1,8 @@
-"""Cluster discovery and the pipeline x data-parallel rank layout.
+"""Cluster discovery and the tensor x pipeline x data-parallel rank layout.
 
 `resolve_cluster()` finds out which processes take part in a job (from
 `TF_CONFIG`, SLURM, or a single process) and `Topology` maps world ranks to
-(pipeline stage, data-parallel replica) coordinates.
+(pipeline stage, data-parallel replica, tensor-parallel rank) coordinates.
 
 This module is pure Python (standard library only) and never imports
 TensorFlow.
@@ -486,21 +486,28 @@ def _divisors(n: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """Maps world ranks to (pipeline stage, data-parallel replica) coordinates.
+    """Maps world ranks to (pipeline stage, replica, tensor rank) coordinates.
 
-    There are `pp_size = partitions` pipeline stages per model replica and
-    `dp_size = world_size // partitions` replicas. With
-    `placement_strategy="cluster"` a replica's stages sit on consecutive ranks
-    (`rank = dp_rank * pp_size + pp_rank`); with `"spread"` the replicas of a
-    stage do (`rank = pp_rank * dp_size + dp_rank`). Model-parallel (`mp_*`)
-    values equal the pipeline (`pp_*`) ones.
+    A model replica spans `mp_size = partitions * tensor_parallel_degree`
+    processes: `pp_size = partitions` pipeline stages, each held by
+    `tp_size = tensor_parallel_degree` processes that split its layers
+    (tensor parallelism); there are `dp_size = world_size // mp_size`
+    replicas. The tensor-parallel group is innermost (consecutive ranks, so
+    it stays inside one host), then the pipeline stages, then the replicas.
+    With `placement_strategy="cluster"` a replica's processes are
+    consecutive (`rank = (dp_rank * pp_size + pp_rank) * tp_size +
+    tp_rank`); with `"spread"` the replicas of a stage are (`rank =
+    (pp_rank * dp_size + dp_rank) * tp_size + tp_rank`). `mp_rank =
+    pp_rank * tp_size + tp_rank`, SageMaker smp's model-parallel rank.
 
     Args:
         world_size: Number of processes, >= 1.
         rank: This process's world rank, in `0..world_size - 1`.
         hosts: Host label per world rank (`len(hosts) == world_size`).
-        partitions: Pipeline stages per replica; must divide `world_size`.
+        partitions: Pipeline stages per replica.
         placement_strategy: `"cluster"` or `"spread"`.
+        tensor_parallel_degree: Processes splitting each stage's layers;
+            `partitions * tensor_parallel_degree` must divide `world_size`.
 
     Example:
 
@@ -511,6 +518,10 @@ class Topology:
     assert (topo.pp_rank, topo.dp_rank) == (1, 1)
     assert topo.pp_group() == (2, 3) and topo.dp_group() == (1, 3)
     assert (topo.local_rank, topo.local_size, topo.host_index) == (1, 2, 1)
+    tp = Topology(world_size=8, rank=5, hosts=("h",) * 8, partitions=2,
+                  tensor_parallel_degree=2)
+    assert (tp.tp_rank, tp.pp_rank, tp.dp_rank, tp.mp_rank) == (1, 0, 1, 1)
+    assert tp.tp_group() == (4, 5) and tp.dp_group() == (1, 5)
     ```
     """
 
@@ -519,9 +530,10 @@ class Topology:
     hosts: tuple[str, ...]
     partitions: int = 1
     placement_strategy: str = "cluster"
+    tensor_parallel_degree: int = 1
 
     def __post_init__(self):
-        for name in ("world_size", "rank", "partitions"):
+        for name in ("world_size", "rank", "partitions", "tensor_parallel_degree"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"Topology {name} must be an int, received {value!r}.")
@@ -537,6 +549,23 @@ class Topology:
         if self.partitions < 1:
             raise ValueError(
                 f"Topology partitions must be >= 1, received {self.partitions!r}."
+            )
+        if self.tensor_parallel_degree < 1:
+            raise ValueError(
+                "Topology tensor_parallel_degree must be >= 1, received "
+                f"{self.tensor_parallel_degree!r}."
+            )
+        t = self.tensor_parallel_degree
+        if t > 1 and self.world_size % (self.partitions * t):
+            p, w = self.partitions * t, self.world_size
+            lower, upper = w - w % p, w - w % p + p
+            counts = f"{lower} or {upper}" if lower else f"{upper}"
+            raise ValueError(
+                f"partitions={self.partitions} x tensor_parallel_degree={t} = {p} "
+                f"does not divide the number of workers world_size={w}: each model "
+                f"replica needs exactly {p} processes. Run a multiple of {p} workers "
+                f"(e.g. {counts}), or choose partitions and tensor_parallel_degree "
+                f"whose product divides {w} ({', '.join(map(str, _divisors(w)))})."
             )
         if self.world_size % self.partitions:
             p, w = self.partitions, self.world_size
@@ -568,7 +597,8 @@ class Topology:
 
     @classmethod
     def from_cluster(
-        cls, cluster: ClusterInfo, partitions: int = 1, placement_strategy: str = "cluster"
+        cls, cluster: ClusterInfo, partitions: int = 1, placement_strategy: str = "cluster",
+        tensor_parallel_degree: int = 1,
     ) -> "Topology":
         """Builds the topology of a resolved cluster.
 
@@ -576,6 +606,7 @@ class Topology:
             cluster: A `ClusterInfo`, e.g. from `resolve_cluster()`.
             partitions: Pipeline stages per replica.
             placement_strategy: `"cluster"` or `"spread"`.
+            tensor_parallel_degree: Processes splitting each stage's layers.
 
         Returns:
             A `Topology` for `cluster.rank`.
@@ -592,6 +623,7 @@ class Topology:
         return cls(
             world_size=cluster.world_size, rank=cluster.rank, hosts=cluster.hosts,
             partitions=partitions, placement_strategy=placement_strategy,
+            tensor_parallel_degree=tensor_parallel_degree,
         )
 
     # ---- sizes and this rank's coordinates --------------------------------
@@ -602,14 +634,19 @@ class Topology:
         return self.partitions
 
     @property
+    def tp_size(self) -> int:
+        """Number of processes splitting each stage's layers."""
+        return self.tensor_parallel_degree
+
+    @property
     def dp_size(self) -> int:
         """Number of data-parallel replicas."""
-        return self.world_size // self.partitions
+        return self.world_size // (self.partitions * self.tensor_parallel_degree)
 
     @property
     def mp_size(self) -> int:
-        """Same as `pp_size`."""
-        return self.pp_size
+        """Processes of one model replica: `pp_size * tp_size`."""
+        return self.pp_size * self.tp_size
 
     @property
     def pp_rank(self) -> int:
@@ -622,9 +659,14 @@ class Topology:
         return self.coords(self.rank)[1]
 
     @property
+    def tp_rank(self) -> int:
+        """This rank's index in its tensor-parallel group."""
+        return self.tp_of(self.rank)
+
+    @property
     def mp_rank(self) -> int:
-        """Same as `pp_rank`."""
-        return self.pp_rank
+        """Index in the model replica: `pp_rank * tp_size + tp_rank`."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
     # ---- hosts --------------------------------------------------------------
 
@@ -732,17 +774,32 @@ class Topology:
         assert topo.coords(3) == (1, 1) and topo.coords(1) == (1, 0)
         ```
         """
-        rank = self._check_rank(rank)
+        group = self._check_rank(rank) // self.tp_size
         if self.placement_strategy == "cluster":
-            return rank % self.pp_size, rank // self.pp_size
-        return rank // self.dp_size, rank % self.dp_size
+            return group % self.pp_size, group // self.pp_size
+        return group // self.dp_size, group % self.dp_size
 
-    def rank_of(self, pp_rank: int, dp_rank: int) -> int:
+    def tp_of(self, rank: int) -> int:
+        """Returns the tensor-parallel rank of a world rank.
+
+        Example:
+
+        ```python
+        from keras_smp.topology import Topology
+
+        topo = Topology(world_size=4, rank=0, hosts=("h",) * 4, tensor_parallel_degree=2)
+        assert [topo.tp_of(r) for r in range(4)] == [0, 1, 0, 1]
+        ```
+        """
+        return self._check_rank(rank) % self.tp_size
+
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
         """Returns the world rank holding stage `pp_rank` of replica `dp_rank`.
 
         Args:
             pp_rank: Pipeline stage, in `0..pp_size - 1`.
             dp_rank: Data-parallel replica, in `0..dp_size - 1`.
+            tp_rank: Tensor-parallel rank, in `0..tp_size - 1`.
 
         Returns:
             The world rank.
@@ -758,14 +815,17 @@ class Topology:
         ```
         """
         for name, value, size in (("pp_rank", pp_rank, self.pp_size),
-                                  ("dp_rank", dp_rank, self.dp_size)):
+                                  ("dp_rank", dp_rank, self.dp_size),
+                                  ("tp_rank", tp_rank, self.tp_size)):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
                 raise ValueError(
                     f"{name} must be an int in 0..{size - 1}, received {value!r}."
                 )
         if self.placement_strategy == "cluster":
-            return dp_rank * self.pp_size + pp_rank
-        return pp_rank * self.dp_size + dp_rank
+            group = dp_rank * self.pp_size + pp_rank
+        else:
+            group = pp_rank * self.dp_size + dp_rank
+        return group * self.tp_size + tp_rank
 
     def pp_group(self, rank: int | None = None) -> tuple[int, ...]:
         """Returns the ranks of a rank's pipeline (model) replica, by stage.
@@ -785,8 +845,9 @@ class Topology:
         assert topo.pp_group() == (2, 3)
         ```
         """
-        dp_rank = self.coords(self.rank if rank is None else rank)[1]
-        return tuple(self.rank_of(s, dp_rank) for s in range(self.pp_size))
+        rank = self.rank if rank is None else rank
+        dp_rank, tp_rank = self.coords(rank)[1], self.tp_of(rank)
+        return tuple(self.rank_of(s, dp_rank, tp_rank) for s in range(self.pp_size))
 
     def dp_group(self, rank: int | None = None) -> tuple[int, ...]:
         """Returns the ranks holding the same stage as a rank, by replica.
@@ -806,5 +867,33 @@ class Topology:
         assert topo.dp_group() == (1, 3)
         ```
         """
-        pp_rank = self.coords(self.rank if rank is None else rank)[0]
-        return tuple(self.rank_of(pp_rank, d) for d in range(self.dp_size))
+        rank = self.rank if rank is None else rank
+        pp_rank, tp_rank = self.coords(rank)[0], self.tp_of(rank)
+        return tuple(self.rank_of(pp_rank, d, tp_rank) for d in range(self.dp_size))
+
+    def tp_group(self, rank: int | None = None) -> tuple[int, ...]:
+        """Returns the ranks splitting a rank's stage, by tensor-parallel rank.
+
+        Example:
+
+        ```python
+        from keras_smp.topology import Topology
+
+        topo = Topology(world_size=4, rank=3, hosts=("h",) * 4, tensor_parallel_degree=2)
+        assert topo.tp_group() == (2, 3) and topo.dp_group() == (1, 3)
+        ```
+        """
+        rank = self.rank if rank is None else rank
+        pp_rank, dp_rank = self.coords(rank)
+        return tuple(self.rank_of(pp_rank, dp_rank, t) for t in range(self.tp_size))
+
+    def mp_group(self, rank: int | None = None) -> tuple[int, ...]:
+        """Returns the ranks of a rank's model replica, by `mp_rank`."""
+        rank = self.rank if rank is None else rank
+        dp_rank = self.coords(rank)[1]
+        return tuple(self.rank_of(s, dp_rank, t) for s in range(self.pp_size)
+                     for t in range(self.tp_size))
+
+    def mp_of(self, rank: int) -> int:
+        """Returns the `mp_rank` of a world rank."""
+        return self.coords(rank)[0] * self.tp_size + self.tp_of(rank)

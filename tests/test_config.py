@@ -41,6 +41,7 @@ def test_defaults():
         "local_devices": None,
         "activation_checkpointing": False,
         "virtual_stages": 1,
+        "tensor_parallel_degree": 1,
     }
     assert SMPConfig().to_dict() == expected
     assert build().to_dict() == expected
@@ -49,7 +50,7 @@ def test_defaults():
 
 
 def test_allowed_keys():
-    assert set(ALLOWED_KEYS) == set(CONFIG_KEYS) | {"pipeline_parallel_degree"}
+    assert set(ALLOWED_KEYS) == set(CONFIG_KEYS) | {"pipeline_parallel_degree", "tp"}
     assert [f.name for f in dataclasses.fields(SMPConfig)] == list(CONFIG_KEYS)
 
 
@@ -356,9 +357,9 @@ def test_unknown_non_string_key():
 @pytest.mark.parametrize("var", ["SMP_CONFIG", "SM_HP_MP_PARAMETERS"])
 def test_unknown_key_from_env_names_variable(var):
     with pytest.raises(ValueError) as info:
-        build(environ={var: '{"tensor_parallel_degree": 2}'})
+        build(environ={var: '{"tensor_parallel_degre": 2}'})
     msg = str(info.value)
-    assert "'tensor_parallel_degree'" in msg and f"environment variable {var}" in msg
+    assert "'tensor_parallel_degre'" in msg and "Did you mean 'tensor_parallel_degree'" in msg and f"environment variable {var}" in msg
 
 
 # ---------------------------------------------------------------------------
@@ -461,3 +462,16 @@ def test_virtual_stages_follow_the_schedule():
     with pytest.raises(ValueError, match="default_partition.*partitions=2 x "
                                          "virtual_stages=2"):
         SMPConfig(partitions=2, pipeline="zb_v", default_partition=4)
+
+
+def test_tensor_parallel_degree_and_its_alias():
+    assert SMPConfig().tensor_parallel_degree == 1
+    assert build(tp=2).tensor_parallel_degree == 2
+    assert build({"tensor_parallel_degree": 4}).tensor_parallel_degree == 4
+    assert "tp" not in build(tp=2).to_dict()
+    env = {"SMP_CONFIG": '{"tensor_parallel_degree": 2}'}
+    assert build(environ=env).tensor_parallel_degree == 2
+    with pytest.raises(ValueError, match="'tensor_parallel_degree'.*received 0"):
+        SMPConfig(tensor_parallel_degree=0)
+    with pytest.raises(ValueError, match="Conflicting.*'tensor_parallel_degree'"):
+        build({"tp": 2, "tensor_parallel_degree": 4})

@@ -159,10 +159,10 @@ def group_key_counts(topology, devices_per_worker, num_local_stages,
 
     `GradientAllReduce` takes one group key per (local stage, group of
     `ReplicaLayout.all_groups()`). With one stage per process
-    (`multi_process`) every pipeline stage's data-parallel group needs its
-    own keys: one block per stage, in stage order, so that every process
-    allocates the same total and uses its stage's block. Otherwise one
-    block.
+    (`multi_process`, or tensor-parallel ranks in processes) every
+    pipeline stage's (and tensor-parallel rank's) data-parallel group needs
+    its own keys: one block per `mp_rank`, in order, so that every process
+    allocates the same total and uses its own block. Otherwise one block.
 
     >>> from keras_smp.topology import Topology
     >>> topo = Topology(world_size=6, rank=0, hosts=tuple("aaabcc"),
@@ -175,5 +175,5 @@ def group_key_counts(topology, devices_per_worker, num_local_stages,
         return [num_local_stages * len(layout.all_groups())]
     return [num_local_stages * len(stage_replica_layout(
         topology, devices_per_worker, True,
-        rank=topology.rank_of(s, 0)).all_groups())
-        for s in range(topology.pp_size)]
+        rank=topology.rank_of(s, 0, t)).all_groups())
+        for s in range(topology.pp_size) for t in range(topology.tp_size)]

@@ -81,6 +81,9 @@ class SMPStrategy(tf_private.CollectiveAllReduceStrategy):
         # `keras_smp.runtime.of(strategy)` and the Keras patches recognise
         # an SMPStrategy by this attribute.
         self._smp_runtime = runtime
+        # Tensor-parallel layers and the optimizer patches find their
+        # group here (`None` without tensor parallelism).
+        self._smp_tensor_group = extended._smp_tensor_group
         self.config = runtime.config
         self.cluster = runtime.cluster
         self.topology = runtime.topology
@@ -98,6 +101,12 @@ class SMPStrategy(tf_private.CollectiveAllReduceStrategy):
     def layout(self):
         """The `StageLayout`: the device of each (local replica, stage)."""
         return self._smp_runtime.layout
+
+    @property
+    def tensor_group(self):
+        """The `TensorGroup` of this process's tensor-parallel ranks, or
+        `None` (`tensor_parallel_degree=1`)."""
+        return self._smp_tensor_group
 
     @property
     def is_chief(self):
@@ -180,41 +189,62 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
                          cluster_resolver=process.cluster_resolver(
                              runtime.cluster),
                          communication_options=options)
-        multi = layout.mode == "multi_process"
-        # Gradients are summed among the workers holding the same stage:
-        # all workers, or (one stage per process) this stage's dp group.
+        # A model replica spans processes: one pipeline stage per process
+        # and/or tensor-parallel ranks. Gradients are then summed among
+        # the processes holding the same part of the model (the dp group
+        # of this `mp_rank`), otherwise among all workers.
+        multi = topology.mp_size > 1
         devices_per_worker = len(self.worker_devices)
         replica_layout = groups.stage_replica_layout(
             topology, devices_per_worker, multi)
         algorithm = resolve_algorithm(config.allreduce, replica_layout)
+        if topology.tp_size > 1 and algorithm == "horovod":
+            raise ValueError(
+                f"tensor_parallel_degree={topology.tp_size} with the Horovod "
+                "backend is not supported yet; use allreduce='ring' or "
+                "'hierarchical' (TensorFlow's collectives) with tensor "
+                "parallelism.")
         # Collective keys, the same on every process (same calls, same
-        # order): room for every stage's groups, this stage's block used.
+        # order): room for every mp rank's groups, this rank's block used.
         keys = runtime.keys
         blocks = groups.group_key_counts(
             topology, devices_per_worker, len(layout.local_stages), multi)
-        block = topology.pp_rank if multi else 0
+        block = topology.mp_rank if multi else 0
         grad_keys = keys.allocate(
             "SMPStrategy gradient all-reduce", sum(blocks))
         if multi:
             grad_keys = grad_keys.part(
                 sum(blocks[:block]), blocks[block],
-                f"{grad_keys.name}, stage {block}")
+                f"{grad_keys.name}, model-parallel rank {block}")
         collective_keys = self._collective_keys
         self._smp_init_group = None
         if multi:
-            # Initial values are broadcast within each stage's data-parallel
-            # group only: the processes of one stage create the same
-            # variables in the same order, other stages' processes do not.
+            # Initial values are broadcast within each stage's processes
+            # (its data-parallel replicas and tensor-parallel ranks) only:
+            # they create the same variables in the same order, other
+            # stages' processes do not.
             init_keys = keys.allocate("SMPStrategy initial values per stage",
                                       topology.pp_size)
             self._smp_init_group = init_keys.key(topology.pp_rank)
             self._smp_init_instances = itertools.count(1)
-        if multi:
-            tf_keys = keys.allocate("SMPStrategy CollectiveKeys per stage",
-                                    topology.pp_size * TF_KEYS_PER_STAGE)
+            tf_keys = keys.allocate(
+                "SMPStrategy CollectiveKeys per model-parallel rank",
+                topology.mp_size * TF_KEYS_PER_STAGE)
             collective_keys = tf_private.CollectiveKeys(
                 group_key_start=tf_keys.key(
-                    topology.pp_rank * TF_KEYS_PER_STAGE))
+                    topology.mp_rank * TF_KEYS_PER_STAGE))
+        self._smp_tensor_group = None
+        if topology.tp_size > 1:
+            from keras_smp.tensor.ops import TensorGroup
+
+            tp_keys = keys.allocate(
+                "tensor-parallel groups",
+                topology.world_size // topology.tp_size)
+            self._smp_tensor_group = TensorGroup(
+                topology.tp_size, topology.tp_rank,
+                tp_keys.key(topology.rank // topology.tp_size),
+                timeout=config.collective_timeout_seconds,
+                initial_value_sync=self._broadcast_in_stage)
         common = dict(
             devices=self.worker_devices, layout=replica_layout,
             fusion_threshold_bytes=int(config.fusion_threshold_mb * 2**20),
@@ -227,7 +257,7 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
             stage_groups = (
                 [topology.dp_group(topology.rank_of(s, 0))
                  for s in range(topology.pp_size)]
-                if multi else None)
+                if multi else None)  # tp_size == 1 here
             hvd, process_set = horovod.init(topology, stage_groups)
             self._smp_horovod = hvd
             self._cross_device_ops = horovod.HorovodAllReduce(
@@ -259,42 +289,52 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
         return initial_value_fn
 
     def _stage_initial_value(self, device, kwargs):
-        """One stage per process: a new variable's initial value as this
-        stage's first data-parallel replica has it."""
-        topo = self._smp_topology
-        timeout = self._smp_runtime.config.collective_timeout_seconds
+        """A replica spanning processes: a new variable's initial value as
+        this stage's first process (first data-parallel replica, first
+        tensor-parallel rank) has it."""
 
         def initial_value_fn():
             with tf.device(device):
                 value = _initial_value(kwargs)
-                if topo.dp_size == 1:
-                    return value
-                common = dict(group_size=topo.dp_size,
-                              group_key=self._smp_init_group,
-                              instance_key=next(self._smp_init_instances),
-                              communication_hint="auto",
-                              timeout_seconds=float(timeout or 0))
-                wire = _INIT_WIRE.get(value.dtype, value.dtype)
-                if topo.dp_rank == 0:
-                    send = tf.raw_ops.CollectiveBcastSendV2(
-                        input=tf.cast(value, wire), **common)
-                    with tf.control_dependencies([send]):
-                        return tf.identity(value)
-                return tf.cast(tf.raw_ops.CollectiveBcastRecvV2(
-                    shape=value.shape, T=wire, **common), value.dtype)
+                if placement.initial_values_consistent():
+                    return value  # a tensor-parallel shard, already synced
+                return self._broadcast_in_stage(value)
 
         return initial_value_fn
 
+    def _broadcast_in_stage(self, value):
+        """`value` as the first process of this pipeline stage has it (its
+        replicas and tensor-parallel ranks; eager, at variable creation)."""
+        topo = self._smp_topology
+        size = topo.dp_size * topo.tp_size
+        if size == 1:
+            return value
+        timeout = self._smp_runtime.config.collective_timeout_seconds
+        common = dict(group_size=size,
+                      group_key=self._smp_init_group,
+                      instance_key=next(self._smp_init_instances),
+                      communication_hint="auto",
+                      timeout_seconds=float(timeout or 0))
+        wire = _INIT_WIRE.get(value.dtype, value.dtype)
+        if topo.dp_rank == 0 and topo.tp_rank == 0:
+            send = tf.raw_ops.CollectiveBcastSendV2(
+                input=tf.cast(value, wire), **common)
+            with tf.control_dependencies([send]):
+                return tf.identity(value)
+        return tf.cast(tf.raw_ops.CollectiveBcastRecvV2(
+            shape=value.shape, T=wire, **common), value.dtype)
+
     @property
     def _num_replicas_in_sync(self):
-        if self._smp_layout.mode == "multi_process":
+        if self._smp_topology.mp_size > 1:
             return self._smp_topology.dp_size
         return super()._num_replicas_in_sync
 
     def _make_input_context(self):
-        if self._smp_layout.mode != "multi_process":
+        if self._smp_topology.mp_size == 1:
             return super()._make_input_context()
-        # Every stage of a replica reads the same shard of each batch.
+        # Every process of a replica (its stages and tensor-parallel
+        # ranks) reads the same shard of each batch.
         topo = self._smp_topology
         return tf_private.InputContext(
             num_input_pipelines=topo.dp_size,

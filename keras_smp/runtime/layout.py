@@ -72,7 +72,43 @@ def resolve_mode(partitions, local_devices, world_size, has_gpus):
     return local_devices, "in_process"
 
 
-def topology_for(cluster, partitions, placement_strategy, mode):
+def check_tensor_parallel(tensor_parallel_degree, partitions, local_devices,
+                          world_size):
+    """Checks that tensor parallelism can run as configured.
+
+    Each tensor-parallel rank is one worker process with one device
+    (`local_devices` unset or 1); `partitions` must be 1 for now.
+
+    >>> check_tensor_parallel(2, 1, None, 4)
+    >>> check_tensor_parallel(2, 1, None, 1)
+    Traceback (most recent call last):
+    ...
+    ValueError: tensor_parallel_degree=2 runs one tensor-parallel rank per worker process, but this job has 1 process. Start a multiple of 2 processes (`keras-smp launch -n 2 -- python train.py`, or `keras_smp.notebook_launcher(fn, num_workers=2)` in a notebook); splitting layers over the devices of one process is not supported yet.
+    """
+    t = tensor_parallel_degree
+    if t == 1:
+        return
+    if partitions > 1:
+        raise ValueError(
+            f"tensor_parallel_degree={t} with partitions={partitions} "
+            "(tensor x pipeline parallelism) is not supported yet. Use "
+            "partitions=1 with tensor parallelism (data parallelism "
+            "across the other processes combines with it), or "
+            "tensor_parallel_degree=1 with pipelines.")
+    if world_size == 1 or local_devices not in (None, 1):
+        where = (f"local_devices={local_devices}" if world_size > 1 else
+                 "this job has 1 process")
+        raise ValueError(
+            f"tensor_parallel_degree={t} runs one tensor-parallel rank per "
+            f"worker process, but {where}. Start a multiple of {t} "
+            f"processes (`keras-smp launch -n {t} -- python train.py`, or "
+            f"`keras_smp.notebook_launcher(fn, num_workers={t})` in a "
+            "notebook); splitting layers over the devices of one process "
+            "is not supported yet.")
+
+
+def topology_for(cluster, partitions, placement_strategy, mode,
+                 tensor_parallel_degree=1):
     """The job's `Topology` for a pipeline `mode`.
 
     Only one stage per process (`"multi_process"`) splits the processes
@@ -86,7 +122,8 @@ def topology_for(cluster, partitions, placement_strategy, mode):
     """
     return Topology.from_cluster(
         cluster, partitions=partitions if mode == "multi_process" else 1,
-        placement_strategy=placement_strategy)
+        placement_strategy=placement_strategy,
+        tensor_parallel_degree=tensor_parallel_degree)
 
 
 @dataclass(frozen=True)

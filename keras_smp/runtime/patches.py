@@ -21,6 +21,9 @@
 - `keras.callbacks.BackupAndRestore` (non-chief workers save into scratch
   and never delete the chief's backup) and `keras.callbacks.TensorBoard`
   (non-chief summaries go to a scratch directory).
+- `keras.layers.Layer.__init__`: every new layer is shown to
+  `keras_smp.tensor` (`install_layer_hook`), which makes those created in
+  `keras_smp.tensor_parallelism()` tensor-parallel.
 - `keras.optimizers.Optimizer.get_gradients(loss, params)`: SageMaker
   smp's (Keras 2's) method, for `@smp.step` functions.
 - the optimizer step under an `SMPStrategy` acts on the gradient that
@@ -366,6 +369,16 @@ def step_without_gradients(optimizer):
     tf.cond(finite, on_finite, on_non_finite)
 
 
+def _tensor_group(optimizer):
+    """The tensor-parallel group of the optimizer's strategy (an
+    `SMPStrategy` with `tensor_parallel_degree > 1`), or `None`."""
+    from keras_smp.runtime import keras_private
+
+    group = getattr(keras_private.optimizer_strategy(optimizer),
+                    "_smp_tensor_group", None)
+    return group if group is not None and group.size > 1 else None
+
+
 def _smp_optimizer(optimizer):
     from keras_smp.runtime import keras_private
 
@@ -387,6 +400,17 @@ def _patch_optimizer(keras):
 
     def wrap_apply(apply_gradients):
         def backend_apply_gradients(self, grads, trainable_variables):
+            group = _tensor_group(self)
+            if group is not None and _stage_state(self)[0] is None:
+                # Tensor parallelism: each rank holds shards, so the global
+                # norm and the finite check sum over the group; a
+                # replicated weight's gradient counts once (on rank 0).
+                elsewhere = () if group.rank == 0 else tuple(
+                    id(v) for v in trainable_variables
+                    if getattr(v, "_smp_tp_axis", None) is None)
+                with across_stages(self, group.sum, elsewhere):
+                    return backend_apply_gradients(
+                        self, grads, trainable_variables)
             if not (_smp_optimizer(self) and clips(self)):
                 return apply_gradients(self, grads, trainable_variables)
             if (self.global_clipnorm and self.gradient_accumulation_steps
@@ -412,11 +436,15 @@ def _patch_optimizer(keras):
                 _set(self, "_smp_synced", True)
             _set(self, "_smp_clip_ids",
                  tuple(id(v) for v in trainable_variables))
+            _set(self, "_smp_clip_split", tuple(
+                getattr(v, "_smp_tp_axis", None) is not None
+                for v in trainable_variables))
             try:
                 return apply_gradients(self, grads, trainable_variables)
             finally:
                 _set(self, "_smp_synced", False)
                 _set(self, "_smp_clip_ids", None)
+                _set(self, "_smp_clip_split", None)
 
         return backend_apply_gradients
 
@@ -430,6 +458,24 @@ def _patch_optimizer(keras):
 
     def wrap_clip(clip):
         def clip_gradients(self, grads):
+            group = _tensor_group(self)
+            if group is not None and self.clipnorm:
+                # Each weight's own norm: a tensor-parallel shard's counts
+                # every rank's shard (Keras' clip_by_norm, whole weight).
+                split = getattr(self, "_smp_clip_split", None)
+                if split is None or len(split) != len(grads):
+                    raise RuntimeError(
+                        "keras-smp: clipnorm with tensor parallelism lost "
+                        "track of the optimizer's variables (internal error).")
+                grads = [g if g is None else _clip_by_norm(
+                    g, self.clipnorm, group.sum if s else None)
+                    for g, s in zip(grads, split)]
+                clipnorm = self.clipnorm
+                try:
+                    self.clipnorm = None
+                    return clip_gradients(self, grads)
+                finally:
+                    self.clipnorm = clipnorm
             reduce_sum, skip = _stage_state(self)
             if not (_smp_optimizer(self) and self.global_clipnorm
                     and reduce_sum is not None):
@@ -481,6 +527,19 @@ def _squared_norm(grad):
     if isinstance(grad, tf.IndexedSlices):
         grad = grad.values
     return tf.reduce_sum(tf.square(tf.cast(grad, tf.float32)))
+
+
+def _clip_by_norm(grad, clip_norm, reduce_sum=None):
+    """Keras' `clip_by_norm` of one gradient, its norm summed over
+    `reduce_sum` (a tensor-parallel shard's group) when given."""
+    import tensorflow as tf
+
+    squares = _squared_norm(grad)
+    if reduce_sum is not None:
+        squares = reduce_sum(squares)
+    safe = tf.where(squares > 0, squares, tf.ones_like(squares))
+    norm = tf.where(squares > 0, tf.sqrt(safe), squares)
+    return _scaled(grad, clip_norm / tf.maximum(norm, clip_norm))
 
 
 def _scaled(grad, scale):
@@ -591,4 +650,28 @@ def install():
         _patch_get_gradients(keras)
         _patch_optimizer(keras)
         _patch_add_weight(keras)
+        install_layer_hook()
         _installed.append(True)
+
+
+def install_layer_hook():
+    """`keras.layers.Layer.__init__` tells `keras_smp.tensor` of every new
+    layer (tensor parallelism converts those created in its scope).
+    Idempotent; `keras_smp.tensor.layers` installs it on import."""
+    import keras
+
+    from keras_smp import tensor
+
+    original = keras.layers.Layer.__init__
+    if getattr(original, "_smp_patched", False):
+        return
+
+    # Keras' Layer.__init__ takes keywords only; Keras reads this
+    # function's argspec (`(self, **kwargs)`, as the original's shape).
+    @functools.wraps(original)
+    def __init__(self, **kwargs):
+        original(self, **kwargs)
+        tensor.on_layer_created(self)
+
+    __init__._smp_patched = True
+    keras.layers.Layer.__init__ = __init__

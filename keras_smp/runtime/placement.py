@@ -64,3 +64,18 @@ def local_variables():
 def creating_local():
     """Whether `local_variables` is active."""
     return bool(getattr(_state, "local", False))
+
+
+@contextlib.contextmanager
+def consistent_initial_values():
+    """The variables created inside get initial values that are already
+    right on every process (a tensor-parallel shard, cut from a whole
+    weight made identical across its stage): the strategy must not
+    broadcast them from another process."""
+    with _setting("consistent", True):
+        yield
+
+
+def initial_values_consistent():
+    """Whether `consistent_initial_values` is active."""
+    return bool(getattr(_state, "consistent", False))

@@ -29,6 +29,7 @@ from keras_smp.runtime import patches
 from keras_smp.runtime import tf_private
 from keras_smp.runtime.keys import process_keys
 from keras_smp.runtime.layout import StageLayout
+from keras_smp.runtime.layout import check_tensor_parallel
 from keras_smp.runtime.layout import resolve_mode
 from keras_smp.runtime.layout import topology_for
 from keras_smp.topology import resolve_cluster
@@ -222,11 +223,21 @@ def start(config=None, /, *, custom_loop=False, **kwargs):
     config = SMPConfig.build(config, **kwargs)
     cluster = resolve_cluster()
     p = config.partitions
+    tp = config.tensor_parallel_degree
+    if custom_loop and tp > 1:
+        raise ValueError(
+            f"tensor_parallel_degree={tp} is not supported by smp.init / "
+            "@smp.step yet; train the tensor-parallel model with "
+            "SMPStrategy and model.fit, or use tensor_parallel_degree=1.")
+    check_tensor_parallel(tp, p, config.local_devices, cluster.world_size)
     if custom_loop:
         mode = "none" if p == 1 else "in_process"
     else:
         local_devices, mode = _pipeline_mode(config, cluster)
-    topology = topology_for(cluster, p, config.placement_strategy, mode)
+        if tp > 1:
+            local_devices = 1
+    topology = topology_for(cluster, p, config.placement_strategy, mode,
+                            tensor_parallel_degree=tp)
     if custom_loop:
         layout = _custom_loop_layout(config, topology, mode)
     else:

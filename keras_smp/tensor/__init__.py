@@ -1,0 +1,117 @@
+"""Tensor parallelism: which layers are split, and how (pure Python).
+
+The Keras-facing API is `keras_smp.tensor_parallelism()` (a scope around
+layer construction) and `keras_smp.set_tensor_parallelism(layer)`, in
+`keras_smp.tensor.layers`; this module holds what they share with the
+Keras patches without TensorFlow: the thread-local scope, the registry of
+converters (Keras layer class -> function making a layer of that class
+tensor-parallel) and the shard arithmetic.
+
+A layer made tensor-parallel keeps its Keras class's construction, config
+and build; only its weights (one shard per tensor-parallel rank) and its
+`call` (the shard's part plus one collective) change. Outside an
+`SMPStrategy` with `tensor_parallel_degree > 1` it is the plain layer.
+
+Example:
+
+>>> with scope(True):
+...     marking()
+True
+>>> marking()
+False
+>>> shard_bounds(12, 4, 1)
+(3, 6)
+>>> shard_bounds(10, 4, 0)
+Traceback (most recent call last):
+...
+ValueError: cannot split 10 across tensor_parallel_degree=4 ranks: 10 is not a multiple of 4. Use a tensor_parallel_degree that divides 10 (1, 2, 5, 10), or change the layer's size.
+"""
+
+import contextlib
+import threading
+
+_state = threading.local()
+
+#: Functions called with every Keras layer as it is constructed (by the
+#: patch of `Layer.__init__`); `keras_smp.tensor.layers` adds the one that
+#: converts layers created inside `scope(True)`.
+HOOKS = []
+
+
+def marking():
+    """Whether layers created now are made tensor-parallel."""
+    return bool(getattr(_state, "marking", False))
+
+
+@contextlib.contextmanager
+def scope(enabled=True):
+    """Layers created inside are (`True`) or are not made tensor-parallel."""
+    previous = marking()
+    _state.marking = bool(enabled)
+    try:
+        yield
+    finally:
+        _state.marking = previous
+
+
+def on_layer_created(layer):
+    """Called for every Keras layer as it is constructed (a patch of
+    `Layer.__init__`)."""
+    for hook in HOOKS:
+        hook(layer)
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def shard_bounds(size, parts, index, what=None):
+    """`[start, stop)` of shard `index` when `size` is split in `parts`.
+
+    Raises:
+        ValueError: `size` is not a multiple of `parts` (naming the fix).
+    """
+    if size % parts:
+        thing = what or str(size)
+        raise ValueError(
+            f"cannot split {thing} across tensor_parallel_degree={parts} "
+            f"ranks: {size} is not a multiple of {parts}. Use a "
+            f"tensor_parallel_degree that divides {size} "
+            f"({', '.join(map(str, _divisors(size)))}), or change the "
+            "layer's size.")
+    step = size // parts
+    return index * step, (index + 1) * step
+
+
+def split_einsum(equation):
+    """`(input, kernel, output)` letter strings of an `EinsumDense`
+    equation such as `"abc,cde->abde"` (an ellipsis counts as one letter).
+
+    >>> split_einsum("...b,bc->...c")
+    ('.b', 'bc', '.c')
+    """
+    lhs, out = equation.replace("...", ".").split("->")
+    inp, kernel = lhs.split(",")
+    return inp, kernel, out
+
+
+def column_letter(equation):
+    """The kernel letter a column-parallel `EinsumDense` splits: the first
+    one of the output that is not in the input (`None` if there is none).
+
+    >>> column_letter("abc,cde->abde")
+    'd'
+    """
+    inp, kernel, out = split_einsum(equation)
+    return next((c for c in kernel if c in out and c not in inp), None)
+
+
+def row_letter(equation):
+    """The kernel letter a row-parallel `EinsumDense` splits: the first one
+    summed over (in the input and the kernel, not in the output).
+
+    >>> row_letter("abcd,cde->abe")
+    'c'
+    """
+    inp, kernel, out = split_einsum(equation)
+    return next((c for c in kernel if c in inp and c not in out), None)

@@ -1,0 +1,158 @@
+"""The collectives of tensor parallelism, with their gradients.
+
+A `TensorGroup` is the processes splitting one pipeline stage's layers
+(`Topology.tp_group()`), over TensorFlow's collective ops (gRPC between
+processes; NCCL on GPUs). Megatron-LM's four operators:
+
+| operator | forward | backward | used by |
+|---|---|---|---|
+| `copy_to(x)` | identity | all-reduce | input of a column-parallel layer |
+| `reduce_from(x)` | all-reduce | identity | output of a row-parallel layer, vocab-parallel embedding |
+| `gather_from(x, axis)` | all-gather on `axis` | this rank's slice | output of a lone column-parallel layer |
+| `sum(x)` | all-reduce | (not differentiated) | gradient norms, finite checks |
+
+Every rank of a group builds the same collectives in the same order (the
+same program traces the same layers), so a per-group counter gives them
+the same instance keys. Half-precision tensors cross as float32 (exactly
+representable; TensorFlow's CPU collectives have no bfloat16 kernel).
+
+Example (one process: a group of one is the identity):
+
+>>> import tensorflow as tf
+>>> group = TensorGroup(size=1, rank=0, group_key=1)
+>>> float(group.reduce_from(tf.constant(2.0)))
+2.0
+"""
+
+import itertools
+
+import tensorflow as tf
+
+_WIRE = {tf.float16: tf.float32, tf.bfloat16: tf.float32}
+
+# Instance keys of a group: counted from here, per group (other users of
+# the same group key do not exist: the key range is tensor parallelism's).
+_FIRST_INSTANCE = 1
+
+
+class TensorGroup:
+    """One tensor-parallel group of processes.
+
+    Args:
+        size: processes in the group (`tensor_parallel_degree`).
+        rank: this process's index in it (`tp_rank`).
+        group_key: the group's TensorFlow collective group key (the same
+            on every member, from `runtime.keys`).
+        timeout: seconds a collective may wait for the others (0: forever).
+        initial_value_sync: `fn(value)` making a new weight's whole
+            initial value the same on every process of the stage (the
+            strategy's broadcast), or `None` (trust the seeds).
+    """
+
+    def __init__(self, size, rank, group_key, timeout=0.0,
+                 initial_value_sync=None):
+        self.size = size
+        self.rank = rank
+        self.group_key = group_key
+        self.timeout = float(timeout or 0)
+        self.initial_value_sync = initial_value_sync
+        self._instances = itertools.count(_FIRST_INSTANCE)
+
+    def __repr__(self):
+        return (f"TensorGroup(size={self.size}, rank={self.rank}, "
+                f"group_key={self.group_key})")
+
+    # ---- plain collectives ------------------------------------------------
+
+    def _common(self):
+        return dict(group_size=self.size, group_key=self.group_key,
+                    instance_key=next(self._instances),
+                    communication_hint="auto",
+                    timeout_seconds=self.timeout)
+
+    def sum(self, x):
+        """Sum of `x` over the group (no gradient)."""
+        if self.size == 1:
+            return x
+        wire = _WIRE.get(x.dtype, x.dtype)
+        out = tf.raw_ops.CollectiveReduceV2(
+            input=tf.cast(x, wire), ordering_token=[], merge_op="Add",
+            final_op="Id", **self._common())
+        return tf.cast(out, x.dtype)
+
+    def all_gather(self, x, axis):
+        """The members' `x` concatenated on `axis`, in rank order."""
+        if self.size == 1:
+            return x
+        x = tf.convert_to_tensor(x)
+        rank = x.shape.rank
+        axis = axis % rank
+        perm = [axis] + [i for i in range(rank) if i != axis]
+        wire = _WIRE.get(x.dtype, x.dtype)
+        moved = tf.cast(tf.transpose(x, perm), wire)
+        gathered = tf.raw_ops.CollectiveGatherV2(
+            input=moved, ordering_token=[], **self._common())
+        back = [perm.index(i) for i in range(rank)]
+        return tf.cast(tf.transpose(gathered, back), x.dtype)
+
+    def broadcast_from_first(self, value):
+        """Rank 0's `value` on every member (initial values)."""
+        if self.size == 1:
+            return value
+        wire = _WIRE.get(value.dtype, value.dtype)
+        common = self._common()
+        if self.rank == 0:
+            send = tf.raw_ops.CollectiveBcastSendV2(
+                input=tf.cast(value, wire), **common)
+            with tf.control_dependencies([send]):
+                return tf.identity(value)
+        return tf.cast(tf.raw_ops.CollectiveBcastRecvV2(
+            shape=value.shape, T=wire, **common), value.dtype)
+
+    # ---- Megatron's operators ---------------------------------------------
+
+    def copy_to(self, x):
+        """Identity forward; gradients summed over the group backward."""
+        if self.size == 1:
+            return x
+
+        @tf.custom_gradient
+        def copy(x):
+            def grad(dy):
+                return self.sum(dy)
+            return tf.identity(x), grad
+
+        return copy(x)
+
+    def reduce_from(self, x):
+        """Sum over the group forward; identity backward."""
+        if self.size == 1:
+            return x
+
+        @tf.custom_gradient
+        def reduce(x):
+            def grad(dy):
+                return tf.identity(dy)
+            return self.sum(x), grad
+
+        return reduce(x)
+
+    def gather_from(self, x, axis):
+        """All-gather on `axis` forward; this rank's slice backward."""
+        if self.size == 1:
+            return x
+
+        @tf.custom_gradient
+        def gather(x):
+            width = tf.shape(x)[axis]
+
+            def grad(dy):
+                rank = dy.shape.rank
+                begin = [0] * rank
+                size = [-1] * rank
+                begin[axis % rank] = self.rank * width
+                size[axis % rank] = width
+                return tf.slice(dy, begin, size)
+            return self.all_gather(x, axis), grad
+
+        return gather(x)

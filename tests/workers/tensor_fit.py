@@ -1,0 +1,143 @@
+"""Trains a small transformer LM with tensor parallelism; dumps results.
+
+Usage: tensor_fit.py --out DIR --tp T [--variant NAME] [--load CKPT]
+
+`--tp 0`: the reference, plain Keras on one device (no keras_smp
+strategy). Otherwise an `SMPStrategy(tensor_parallel_degree=T)` (run under
+`keras-smp launch -n N`; N / T data-parallel replicas), the model built
+inside `keras_smp.tensor_parallelism()`.
+
+Model: token embedding (vocabulary-parallel ReversibleEmbedding), a learned
+position embedding (replicated), two causal attention blocks (heads
+split, output projection by rows) with an MLP (Dense pair: columns then
+rows) and LayerNormalization (replicated), logits from the tied embedding
+(vocabulary-parallel, gathered).
+
+Writes DIR/rankR.npz: the final whole weights (w0, w1, ... of a plain
+Keras model that loaded the run's `save_weights` file: so the file holds
+whole weights and plain Keras reads it), losses, evaluate, predict, and
+DIR/model.weights.h5 (rank 0). With --load, the weights of CKPT are
+loaded before training (a checkpoint of another tensor_parallel_degree).
+"""
+
+import argparse
+import os
+import sys
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--tp", type=int, required=True)
+p.add_argument("--variant", default="sgd_global_clipnorm",
+               choices=["sgd_global_clipnorm", "adam_clipnorm",
+                        "mixed_float16"])
+p.add_argument("--load", default=None)
+p.add_argument("--epochs", type=int, default=2)
+args = p.parse_args()
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_smp  # noqa: E402
+
+VOCAB, SEQ, WIDTH, HEADS = 64, 8, 32, 4
+BATCH, SAMPLES = 16, 64
+
+strategy = None
+if args.tp:
+    strategy = keras_smp.SMPStrategy(
+        tensor_parallel_degree=args.tp, collective_timeout_seconds=120)
+
+
+@keras.saving.register_keras_serializable(package="tensor_fit")
+class Positions(keras.layers.Layer):
+    def build(self, shape):
+        self.pos = self.add_weight(shape=(shape[1], shape[2]),
+                                   initializer="glorot_uniform", name="pos")
+
+    def call(self, x):
+        return x + self.pos
+
+
+def build_model():
+    keras.utils.set_random_seed(7)
+    tokens = keras.Input((SEQ,), dtype="int32")
+    emb = keras.layers.ReversibleEmbedding(VOCAB, WIDTH, name="tok_emb")
+    h = Positions(name="pos")(emb(tokens))
+    for i in range(2):
+        a = keras.layers.MultiHeadAttention(
+            HEADS, WIDTH // HEADS, name=f"mha{i}")(h, h, use_causal_mask=True)
+        h = keras.layers.LayerNormalization(name=f"ln{i}a")(h + a)
+        f = keras.layers.Dense(4 * WIDTH, activation="gelu", name=f"ff{i}a")(h)
+        f = keras.layers.Dense(WIDTH, name=f"ff{i}b")(f)
+        h = keras.layers.LayerNormalization(name=f"ln{i}b")(h + f)
+    logits = emb(h, reverse=True)
+    return keras.Model(tokens, logits)
+
+
+def compile_args():
+    if args.variant == "adam_clipnorm":
+        opt = keras.optimizers.Adam(1e-2, clipnorm=0.05)
+    else:
+        opt = keras.optimizers.SGD(0.2, momentum=0.9, global_clipnorm=0.5)
+    return dict(optimizer=opt,
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True),
+                metrics=["sparse_categorical_accuracy"])
+
+
+if args.variant == "mixed_float16":
+    keras.config.set_dtype_policy("mixed_float16")
+
+rng = np.random.RandomState(0)
+x = rng.randint(1, VOCAB, size=(SAMPLES, SEQ)).astype("int32")
+y = np.roll(x, -1, axis=1)
+vx = rng.randint(1, VOCAB, size=(32, SEQ)).astype("int32")
+vy = np.roll(vx, -1, axis=1)
+
+rank = strategy.topology.rank if strategy is not None else 0
+if strategy is not None:
+    with strategy.scope():
+        with keras_smp.tensor_parallelism():
+            model = build_model()
+        model.compile(**compile_args())
+    layout = keras_smp.tensor_parallel_layers(model)
+    expected = {"tok_emb": "vocab", "mha0": "heads", "mha1": "heads",
+                "ff0a": "column", "ff0b": "row", "ff1a": "column",
+                "ff1b": "row"}
+    assert layout == expected, layout
+    # Each rank holds 1/T of the split weights.
+    shapes = {w.path: tuple(w.shape) for w in model.weights}
+    assert shapes["tok_emb/embeddings"] == (VOCAB // args.tp, WIDTH), shapes
+    assert shapes["ff0a/kernel"] == (WIDTH, 4 * WIDTH // args.tp), shapes
+    assert shapes["ff0b/kernel"] == (4 * WIDTH // args.tp, WIDTH), shapes
+    assert shapes["ff0b/bias"] == (WIDTH,), shapes
+else:
+    model = build_model()
+    model.compile(**compile_args())
+
+if args.load:
+    model.load_weights(args.load)
+
+history = model.fit(x, y, batch_size=BATCH, epochs=args.epochs, verbose=0,
+                    shuffle=False)
+evaluation = model.evaluate(vx, vy, batch_size=BATCH, verbose=0,
+                            return_dict=True)
+predictions = model.predict(vx, batch_size=BATCH, verbose=0)
+
+path = os.path.join(args.out, "model.weights.h5")
+model.save_weights(path)  # every rank takes part; the chief writes
+out = {}
+if rank == 0:
+    # A plain Keras model (no strategy, no tensor parallelism) reads it.
+    plain = build_model()
+    plain.load_weights(path)
+    out = {f"w{i}": w for i, w in enumerate(plain.get_weights())}
+out["loss"] = np.array(history.history["loss"], dtype="float64")
+out["evaluate"] = np.array([evaluation["loss"],
+                            evaluation["sparse_categorical_accuracy"]])
+out["predict"] = np.asarray(predictions, dtype="float64")
+np.savez(os.path.join(args.out, f"rank{rank}.npz"), **out)
+print(f"rank {rank}: ok", flush=True)
