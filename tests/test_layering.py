@@ -40,7 +40,7 @@ LAYERS = {
         "keras_smp.runtime.layout", "keras_smp.runtime.placement",
         "keras_smp.distribute.groups", "keras_smp.pipeline",
         "keras_smp.pipeline.schedule", "keras_smp.pipeline.partition",
-        "keras_smp.pipeline.scope",
+        "keras_smp.pipeline.scope", "keras_smp.tensor",
     ],
     1: [
         "keras_smp.runtime.process", "keras_smp.runtime.errors",
@@ -56,6 +56,7 @@ LAYERS = {
         "keras_smp.pipeline.graph", "keras_smp.pipeline.step",
         "keras_smp.pipeline.recompute",
         "keras_smp.pipeline.residency", "keras_smp.pipeline.profiling",
+        "keras_smp.tensor.ops", "keras_smp.tensor.layers",
     ],
     3: [
         "keras_smp.smp", "keras_smp.smp.custom_loop",

@@ -1,0 +1,253 @@
+"""Tensor parallelism: the rank layout, the layer API, and training across
+real worker processes against single-device training."""
+
+import os
+
+import numpy as np
+import pytest
+
+from conftest import RTOL, WORKERS, launch, run_python, scaled_atol
+from keras_smp import tensor
+from keras_smp.runtime.layout import check_tensor_parallel
+from keras_smp.topology import Topology
+
+# ---------------------------------------------------------------------------
+# Topology (pure Python)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("placement", ["cluster", "spread"])
+@pytest.mark.parametrize("world,pp,tp", [(8, 2, 2), (8, 1, 4), (12, 3, 2),
+                                         (4, 1, 1), (6, 1, 3)])
+def test_every_rank_has_one_place_and_tp_is_innermost(placement, world, pp,
+                                                      tp):
+    hosts = ("h",) * world
+    topo = Topology(world, 0, hosts, partitions=pp,
+                    placement_strategy=placement, tensor_parallel_degree=tp)
+    assert (topo.tp_size, topo.pp_size, topo.mp_size) == (tp, pp, pp * tp)
+    assert topo.dp_size == world // (pp * tp)
+    seen = set()
+    for r in range(world):
+        t = Topology(world, r, hosts, partitions=pp,
+                     placement_strategy=placement, tensor_parallel_degree=tp)
+        coords = (t.pp_rank, t.dp_rank, t.tp_rank)
+        assert topo.rank_of(*coords) == r
+        assert t.mp_rank == t.pp_rank * tp + t.tp_rank
+        seen.add(coords)
+        # The tensor-parallel group: consecutive ranks, same stage/replica.
+        group = t.tp_group()
+        assert group == tuple(range(r - t.tp_rank, r - t.tp_rank + tp))
+        assert r in t.dp_group() and r in t.pp_group() and r in t.mp_group()
+        assert len(set(t.dp_group())) == topo.dp_size
+        assert {topo.tp_of(x) for x in t.dp_group()} == {t.tp_rank}
+        assert {topo.tp_of(x) for x in t.pp_group()} == {t.tp_rank}
+        assert sorted(t.mp_group()) == sorted(
+            x for x in range(world) if topo.coords(x)[1] == t.dp_rank)
+    assert len(seen) == world
+
+
+def test_topology_rejects_degrees_that_do_not_divide_the_job():
+    with pytest.raises(ValueError, match=r"partitions=2 x tensor_parallel_"
+                                         r"degree=2 = 4 does not divide.*"
+                                         r"world_size=6.*e\.g\. 4 or 8"):
+        Topology(6, 0, ("h",) * 6, partitions=2, tensor_parallel_degree=2)
+    with pytest.raises(ValueError, match="tensor_parallel_degree must be >= 1"):
+        Topology(2, 0, ("h",) * 2, tensor_parallel_degree=0)
+
+
+def test_tensor_parallel_settings_that_cannot_run_fail_early():
+    check_tensor_parallel(1, 2, None, 1)
+    check_tensor_parallel(2, 1, 1, 4)
+    with pytest.raises(ValueError, match="partitions=2.*not supported yet"):
+        check_tensor_parallel(2, 2, None, 4)
+    with pytest.raises(ValueError, match="1 process.*launch -n 2"):
+        check_tensor_parallel(2, 1, None, 1)
+    with pytest.raises(ValueError, match="one tensor-parallel rank per "
+                                         "worker process, but local_devices=2"):
+        check_tensor_parallel(2, 1, 2, 4)
+
+
+def test_shard_arithmetic_and_einsum_axes():
+    assert [tensor.shard_bounds(12, 3, i) for i in range(3)] == [
+        (0, 4), (4, 8), (8, 12)]
+    with pytest.raises(ValueError, match="weight 'kernel'.*10 is not a "
+                                         "multiple of 4.*1, 2, 5, 10"):
+        tensor.shard_bounds(10, 4, 0, what="weight 'kernel'")
+    assert tensor.column_letter("abc,cde->abde") == "d"    # heads
+    assert tensor.row_letter("abcd,cde->abe") == "c"       # heads
+    assert tensor.column_letter("...b,bc->...c") == "c"
+    assert tensor.row_letter("ab,bc->ac") == "b"
+    assert tensor.column_letter("ab,b->a") is None
+
+
+# ---------------------------------------------------------------------------
+# The layer API, one process, no strategy (layers stay plain Keras)
+# ---------------------------------------------------------------------------
+
+API_SCRIPT = r"""
+import keras, numpy as np, keras_smp
+from keras_smp.tensor.layers import TensorParallelDense
+
+with keras_smp.tensor_parallelism():
+    x = keras.Input((8,))
+    a = keras.layers.Dense(16, activation="relu", name="a")
+    h = a(x)
+    b = keras.layers.Dense(8, name="b")
+    y = b(h)
+    lone = keras.layers.Dense(4, name="lone")
+    z = lone(y)
+    with keras_smp.tensor_parallelism(False):
+        norm = keras.layers.LayerNormalization(name="norm")
+        plain = keras.layers.Dense(4, name="plain")
+    w = plain(norm(z))
+    mha = keras.layers.MultiHeadAttention(2, 4, name="mha")
+    s = keras.Input((3, 8))
+    o = mha(s, s)
+    emb = keras.layers.ReversibleEmbedding(10, 8, name="emb")
+model = keras.Model([x, s], [w, o])
+layout = keras_smp.tensor_parallel_layers(model)
+assert layout == {"a": "column", "b": "row", "lone": "gather",
+                  "mha": "heads"}, layout
+# Shown as the Keras classes (checkpoint paths, summaries, .keras files).
+assert type(a).__name__ == "Dense" and isinstance(a, TensorParallelDense)
+assert type(mha._query_dense).__name__ == "EinsumDense"
+assert (mha._query_dense._smp_tp_mode, mha._output_dense._smp_tp_mode) == (
+    "column", "row")
+assert keras_smp.is_tensor_parallel(emb) and not keras_smp.is_tensor_parallel(norm)
+
+# Without a tensor-parallel strategy: plain Keras, the same numbers.
+keras.utils.set_random_seed(1)
+with keras_smp.tensor_parallelism():
+    tp = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+                           keras.layers.Dense(2)])
+keras.utils.set_random_seed(1)
+ref = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+                        keras.layers.Dense(2)])
+data = np.random.RandomState(0).randn(8, 8).astype("float32")
+for m in (tp, ref):
+    m.compile(optimizer="sgd", loss="mse")
+    m.fit(data, data[:, :2], verbose=0)
+for u, v in zip(tp.get_weights(), ref.get_weights()):
+    np.testing.assert_array_equal(u, v)
+
+# Errors name the layer and the fix.
+built = keras.layers.Dense(3)
+built.build((None, 2))
+try:
+    keras_smp.set_tensor_parallelism(built)
+    raise SystemExit("no error for a built layer")
+except ValueError as e:
+    assert "already built" in str(e) and "before" in str(e), e
+try:
+    keras_smp.set_tensor_parallelism(keras.layers.Conv1D(2, 3))
+    raise SystemExit("no error for Conv1D")
+except ValueError as e:
+    assert "Conv1D" in str(e) and "supported: Dense" in str(e), e
+d = keras.layers.Dense(3)
+keras_smp.set_tensor_parallelism(d)
+assert keras_smp.is_tensor_parallel(d)
+keras_smp.set_tensor_parallelism(d, False)
+assert type(d) is keras.layers.Dense
+print("api ok")
+"""
+
+
+def test_layer_api_marks_splits_and_stays_plain_keras_alone(tmp_path):
+    script = tmp_path / "api.py"
+    script.write_text(API_SCRIPT)
+    proc = run_python([str(script)], timeout=300)
+    assert "api ok" in proc.stdout
+
+
+# ---------------------------------------------------------------------------
+# Training across processes against single-device training
+# ---------------------------------------------------------------------------
+
+_runs = {}
+
+
+def _run(tmp_path_factory, name, processes, *flags):
+    """Runs tests/workers/tensor_fit.py once per session; its output dir."""
+    key = (name, processes, flags)
+    if key not in _runs:
+        out = tmp_path_factory.mktemp(name)
+        args = [os.path.join(WORKERS, "tensor_fit.py"), "--out", str(out),
+                *flags]
+        if processes == 1:
+            proc = run_python(args, timeout=600, check=False)
+        else:
+            proc = launch(processes, args, timeout=600, check=False)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        _runs[key] = out
+    return _runs[key]
+
+
+def _result(out, rank=0):
+    with np.load(os.path.join(str(out), f"rank{rank}.npz")) as f:
+        return {k: f[k] for k in f.files}
+
+
+def _assert_matches(got, ref, rtol=RTOL, atol=1e-6, skip=()):
+    assert sorted(got) == sorted(ref)
+    for k in sorted(ref):
+        if k in skip:
+            continue
+        np.testing.assert_allclose(got[k], ref[k], rtol=rtol,
+                                   atol=scaled_atol(ref[k], atol),
+                                   err_msg=k)
+
+
+# Attention's key bias has an exactly zero gradient (softmax ignores a
+# constant shift), so its computed gradient is rounding noise; Adam
+# normalises noise into steps of up to lr, so those weights measure noise.
+KEY_BIASES = ("w5", "w21")
+
+# float32 tolerances: the row-parallel layers sum partial products in
+# another order (rtol 1e-5, atol 1e-6 per unit of magnitude, as the rest of
+# the suite). Adam divides each gradient by its own running RMS, so an
+# element whose gradient is near the rounding noise of those sums gets a
+# relative error far above float32's: atol 1e-5 is 1e-3 of one step of its
+# learning rate (1e-2), over the 8 steps. mixed_float16: float16 keeps 11
+# bits (eps 9.8e-4), so 2e-3.
+CASES = {
+    "tp2": (2, ["--tp", "2"], "sgd_global_clipnorm", {}),
+    "tp2_dp2": (4, ["--tp", "2"], "sgd_global_clipnorm", {}),
+    "tp2_adam_clipnorm": (2, ["--tp", "2"], "adam_clipnorm",
+                          dict(atol=1e-5, skip=KEY_BIASES)),
+    "tp2_mixed_float16": (2, ["--tp", "2"], "mixed_float16",
+                          dict(rtol=2e-3, atol=2e-3)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tensor_parallel_training_matches_single_device(tmp_path_factory,
+                                                        case):
+    processes, flags, variant, tolerance = CASES[case]
+    ref = _result(_run(tmp_path_factory, f"ref_{variant}", 1, "--tp", "0",
+                       "--variant", variant))
+    out = _run(tmp_path_factory, case, processes, *flags,
+               "--variant", variant)
+    got = _result(out)
+    # Weights come from a plain Keras model that loaded the run's
+    # save_weights file: whole weights, readable without keras-smp.
+    _assert_matches(got, ref, **tolerance)
+    for r in range(1, processes):  # every rank logs and predicts the same
+        other = _result(out, r)
+        for k in ("loss", "evaluate", "predict"):
+            np.testing.assert_allclose(other[k], got[k], rtol=1e-6,
+                                       atol=scaled_atol(got[k], 1e-7))
+
+
+@pytest.mark.slow
+def test_checkpoint_of_one_degree_trains_on_in_another(tmp_path_factory):
+    """tp=2's checkpoint, loaded into tp=4 and into plain Keras, trains on
+    to the same weights."""
+    tp2 = _run(tmp_path_factory, "tp2", 2, "--tp", "2",
+               "--variant", "sgd_global_clipnorm")
+    ckpt = os.path.join(str(tp2), "model.weights.h5")
+    ref = _result(_run(tmp_path_factory, "ref_from_tp2", 1, "--tp", "0",
+                       "--load", ckpt, "--epochs", "1"))
+    got = _result(_run(tmp_path_factory, "tp4_from_tp2", 4, "--tp", "4",
+                       "--load", ckpt, "--epochs", "1"))
+    _assert_matches(got, ref)
