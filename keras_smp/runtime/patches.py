@@ -24,6 +24,9 @@
 - `keras.layers.Layer.__init__`: every new layer is shown to
   `keras_smp.tensor` (`install_layer_hook`), which makes those created in
   `keras_smp.tensor_parallelism()` tensor-parallel.
+- `keras.layers.Layer.get_weights` / `set_weights`: whole weights for
+  layers and models holding tensor-parallel shards
+  (`_patch_split_weights`).
 - `keras.optimizers.Optimizer.get_gradients(loss, params)`: SageMaker
   smp's (Keras 2's) method, for `@smp.step` functions.
 - the optimizer step under an `SMPStrategy` acts on the gradient that
@@ -651,7 +654,81 @@ def install():
         _patch_optimizer(keras)
         _patch_add_weight(keras)
         install_layer_hook()
+        _patch_split_weights(keras)
         _installed.append(True)
+
+
+def _split(variable):
+    """`(axis, group)` of a tensor-parallel shard, or `None`."""
+    axis = getattr(variable, "_smp_tp_axis", None)
+    group = getattr(variable, "_smp_tp_group", None)
+    if axis is None or group is None or group.size == 1:
+        return None
+    return axis, group
+
+
+def _patch_split_weights(keras):
+    """`get_weights` / `set_weights` of a layer or model holding
+    tensor-parallel shards use whole weights, as single-device Keras: each
+    shard is gathered over its group (every rank of the group calls it, as
+    for `save_weights`), and a whole weight is cut to this rank's shard."""
+    import numpy as np
+    import tensorflow as tf
+
+    layer = keras.layers.Layer
+    if getattr(layer.get_weights, "_smp_patched", False):
+        return
+    get_weights, set_weights = layer.get_weights, layer.set_weights
+
+    @functools.wraps(get_weights)
+    def get_whole_weights(self):
+        variables = self.weights
+        if not any(_split(v) for v in variables):
+            return get_weights(self)
+        out = []
+        for v in variables:
+            split = _split(v)
+            value = tf.convert_to_tensor(v)
+            if split is not None:
+                value = split[1].all_gather(value, split[0])
+            out.append(keras.ops.convert_to_numpy(value))
+        return out
+
+    @functools.wraps(set_weights)
+    def set_whole_weights(self, weights):
+        variables = self.weights
+        if not any(_split(v) for v in variables):
+            return set_weights(self, weights)
+        if len(variables) != len(weights):
+            raise ValueError(
+                f"You called `set_weights(weights)` on layer '{self.name}' "
+                f"with a weight list of length {len(weights)}, but the layer "
+                f"was expecting {len(variables)} weights.")
+        for v, value in zip(variables, weights):
+            value = np.asarray(value)
+            split = _split(v)
+            whole = list(v.shape)
+            if split is not None:
+                whole[split[0]] *= split[1].size
+            if tuple(whole) != value.shape:
+                raise ValueError(
+                    f"Layer {self.name} weight {v.path} has shape "
+                    f"{tuple(whole)} (whole"
+                    + (f", split in {split[1].size} on axis {split[0]} "
+                       "across tensor-parallel ranks" if split else "")
+                    + f"), not compatible with provided weight shape "
+                    f"{value.shape}.")
+            if split is not None:
+                axis, group = split
+                step = value.shape[axis] // group.size
+                index = [slice(None)] * value.ndim
+                index[axis] = slice(group.rank * step, (group.rank + 1) * step)
+                value = value[tuple(index)]
+            v.assign(value)
+
+    get_whole_weights._smp_patched = True
+    layer.get_weights = get_whole_weights
+    layer.set_weights = set_whole_weights
 
 
 def install_layer_hook():

@@ -141,6 +141,7 @@ class _TensorParallel:
                 shape=tuple(local), initializer=sharded, dtype=dtype,
                 name=name, **kwargs)
         object.__setattr__(variable, "_smp_tp_axis", axis)
+        object.__setattr__(variable, "_smp_tp_group", group)
         _set(self, "_smp_group", group)
         return variable
 

@@ -129,12 +129,26 @@ predictions = model.predict(vx, batch_size=BATCH, verbose=0)
 
 path = os.path.join(args.out, "model.weights.h5")
 model.save_weights(path)  # every rank takes part; the chief writes
+# get_weights gives whole weights too (every rank of the group calls it).
+whole = model.get_weights()
 out = {}
 if rank == 0:
     # A plain Keras model (no strategy, no tensor parallelism) reads it.
     plain = build_model()
     plain.load_weights(path)
     out = {f"w{i}": w for i, w in enumerate(plain.get_weights())}
+    for i, w in enumerate(whole):
+        np.testing.assert_array_equal(w, out[f"w{i}"])
+if strategy is not None:
+    # set_weights takes whole weights and keeps this rank's shard.
+    model.set_weights([w * 2 for w in whole])
+    for a, b in zip(model.get_weights(), whole):
+        np.testing.assert_array_equal(a, b * 2)
+    try:
+        model.set_weights([w[:1] for w in whole])
+        raise SystemExit("set_weights accepted a wrong shape")
+    except ValueError as e:
+        assert "not compatible" in str(e), e
 out["loss"] = np.array(history.history["loss"], dtype="float64")
 out["evaluate"] = np.array([evaluation["loss"],
                             evaluation["sparse_categorical_accuracy"]])
