@@ -58,8 +58,7 @@ def test_topology_rejects_degrees_that_do_not_divide_the_job():
 def test_tensor_parallel_settings_that_cannot_run_fail_early():
     check_tensor_parallel(1, 2, None, 1)
     check_tensor_parallel(2, 1, 1, 4)
-    with pytest.raises(ValueError, match="partitions=2.*not supported yet"):
-        check_tensor_parallel(2, 2, None, 4)
+    check_tensor_parallel(2, 2, None, 4)  # tp x pp in processes
     with pytest.raises(ValueError, match="1 process.*launch -n 2"):
         check_tensor_parallel(2, 1, None, 1)
     with pytest.raises(ValueError, match="one tensor-parallel rank per "
@@ -212,6 +211,12 @@ KEY_BIASES = ("w5", "w21")
 CASES = {
     "tp2": (2, ["--tp", "2"], "sgd_global_clipnorm", {}),
     "tp2_dp2": (4, ["--tp", "2"], "sgd_global_clipnorm", {}),
+    # tensor x pipeline (DistributedModel, 2 microbatches; the tied
+    # embedding's two users on two stages), and x data parallel.
+    "tp2_pp2": (4, ["--tp", "2", "--partitions", "2"],
+                "sgd_global_clipnorm", {}),
+    "tp2_pp2_dp2": (8, ["--tp", "2", "--partitions", "2"],
+                    "sgd_global_clipnorm", {}),
     "tp2_adam_clipnorm": (2, ["--tp", "2"], "adam_clipnorm",
                           dict(atol=1e-5, skip=KEY_BIASES)),
     "tp2_mixed_float16": (2, ["--tp", "2"], "mixed_float16",

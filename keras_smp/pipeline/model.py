@@ -265,8 +265,10 @@ class DistributedModel(keras.Model):
         rank_of = self.schedule.rank_of
         tied = [tuple(sorted({rank_of(s) for s in u}))
                 for u in self._smp_graph.weight_users().values()]
+        # Each tensor-parallel rank index runs its own pipeline (its
+        # stages' shards): a pipeline per (replica, tp rank).
         self._smp_keys = PipelineKeys(
-            topo.dp_size, self._smp_graph.num_stages,
+            topo.dp_size * topo.tp_size, self._smp_graph.num_stages,
             [t for t in tied if len(t) > 1], allocator=rt.keys)
 
     def _smp_place_variables(self):
@@ -738,7 +740,8 @@ class DistributedModel(keras.Model):
                 f"replica with {schedule.virtual_stages} stage(s) each.")
         if getattr(self, "_smp_keys", None) is None:
             self._smp_allocate_keys()
-        return StageLinks(topo.pp_size, topo.pp_rank, topo.dp_rank,
+        return StageLinks(topo.pp_size, topo.pp_rank,
+                          topo.dp_rank * topo.tp_size + topo.tp_rank,
                           self._smp_keys,
                           rt.config.collective_timeout_seconds,
                           placement=[schedule.rank_of(s) for s in

@@ -146,6 +146,10 @@ def _stage_of_entries(model, items):
     slots = residency.slot_references(getattr(model, "optimizer", None))
     stages = []
     for _, _, value, owner in items:
+        # A tensor-parallel layer saves whole weights gathered from its
+        # shards, each knowing its variable.
+        source = getattr(value, "source", None)
+        value = value if source is None else source
         if isinstance(value, keras.Variable):
             ref = slots.get(id(value))
             stage = home.get(id(ref if ref is not None else value), 0)

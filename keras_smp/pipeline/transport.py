@@ -127,7 +127,9 @@ class PipelineKeys:
     function of the layout, so no two groups share one.
 
     Args:
-        num_replicas: data-parallel replicas (`dp_size`).
+        num_replicas: pipelines of the job: data-parallel replicas
+            (`dp_size`) times tensor-parallel ranks (`tp_size`), each
+            tensor-parallel rank index a pipeline of its own.
         num_stages: model stages of a replica (`pp_size`, times the
             virtual stages): one two-process group per stage boundary.
         tied_sets: the distinct sets of pipeline ranks sharing a weight
@@ -177,7 +179,8 @@ class StageLinks:
     Args:
         num_ranks: pipeline ranks (stage processes) per replica (`P`).
         rank: this process's pipeline rank (`pp_rank`).
-        replica: this process's data-parallel replica (`dp_rank`).
+        replica: this process's pipeline among `PipelineKeys.num_replicas`
+            (`dp_rank * tp_size + tp_rank`).
         keys: the model's `PipelineKeys`.
         timeout_seconds: timeout of every collective op (0 = none).
         placement: the pipeline rank of each model stage (default: stage

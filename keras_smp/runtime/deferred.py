@@ -30,6 +30,8 @@ Example (no strategy: a deferred weight is created, then materialised):
 (False, TensorShape([2, 3]))
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from keras_smp.runtime import placement
@@ -78,5 +80,10 @@ def materialize(variable):
         return
     variable._value = None
     variable._smp_local = False
-    with tf.init_scope():
+    # A tensor-parallel shard's initial value is already its rank's (cut
+    # from a whole weight synced across the stage): not broadcast again.
+    consistent = (placement.consistent_initial_values()
+                  if getattr(variable, "_smp_tp_axis", None) is not None
+                  else contextlib.nullcontext())
+    with tf.init_scope(), consistent:
         variable._initialize(initial)

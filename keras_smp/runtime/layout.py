@@ -77,9 +77,12 @@ def check_tensor_parallel(tensor_parallel_degree, partitions, local_devices,
     """Checks that tensor parallelism can run as configured.
 
     Each tensor-parallel rank is one worker process with one device
-    (`local_devices` unset or 1); `partitions` must be 1 for now.
+    (`local_devices` unset or 1); with `partitions > 1` each pipeline
+    stage's tensor-parallel ranks are processes too (tensor x pipeline x
+    data parallelism).
 
     >>> check_tensor_parallel(2, 1, None, 4)
+    >>> check_tensor_parallel(2, 2, None, 8)
     >>> check_tensor_parallel(2, 1, None, 1)
     Traceback (most recent call last):
     ...
@@ -88,13 +91,6 @@ def check_tensor_parallel(tensor_parallel_degree, partitions, local_devices,
     t = tensor_parallel_degree
     if t == 1:
         return
-    if partitions > 1:
-        raise ValueError(
-            f"tensor_parallel_degree={t} with partitions={partitions} "
-            "(tensor x pipeline parallelism) is not supported yet. Use "
-            "partitions=1 with tensor parallelism (data parallelism "
-            "across the other processes combines with it), or "
-            "tensor_parallel_degree=1 with pipelines.")
     if world_size == 1 or local_devices not in (None, 1):
         where = (f"local_devices={local_devices}" if world_size > 1 else
                  "this job has 1 process")

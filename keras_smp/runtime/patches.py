@@ -303,13 +303,14 @@ def across_stages(optimizer, reduce_sum, counted_elsewhere=()):
     if inner is not None:
         optimizers.append(inner)
     state = (reduce_sum, frozenset(counted_elsewhere))
+    previous = [getattr(opt, "_smp_stage_state", None) for opt in optimizers]
     for opt in optimizers:
         _set(opt, "_smp_stage_state", state)
     try:
         yield
     finally:
-        for opt in optimizers:
-            _set(opt, "_smp_stage_state", None)
+        for opt, before in zip(optimizers, previous):
+            _set(opt, "_smp_stage_state", before)
 
 
 def _set(optimizer, name, value):
@@ -404,16 +405,30 @@ def _patch_optimizer(keras):
     def wrap_apply(apply_gradients):
         def backend_apply_gradients(self, grads, trainable_variables):
             group = _tensor_group(self)
-            if group is not None and _stage_state(self)[0] is None:
+            if group is not None and not getattr(self, "_smp_tp_summed",
+                                                 False):
                 # Tensor parallelism: each rank holds shards, so the global
-                # norm and the finite check sum over the group; a
-                # replicated weight's gradient counts once (on rank 0).
-                elsewhere = () if group.rank == 0 else tuple(
-                    id(v) for v in trainable_variables
-                    if getattr(v, "_smp_tp_axis", None) is None)
-                with across_stages(self, group.sum, elsewhere):
-                    return backend_apply_gradients(
-                        self, grads, trainable_variables)
+                # norm and the finite check sum over the group (then over
+                # the pipeline's stages, if any); a replicated weight's
+                # gradient counts once (on tensor-parallel rank 0).
+                stage_sum, stage_elsewhere = _stage_state(self)
+                elsewhere = set(stage_elsewhere)
+                if group.rank > 0:
+                    elsewhere.update(
+                        id(v) for v in trainable_variables
+                        if getattr(v, "_smp_tp_axis", None) is None)
+                if stage_sum is None:
+                    reduce_sum = group.sum
+                else:
+                    def reduce_sum(t):
+                        return stage_sum(group.sum(t))
+                _set(self, "_smp_tp_summed", True)
+                try:
+                    with across_stages(self, reduce_sum, elsewhere):
+                        return backend_apply_gradients(
+                            self, grads, trainable_variables)
+                finally:
+                    _set(self, "_smp_tp_summed", False)
             if not (_smp_optimizer(self) and clips(self)):
                 return apply_gradients(self, grads, trainable_variables)
             if (self.global_clipnorm and self.gradient_accumulation_steps

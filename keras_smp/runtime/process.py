@@ -235,6 +235,12 @@ def start(config=None, /, *, custom_loop=False, **kwargs):
     else:
         local_devices, mode = _pipeline_mode(config, cluster)
         if tp > 1:
+            if p > 1 and mode != "multi_process":
+                raise ValueError(
+                    f"tensor_parallel_degree={tp} with partitions={p} runs "
+                    "one pipeline stage's tensor-parallel rank per "
+                    "process; this job would run whole pipelines in each "
+                    f"process ({mode}). Set local_devices=1.")
             local_devices = 1
     topology = topology_for(cluster, p, config.placement_strategy, mode,
                             tensor_parallel_degree=tp)

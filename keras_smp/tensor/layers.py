@@ -41,10 +41,12 @@ import contextlib
 import functools
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import ops
 
 from keras_smp import tensor
+from keras_smp.pipeline import residency
 from keras_smp.runtime import patches
 from keras_smp.runtime import placement
 
@@ -162,11 +164,17 @@ class _TensorParallel:
         if group is None:
             return super().save_own_variables(store)
         for i, v in enumerate(self.weights):
+            if residency.is_local(v):
+                # Another pipeline stage's weight (no storage here): its
+                # own processes save it.
+                store[str(i)] = v
+                continue
             value = tf.convert_to_tensor(v)
             axis = getattr(v, "_smp_tp_axis", None)
             if axis is not None:
                 value = group.all_gather(value, axis)
-            store[str(i)] = keras.ops.convert_to_numpy(value)
+            store[str(i)] = WholeWeight.of(
+                keras.ops.convert_to_numpy(value), v)
 
     def load_own_variables(self, store):
         group = self._smp_tp_group()
@@ -187,6 +195,20 @@ class _TensorParallel:
                 index[axis] = slice(start, stop)
                 value = value[tuple(index)]
             v.assign(value)
+
+
+class WholeWeight(np.ndarray):
+    """A whole weight gathered from its shards, knowing the variable it
+    came from (`source`): a pipeline's sharded checkpoint files it under
+    that variable's stage."""
+
+    source = None
+
+    @classmethod
+    def of(cls, array, source):
+        whole = np.asarray(array).view(cls)
+        whole.source = source
+        return whole
 
 
 class TensorParallelDense(_TensorParallel, keras.layers.Dense):

@@ -30,9 +30,15 @@ import tensorflow as tf
 
 _WIRE = {tf.float16: tf.float32, tf.bfloat16: tf.float32}
 
-# Instance keys of a group: counted from here, per group (other users of
-# the same group key do not exist: the key range is tensor parallelism's).
-_FIRST_INSTANCE = 1
+# Instance keys of a group (no other user shares its group key). A
+# collective whose first dimension is only known when the step runs (the
+# batch of a Keras step function, traced once for every batch size) takes
+# a key that encodes it: TensorFlow keeps the shape of each (group,
+# instance key) for the life of the process, so the last, smaller batch of
+# an epoch must not reuse a key. Other collectives count from 1.
+_BATCHED_BASE = 20_000_000
+_ROWS_STRIDE = 100_000
+MAX_ROWS = (2**31 - 1 - _BATCHED_BASE) // _ROWS_STRIDE - 1
 
 
 class TensorGroup:
@@ -56,7 +62,8 @@ class TensorGroup:
         self.group_key = group_key
         self.timeout = float(timeout or 0)
         self.initial_value_sync = initial_value_sync
-        self._instances = itertools.count(_FIRST_INSTANCE)
+        self._instances = itertools.count(1)
+        self._batched = itertools.count(0)
 
     def __repr__(self):
         return (f"TensorGroup(size={self.size}, rank={self.rank}, "
@@ -64,10 +71,29 @@ class TensorGroup:
 
     # ---- plain collectives ------------------------------------------------
 
-    def _common(self):
+    def _common(self, x=None):
+        if x is not None and x.shape.rank and x.shape[0] is None:
+            position = next(self._batched)
+            if position >= _ROWS_STRIDE:
+                raise RuntimeError(
+                    f"keras-smp: more than {_ROWS_STRIDE} tensor-parallel "
+                    "collectives traced in this process; retracing step "
+                    "functions without end? Keep input shapes fixed.")
+            rows = tf.shape(x, out_type=tf.int32)[0]
+            check = tf.debugging.assert_less_equal(
+                rows, MAX_ROWS, message=(
+                    f"keras-smp: tensor parallelism takes batches of at "
+                    f"most {MAX_ROWS} rows; use a smaller batch."))
+            with tf.control_dependencies([check]):
+                key = _BATCHED_BASE + position + rows * _ROWS_STRIDE
+        else:
+            key = next(self._instances)
+            if key >= _BATCHED_BASE:
+                raise RuntimeError(
+                    "keras-smp: too many tensor-parallel collectives traced "
+                    "in this process.")
         return dict(group_size=self.size, group_key=self.group_key,
-                    instance_key=next(self._instances),
-                    communication_hint="auto",
+                    instance_key=key, communication_hint="auto",
                     timeout_seconds=self.timeout)
 
     def sum(self, x):
@@ -77,7 +103,7 @@ class TensorGroup:
         wire = _WIRE.get(x.dtype, x.dtype)
         out = tf.raw_ops.CollectiveReduceV2(
             input=tf.cast(x, wire), ordering_token=[], merge_op="Add",
-            final_op="Id", **self._common())
+            final_op="Id", **self._common(x))
         return tf.cast(out, x.dtype)
 
     def all_gather(self, x, axis):
@@ -91,7 +117,7 @@ class TensorGroup:
         wire = _WIRE.get(x.dtype, x.dtype)
         moved = tf.cast(tf.transpose(x, perm), wire)
         gathered = tf.raw_ops.CollectiveGatherV2(
-            input=moved, ordering_token=[], **self._common())
+            input=moved, ordering_token=[], **self._common(x))
         back = [perm.index(i) for i in range(rank)]
         return tf.cast(tf.transpose(gathered, back), x.dtype)
 

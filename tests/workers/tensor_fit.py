@@ -32,6 +32,9 @@ p.add_argument("--variant", default="sgd_global_clipnorm",
                         "mixed_float16"])
 p.add_argument("--load", default=None)
 p.add_argument("--epochs", type=int, default=2)
+p.add_argument("--partitions", type=int, default=1,
+               help="pipeline stages (DistributedModel, one per process)")
+p.add_argument("--microbatches", type=int, default=2)
 args = p.parse_args()
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -48,7 +51,8 @@ BATCH, SAMPLES = 16, 64
 strategy = None
 if args.tp:
     strategy = keras_smp.SMPStrategy(
-        tensor_parallel_degree=args.tp, collective_timeout_seconds=120)
+        tensor_parallel_degree=args.tp, collective_timeout_seconds=120,
+        partitions=args.partitions, microbatches=args.microbatches)
 
 
 @keras.saving.register_keras_serializable(package="tensor_fit")
@@ -94,7 +98,8 @@ if args.variant == "mixed_float16":
 rng = np.random.RandomState(0)
 x = rng.randint(1, VOCAB, size=(SAMPLES, SEQ)).astype("int32")
 y = np.roll(x, -1, axis=1)
-vx = rng.randint(1, VOCAB, size=(32, SEQ)).astype("int32")
+# 40 rows: the last evaluate/predict batch has 8 (a second batch size).
+vx = rng.randint(1, VOCAB, size=(40, SEQ)).astype("int32")
 vy = np.roll(vx, -1, axis=1)
 
 rank = strategy.topology.rank if strategy is not None else 0
@@ -102,6 +107,8 @@ if strategy is not None:
     with strategy.scope():
         with keras_smp.tensor_parallelism():
             model = build_model()
+        if args.partitions > 1:
+            model = keras_smp.DistributedModel(model)
         model.compile(**compile_args())
     layout = keras_smp.tensor_parallel_layers(model)
     expected = {"tok_emb": "vocab", "mha0": "heads", "mha1": "heads",
@@ -135,7 +142,13 @@ out = {}
 if rank == 0:
     # A plain Keras model (no strategy, no tensor parallelism) reads it.
     plain = build_model()
-    plain.load_weights(path)
+    if args.partitions > 1:
+        # A sharded checkpoint (a shard per stage), made one plain file.
+        whole_file = os.path.join(args.out, "whole.weights.h5")
+        keras_smp.assemble_checkpoint(path, whole_file)
+        plain.load_weights(whole_file)
+    else:
+        plain.load_weights(path)
     out = {f"w{i}": w for i, w in enumerate(plain.get_weights())}
     for i, w in enumerate(whole):
         np.testing.assert_array_equal(w, out[f"w{i}"])
