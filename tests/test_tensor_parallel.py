@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import RTOL, WORKERS, launch, run_python, scaled_atol
+from conftest import ROOT, RTOL, WORKERS, launch, run_python, scaled_atol
 from keras_smp import tensor
 from keras_smp.runtime.layout import check_tensor_parallel
 from keras_smp.topology import Topology
@@ -199,7 +199,7 @@ def _assert_matches(got, ref, rtol=RTOL, atol=1e-6, skip=()):
 # Attention's key bias has an exactly zero gradient (softmax ignores a
 # constant shift), so its computed gradient is rounding noise; Adam
 # normalises noise into steps of up to lr, so those weights measure noise.
-KEY_BIASES = ("w5", "w21")
+KEY_BIASES = ("w5", "w21")  # mha0/key/bias, mha1/key/bias
 
 # float32 tolerances: the row-parallel layers sum partial products in
 # another order (rtol 1e-5, atol 1e-6 per unit of magnitude, as the rest of
@@ -256,3 +256,81 @@ def test_checkpoint_of_one_degree_trains_on_in_another(tmp_path_factory):
     got = _result(_run(tmp_path_factory, "tp4_from_tp2", 4, "--tp", "4",
                        "--load", ckpt, "--epochs", "1"))
     _assert_matches(got, ref)
+
+
+# ---------------------------------------------------------------------------
+# Examples in the docstrings and on the docs page run
+# ---------------------------------------------------------------------------
+
+
+def _python_blocks(text):
+    import re
+
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_pure_examples_run():
+    import doctest
+    import inspect
+
+    import keras_smp.runtime.layout as layout
+    import keras_smp.topology as topology
+
+    for module in (tensor, layout):
+        failed, attempted = doctest.testmod(module, verbose=False)
+        assert attempted > 0 and failed == 0, module.__name__
+    for code in _python_blocks(inspect.getdoc(Topology)):
+        exec(compile(code, "<Topology example>", "exec"), {})
+    page = open(os.path.join(ROOT, "docs", "tensor-parallelism.md")).read()
+    blocks = [b for b in _python_blocks(page) if "Topology(" in b]
+    assert blocks
+    for code in blocks:
+        exec(compile(code, "<docs/tensor-parallelism.md>", "exec"), {})
+    assert topology.Topology is Topology
+
+
+def test_keras_examples_in_docstrings_run(tmp_path):
+    # Read from the source (importing it here would import Keras into the
+    # test process).
+    import ast
+
+    source = open(os.path.join(ROOT, "keras_smp", "tensor", "layers.py")).read()
+    tree = ast.parse(source)
+    docs = [ast.get_docstring(tree)] + [
+        ast.get_docstring(node) for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+        and node.name in ("tensor_parallelism", "set_tensor_parallelism")]
+    blocks = [b for d in docs for b in _python_blocks(d)]
+    assert len(blocks) == 3
+    script = tmp_path / "examples.py"
+    script.write_text("\n\n".join(blocks) + "\nprint('examples ok')\n")
+    proc = run_python([str(script)], timeout=300)
+    assert "examples ok" in proc.stdout
+
+
+SHARED_OUTPUT_SCRIPT = r"""
+import keras, numpy as np, keras_smp
+from keras_smp.runtime import patches
+
+patches.install()
+with keras_smp.tensor_parallelism():
+    x = keras.Input((8,))
+    a = keras.layers.Dense(16, name="a")(x)
+    b = keras.layers.Dense(8, name="b")(a)   # pairs with a
+    c = keras.layers.Dense(8, name="c")(a)   # also uses a's output
+model = keras.Model(x, [b, c])
+model.compile(optimizer="sgd", loss="mse")
+try:
+    model.predict(np.ones((2, 8)), verbose=0)
+    raise SystemExit("no error for a split output used twice")
+except ValueError as e:
+    assert "Dense 'a' is split by columns" in str(e), e
+print("shared ok")
+"""
+
+
+def test_a_split_output_used_twice_fails_early(tmp_path):
+    script = tmp_path / "shared.py"
+    script.write_text(SHARED_OUTPUT_SCRIPT)
+    proc = run_python([str(script)], timeout=300)
+    assert "shared ok" in proc.stdout

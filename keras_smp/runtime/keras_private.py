@@ -319,6 +319,19 @@ def keras_mask(tensor):
     return masking.get_keras_mask(tensor)
 
 
+def producer_of(tensor):
+    """The layer (operation) whose call made a symbolic `KerasTensor`, or
+    None."""
+    history = getattr(tensor, "_keras_history", None)
+    return getattr(history, "operation", None)
+
+
+def consumers(layer):
+    """How many calls of other layers take one of `layer`'s outputs (its
+    outbound nodes in the functional graphs built so far)."""
+    return len(layer._outbound_nodes)
+
+
 def set_keras_mask(tensor, mask):
     """Attaches a Keras mask to `tensor` (as a layer's call does)."""
     from keras.src.backend.common import masking

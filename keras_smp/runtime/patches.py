@@ -54,6 +54,7 @@ import tempfile
 import threading
 
 import keras_smp.runtime as runtime_package
+from keras_smp import tensor
 from keras_smp.runtime import deferred
 from keras_smp.runtime import errors
 from keras_smp.runtime import placement
@@ -117,6 +118,7 @@ def _patch_make_functions(trainer):
         @functools.wraps(original)
         def make(self, *args, _original=original, _attr=attr, **kwargs):
             check_pipelined(self)
+            tensor.check_model(self)
             before = getattr(self, _attr, None)
             smp = _runtime_of(getattr(self, "_distribute_strategy",
                                       None)) is not None
@@ -751,8 +753,6 @@ def install_layer_hook():
     layer (tensor parallelism converts those created in its scope).
     Idempotent; `keras_smp.tensor.layers` installs it on import."""
     import keras
-
-    from keras_smp import tensor
 
     original = keras.layers.Layer.__init__
     if getattr(original, "_smp_patched", False):

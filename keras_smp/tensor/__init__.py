@@ -37,6 +37,11 @@ _state = threading.local()
 #: converts layers created inside `scope(True)`.
 HOOKS = []
 
+#: Functions called with a model before its step functions are made (a
+#: patch of Keras' `make_*_function`); they raise on layouts that cannot
+#: run.
+MODEL_CHECKS = []
+
 
 def marking():
     """Whether layers created now are made tensor-parallel."""
@@ -59,6 +64,12 @@ def on_layer_created(layer):
     `Layer.__init__`)."""
     for hook in HOOKS:
         hook(layer)
+
+
+def check_model(model):
+    """Runs `MODEL_CHECKS` on `model`."""
+    for check in MODEL_CHECKS:
+        check(model)
 
 
 def _divisors(n):

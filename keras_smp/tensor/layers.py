@@ -47,6 +47,7 @@ from keras import ops
 
 from keras_smp import tensor
 from keras_smp.pipeline import residency
+from keras_smp.runtime import keras_private
 from keras_smp.runtime import patches
 from keras_smp.runtime import placement
 
@@ -349,7 +350,7 @@ class TensorParallelReversibleEmbedding(_TensorParallel,
             result = _vocab_lookup(self, group, inputs)
             mask = keras.layers.Embedding.compute_mask(self, inputs)
             if mask is not None:
-                result._keras_mask = mask
+                keras_private.set_keras_mask(result, mask)
             return result
         kernel = (ops.transpose(self.embeddings) if self.tie_weights
                   else self.reverse_embeddings)
@@ -470,15 +471,35 @@ def _pair_with_producer(layer, inputs):
     for the pair (Megatron's MLP)."""
     if layer._smp_tp_mode == "row":
         return
-    history = getattr(inputs, "_keras_history", None)
-    producer = getattr(history, "operation", None)
+    producer = keras_private.producer_of(inputs)
     if (isinstance(producer, TensorParallelDense)
             and producer._smp_tp_mode == "gather"
             and not getattr(producer, "_smp_paired", False)
-            and len(producer._outbound_nodes) == 0):
+            and keras_private.consumers(producer) == 0):
         _set(producer, "_smp_tp_mode", "column")
         _set(producer, "_smp_paired", True)
         _set(layer, "_smp_tp_mode", "row")
+
+
+def _check_model(model):
+    """A Dense split by columns whose output stays split must feed only
+    its row-split partner: any other user would get 1/T of the units."""
+    for layer in keras_private.flatten_layers(model):
+        if (isinstance(layer, TensorParallelDense)
+                and layer._smp_tp_mode == "column"
+                and keras_private.consumers(layer) > 1):
+            raise ValueError(
+                f"Dense '{layer.name}' is split by columns and its output "
+                "stays split for the Dense it feeds (a Megatron pair), but "
+                "another layer also uses that output. Keep the pair's "
+                "output to one user, or make the first Dense whole-output: "
+                f"`keras_smp.set_tensor_parallelism(layer, False)` on one of "
+                "them, or create the other user's input from a separate "
+                "Dense.")
+
+
+if _check_model not in tensor.MODEL_CHECKS:
+    tensor.MODEL_CHECKS.append(_check_model)
 
 
 # --------------------------------------------------------------------------

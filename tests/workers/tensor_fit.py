@@ -10,7 +10,8 @@ inside `keras_smp.tensor_parallelism()`.
 Model: token embedding (vocabulary-parallel ReversibleEmbedding), a learned
 position embedding (replicated), two causal attention blocks (heads
 split, output projection by rows) with an MLP (Dense pair: columns then
-rows) and LayerNormalization (replicated), logits from the tied embedding
+rows) and LayerNormalization (replicated), a lone EinsumDense and a lone
+Dense (columns, gathered), logits from the tied embedding
 (vocabulary-parallel, gathered).
 
 Writes DIR/rankR.npz: the final whole weights (w0, w1, ... of a plain
@@ -77,6 +78,10 @@ def build_model():
         f = keras.layers.Dense(4 * WIDTH, activation="gelu", name=f"ff{i}a")(h)
         f = keras.layers.Dense(WIDTH, name=f"ff{i}b")(f)
         h = keras.layers.LayerNormalization(name=f"ln{i}b")(h + f)
+    # Lone projections: split by output columns, then gathered.
+    h = keras.layers.EinsumDense("abc,cd->abd", output_shape=(SEQ, WIDTH),
+                                 bias_axes="d", name="proj")(h)
+    h = keras.layers.Dense(WIDTH, activation="tanh", name="proj2")(h)
     logits = emb(h, reverse=True)
     return keras.Model(tokens, logits)
 
@@ -113,7 +118,7 @@ if strategy is not None:
     layout = keras_smp.tensor_parallel_layers(model)
     expected = {"tok_emb": "vocab", "mha0": "heads", "mha1": "heads",
                 "ff0a": "column", "ff0b": "row", "ff1a": "column",
-                "ff1b": "row"}
+                "ff1b": "row", "proj": "gather", "proj2": "gather"}
     assert layout == expected, layout
     # Each rank holds 1/T of the split weights.
     shapes = {w.path: tuple(w.shape) for w in model.weights}
@@ -121,6 +126,8 @@ if strategy is not None:
     assert shapes["ff0a/kernel"] == (WIDTH, 4 * WIDTH // args.tp), shapes
     assert shapes["ff0b/kernel"] == (4 * WIDTH // args.tp, WIDTH), shapes
     assert shapes["ff0b/bias"] == (WIDTH,), shapes
+    assert shapes["proj/kernel"] == (WIDTH, WIDTH // args.tp), shapes
+    assert shapes["proj2/bias"] == (WIDTH // args.tp,), shapes
 else:
     model = build_model()
     model.compile(**compile_args())
