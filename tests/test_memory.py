@@ -159,6 +159,61 @@ def test_four_stages_each_under_a_limit_the_whole_model_exceeds(tmp_path):
                                       err_msg=f".keras weight {key}")
 
 
+def test_tensor_parallel_ranks_each_under_a_limit_the_whole_model_exceeds(
+        tmp_path):
+    # The same model with tensor parallelism (tp=4): each of 4 processes
+    # holds a quarter of every weight and of Adam's slots (Dense pairs:
+    # columns, then rows), under the same limit, and trains what one
+    # device trains.
+    ref_dir, out = tmp_path / "ref", tmp_path / "tensor"
+    run_python([MEMORY_FIT, "--out", str(ref_dir), "--mode", "reference"],
+               timeout=600)
+    cgroup = _memory_cgroup_root()
+    flags = ["--cgroup", cgroup, "--limit-mb", str(LIMIT_MB)] if cgroup else []
+    if cgroup is None:
+        print("no writable memory cgroup on this machine: the tensor-"
+              "parallel processes run unlimited and their measured peak "
+              f"resident memory is checked against {LIMIT_MB} MB instead")
+    try:
+        launch(4, [MEMORY_FIT, "--out", str(out), "--mode", "tensor",
+                   *flags], timeout=600)
+    finally:
+        if cgroup:
+            _remove_cgroup(cgroup)
+    with open(ref_dir / "reference.json") as f:
+        reference = json.load(f)
+    assert reference["peak_mb"] > LIMIT_MB * 1.15, reference
+    ref = np.load(ref_dir / "reference.npz")
+    whole_state_mb = 3 * sum(ref[k].nbytes for k in ref.files) / 2**20
+    for tp_rank in range(4):
+        with open(out / f"tensor{tp_rank}.json") as f:
+            result = json.load(f)
+        # Weights + Adam's two slots held here: a quarter of the whole
+        # (the biases of row-split layers, 16 KB each, are whole).
+        assert result["state_mb"] < whole_state_mb / 4 * 1.01, (
+            result["state_mb"], whole_state_mb)
+        if cgroup:
+            assert result["cgroup_limit_mb"] == LIMIT_MB, result
+            if result["cgroup_peak_mb"] is not None:
+                assert result["cgroup_peak_mb"] <= LIMIT_MB, result
+        else:
+            assert result["peak_mb"] < LIMIT_MB + SHARED_LIBRARIES_MB, result
+        np.testing.assert_allclose(result["loss"], reference["loss"],
+                                   rtol=RTOL,
+                                   atol=scaled_atol(reference["loss"]))
+        got = np.load(out / f"tensor{tp_rank}.npz")
+        for key in ref.files:
+            axis = int(got["axis" + key[1:]])
+            want = ref[key]
+            if axis >= 0:
+                step = want.shape[axis] // 4
+                want = np.take(want, range(tp_rank * step,
+                                           (tp_rank + 1) * step), axis=axis)
+            np.testing.assert_allclose(got[key], want, rtol=RTOL,
+                                       atol=scaled_atol(ref[key]),
+                                       err_msg=f"tp rank {tp_rank} {key}")
+
+
 def _small(out, *flags, n=2):
     """A 64-wide model trained by `n` processes; returns the result."""
     return launch(n, [MEMORY_FIT, "--out", str(out), "--mode", "stages",

@@ -114,6 +114,22 @@ assert (mha._query_dense._smp_tp_mode, mha._output_dense._smp_tp_mode) == (
     "column", "row")
 assert keras_smp.is_tensor_parallel(emb) and not keras_smp.is_tensor_parallel(norm)
 
+# A Dense with a softmax (not element-wise) keeps no split output: it is
+# gathered before its activation, and the next Dense is not paired with it.
+with keras_smp.tensor_parallelism():
+    i = keras.Input((8,))
+    soft = keras.layers.Dense(16, activation="softmax", name="soft")(i)
+    m2 = keras.Model(i, keras.layers.Dense(8, name="after")(soft))
+assert keras_smp.tensor_parallel_layers(m2) == {"soft": "gather",
+                                                "after": "gather"}
+# Attention made whole again builds whole projections.
+whole = keras.layers.MultiHeadAttention(2, 4)
+keras_smp.set_tensor_parallelism(whole)
+keras_smp.set_tensor_parallelism(whole, False)
+q = keras.Input((3, 8))
+whole(q, q)
+assert type(whole._query_dense) is keras.layers.EinsumDense
+
 # Without a tensor-parallel strategy: plain Keras, the same numbers.
 keras.utils.set_random_seed(1)
 with keras_smp.tensor_parallelism():
@@ -334,3 +350,19 @@ def test_a_split_output_used_twice_fails_early(tmp_path):
     script.write_text(SHARED_OUTPUT_SCRIPT)
     proc = run_python([str(script)], timeout=300)
     assert "shared ok" in proc.stdout
+
+
+@pytest.mark.slow
+def test_layouts_that_cannot_run_fail_early_on_every_rank():
+    proc = launch(2, [os.path.join(WORKERS, "tensor_errors.py")],
+                  timeout=300)
+    for rank in (0, 1):
+        for what in ("built outside the scope", "Lamb",
+                     "attention scores of split heads"):
+            assert f"[{rank}] ok: {what}" in proc.stdout, proc.stdout[-3000:]
+        assert f"[{rank}] errors ok" in proc.stdout
+    proc = launch(4, [os.path.join(WORKERS, "tensor_errors.py"),
+                      "--pipeline"], timeout=300)
+    for rank in range(4):
+        assert f"[{rank}] ok: a pipeline cut inside a Dense pair" in (
+            proc.stdout), proc.stdout[-3000:]

@@ -40,6 +40,7 @@ from keras_smp.runtime import tf_private
 from keras_smp.runtime import xla
 from keras_smp.smp import comms
 from keras_smp.smp import custom_loop
+from keras_smp.tensor.layers import tensor_parallel_layers
 
 
 @keras.saving.register_keras_serializable(package="keras_smp")
@@ -203,10 +204,21 @@ class DistributedModel(keras.Model):
 
     def partition_summary(self):
         """Returns the partition plan: stage, parameters, layers (and the
-        rank running each stage, with virtual stages)."""
+        rank running each stage, with virtual stages). With tensor
+        parallelism, the layers split across the tensor-parallel ranks and
+        how (the others run whole on every rank); parameters are then this
+        rank's."""
         schedule = self.schedule
-        return self.staged_graph.summary(
+        text = self.staged_graph.summary(
             schedule.rank_of if schedule.virtual_stages > 1 else None)
+        group = getattr(self.distribute_strategy, "_smp_tensor_group", None)
+        split = tensor_parallel_layers(self)
+        if group is not None and split:
+            text += (f"\nTensor parallel (tp={group.size}; params above are "
+                     f"tp rank {group.rank}'s): "
+                     + ", ".join(f"{k} [{v}]" for k, v in split.items())
+                     + "; every other layer whole on each tp rank")
+        return text
 
     # -- building ---------------------------------------------------------
 

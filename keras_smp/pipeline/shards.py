@@ -73,6 +73,7 @@ import tensorflow as tf
 
 from keras_smp.pipeline import residency
 from keras_smp.runtime import keras_private
+from keras_smp.runtime import patches
 from keras_smp.smp import comms
 
 #: Attribute of a `*.weights.h5` file that points to a sharded checkpoint
@@ -188,7 +189,10 @@ def _base(filepath):
 
 
 def _to_numpy(value):
-    array = keras.ops.convert_to_numpy(value)
+    # A tensor-parallel shard (an optimizer slot of a split weight: the
+    # weights come gathered already) is written whole.
+    array = (patches.whole_value(value) if patches.split_of(value)
+             else keras.ops.convert_to_numpy(value))
     if array.size == 0 and getattr(value, "shape", None) is not None and (
             int(np.prod(value.shape)) > 0):
         raise RuntimeError(

@@ -92,13 +92,14 @@ def check_tensor_parallel(tensor_parallel_degree, partitions, local_devices,
     if t == 1:
         return
     if world_size == 1 or local_devices not in (None, 1):
-        where = (f"local_devices={local_devices}" if world_size > 1 else
-                 "this job has 1 process")
+        n = t * partitions
+        where = (f"local_devices={local_devices} (use 1)" if world_size > 1
+                 else "this job has 1 process")
         raise ValueError(
             f"tensor_parallel_degree={t} runs one tensor-parallel rank per "
-            f"worker process, but {where}. Start a multiple of {t} "
-            f"processes (`keras-smp launch -n {t} -- python train.py`, or "
-            f"`keras_smp.notebook_launcher(fn, num_workers={t})` in a "
+            f"worker process, but {where}. Start a multiple of {n} "
+            f"processes (`keras-smp launch -n {n} -- python train.py`, or "
+            f"`keras_smp.notebook_launcher(fn, num_workers={n})` in a "
             "notebook); splitting layers over the devices of one process "
             "is not supported yet.")
 

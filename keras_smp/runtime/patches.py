@@ -25,7 +25,8 @@
   `keras_smp.tensor` (`install_layer_hook`), which makes those created in
   `keras_smp.tensor_parallelism()` tensor-parallel.
 - `keras.layers.Layer.get_weights` / `set_weights`: whole weights for
-  layers and models holding tensor-parallel shards
+  layers and models holding tensor-parallel shards; the optimizer's slots
+  of split weights are split alike and saved whole
   (`_patch_split_weights`).
 - `keras.optimizers.Optimizer.get_gradients(loss, params)`: SageMaker
   smp's (Keras 2's) method, for `@smp.step` functions.
@@ -528,6 +529,13 @@ def _patch_optimizer(keras):
             context = tf.distribute.get_replica_context()
             if context is not None and context.num_replicas_in_sync > 1:
                 bad = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
+            group = _tensor_group(self)
+            if group is not None and not getattr(self, "_smp_tp_summed",
+                                                 False):
+                # A LossScaleOptimizer checks before its inner optimizer's
+                # step (where the tensor-parallel sums are set): a shard's
+                # overflow on one rank skips the step on every rank.
+                bad = group.sum(bad)
             return tf.equal(_stage_sum(self, bad), 0.0)
 
         return finite
@@ -675,13 +683,54 @@ def install():
         _installed.append(True)
 
 
-def _split(variable):
-    """`(axis, group)` of a tensor-parallel shard, or `None`."""
+def split_of(variable):
+    """`(axis, group)` of a tensor-parallel shard (a weight of a split
+    layer, or an optimizer slot of one), or `None`."""
     axis = getattr(variable, "_smp_tp_axis", None)
     group = getattr(variable, "_smp_tp_group", None)
     if axis is None or group is None or group.size == 1:
         return None
     return axis, group
+
+
+def whole_value(variable):
+    """A variable's value as a NumPy array, whole: a tensor-parallel
+    shard is gathered over its group (a collective: every rank of the
+    group calls it for the same variables, in the same order)."""
+    import keras
+    import tensorflow as tf
+
+    value = tf.convert_to_tensor(variable)
+    split = split_of(variable)
+    if split is not None:
+        value = split[1].all_gather(value, split[0])
+    return keras.ops.convert_to_numpy(value)
+
+
+def rank_part(value, variable, what="weight"):
+    """This rank's part of a whole `value` for `variable` (itself when the
+    variable is not a shard); raises when the shapes do not fit."""
+    import numpy as np
+
+    value = np.asarray(value)
+    split = split_of(variable)
+    whole = list(variable.shape)
+    if split is not None:
+        whole[split[0]] *= split[1].size
+    if tuple(whole) != value.shape:
+        raise ValueError(
+            f"{what} {getattr(variable, 'path', variable)} has shape "
+            f"{tuple(whole)} (whole"
+            + (f", split in {split[1].size} on axis {split[0]} across "
+               "tensor-parallel ranks" if split else "")
+            + f"), not compatible with provided shape {value.shape}.")
+    if split is None:
+        return value
+    axis, group = split
+    step = value.shape[axis] // group.size
+    index = [slice(None)] * value.ndim
+    index[axis] = slice(group.rank * step, (group.rank + 1) * step)
+    return value[tuple(index)]
 
 
 def _patch_split_weights(keras):
@@ -700,49 +749,64 @@ def _patch_split_weights(keras):
     @functools.wraps(get_weights)
     def get_whole_weights(self):
         variables = self.weights
-        if not any(_split(v) for v in variables):
+        if not any(split_of(v) for v in variables):
             return get_weights(self)
-        out = []
-        for v in variables:
-            split = _split(v)
-            value = tf.convert_to_tensor(v)
-            if split is not None:
-                value = split[1].all_gather(value, split[0])
-            out.append(keras.ops.convert_to_numpy(value))
-        return out
+        return [whole_value(v) for v in variables]
 
     @functools.wraps(set_weights)
     def set_whole_weights(self, weights):
         variables = self.weights
-        if not any(_split(v) for v in variables):
+        if not any(split_of(v) for v in variables):
             return set_weights(self, weights)
         if len(variables) != len(weights):
             raise ValueError(
                 f"You called `set_weights(weights)` on layer '{self.name}' "
                 f"with a weight list of length {len(weights)}, but the layer "
                 f"was expecting {len(variables)} weights.")
-        for v, value in zip(variables, weights):
-            value = np.asarray(value)
-            split = _split(v)
-            whole = list(v.shape)
-            if split is not None:
-                whole[split[0]] *= split[1].size
-            if tuple(whole) != value.shape:
-                raise ValueError(
-                    f"Layer {self.name} weight {v.path} has shape "
-                    f"{tuple(whole)} (whole"
-                    + (f", split in {split[1].size} on axis {split[0]} "
-                       "across tensor-parallel ranks" if split else "")
-                    + f"), not compatible with provided weight shape "
-                    f"{value.shape}.")
-            if split is not None:
-                axis, group = split
-                step = value.shape[axis] // group.size
-                index = [slice(None)] * value.ndim
-                index[axis] = slice(group.rank * step, (group.rank + 1) * step)
-                value = value[tuple(index)]
-            v.assign(value)
+        parts = [rank_part(w, v, f"Layer {self.name} weight")
+                 for v, w in zip(variables, weights)]
+        for v, part in zip(variables, parts):
+            v.assign(part)
 
+    # Optimizer slots of split weights are split alike (marked when made),
+    # and saved whole like the weights.
+    from keras_smp.runtime.keras_private import BaseOptimizer as base
+
+    make_slot = base.add_variable_from_reference
+
+    @functools.wraps(make_slot)
+    def add_variable_from_reference(self, reference_variable, *args,
+                                    **kwargs):
+        slot = make_slot(self, reference_variable, *args, **kwargs)
+        split = split_of(reference_variable)
+        if split is not None and tuple(slot.shape) == tuple(
+                reference_variable.shape):
+            object.__setattr__(slot, "_smp_tp_axis", split[0])
+            object.__setattr__(slot, "_smp_tp_group", split[1])
+        return slot
+
+    save_slots, load_slots = base.save_own_variables, base.load_own_variables
+
+    @functools.wraps(save_slots)
+    def save_own_variables(self, store):
+        if not any(split_of(v) for v in self.variables):
+            return save_slots(self, store)
+        for i, variable in enumerate(self.variables):
+            store[str(i)] = whole_value(variable)
+
+    @functools.wraps(load_slots)
+    def load_own_variables(self, store):
+        variables = self.variables
+        if not any(split_of(v) for v in variables) or (
+                len(store.keys()) != len(variables)):
+            return load_slots(self, store)  # Keras' checks and warning
+        for i, variable in enumerate(variables):
+            variable.assign(rank_part(store[str(i)], variable,
+                                      f"Optimizer {self.name} variable"))
+
+    base.add_variable_from_reference = add_variable_from_reference
+    base.save_own_variables = save_own_variables
+    base.load_own_variables = load_own_variables
     get_whole_weights._smp_patched = True
     layer.get_weights = get_whole_weights
     layer.set_weights = set_whole_weights

@@ -117,6 +117,21 @@ def column_letter(equation):
     return next((c for c in kernel if c in out and c not in inp), None)
 
 
+def output_axis(equation, letter):
+    """The axis of the output of an `EinsumDense` equation that `letter`
+    names: counted from the front when it comes before an ellipsis, from
+    the end otherwise (an ellipsis may stand for several axes).
+
+    >>> output_axis("abc,cd->abd", "d"), output_axis("ab...,bc->ac...", "c")
+    (-1, 1)
+    """
+    out = split_einsum(equation)[2]
+    index = out.index(letter)
+    if "." in out and index < out.index("."):
+        return index
+    return index - len(out)
+
+
 def row_letter(equation):
     """The kernel letter a row-parallel `EinsumDense` splits: the first one
     summed over (in the input and the kernel, not in the output).

@@ -109,6 +109,20 @@ class _TensorParallel:
 
     _smp_tp_mode = "gather"
 
+    # XLA on CPU compiles no collectives: a split layer says it cannot be
+    # compiled (Keras' flag), so Keras turns `jit_compile` off for a model
+    # holding it, and a pipeline stage holding it runs uncompiled with a
+    # warning naming it (keras_smp.runtime.xla).
+    @property
+    def supports_jit(self):
+        if self._smp_tp_group() is not None:
+            return False
+        return getattr(self, "_smp_supports_jit", True)
+
+    @supports_jit.setter
+    def supports_jit(self, value):
+        object.__setattr__(self, "_smp_supports_jit", value)
+
     def add_weight(self, shape=None, initializer=None, dtype=None,
                    name=None, **kwargs):
         group = current_group()
@@ -170,12 +184,7 @@ class _TensorParallel:
                 # own processes save it.
                 store[str(i)] = v
                 continue
-            value = tf.convert_to_tensor(v)
-            axis = getattr(v, "_smp_tp_axis", None)
-            if axis is not None:
-                value = group.all_gather(value, axis)
-            store[str(i)] = WholeWeight.of(
-                keras.ops.convert_to_numpy(value), v)
+            store[str(i)] = WholeWeight.of(patches.whole_value(v), v)
 
     def load_own_variables(self, store):
         group = self._smp_tp_group()
@@ -186,16 +195,11 @@ class _TensorParallel:
             raise ValueError(
                 f"Layer '{self.name}' expects {len(variables)} variables in "
                 f"the checkpoint, found {len(store.keys())}.")
-        for i, v in enumerate(variables):
-            value = store[str(i)]
-            axis = getattr(v, "_smp_tp_axis", None)
-            if axis is not None:
-                start, stop = tensor.shard_bounds(
-                    value.shape[axis], group.size, group.rank)
-                index = [slice(None)] * len(value.shape)
-                index[axis] = slice(start, stop)
-                value = value[tuple(index)]
-            v.assign(value)
+        parts = [patches.rank_part(store[str(i)], v,
+                                   f"Layer {self.name} weight")
+                 for i, v in enumerate(variables)]
+        for v, part in zip(variables, parts):
+            v.assign(part)
 
 
 class WholeWeight(np.ndarray):
@@ -244,10 +248,12 @@ class TensorParallelDense(_TensorParallel, keras.layers.Dense):
             x = group.reduce_from(x)
         if self.bias is not None:
             x = ops.add(x, self.bias)
-        if self.activation is not None:
-            x = self.activation(x)
         if mode == "gather":
             x = group.gather_from(x, -1)
+        # After the gather: any activation sees every unit (a split
+        # output stays split only under an element-wise one).
+        if self.activation is not None:
+            x = self.activation(x)
         return x
 
 
@@ -289,12 +295,11 @@ class TensorParallelEinsumDense(_TensorParallel, keras.layers.EinsumDense):
             x = group.reduce_from(x)
         if self.bias is not None:
             x = ops.add(x, self.bias)
+        if mode == "gather":
+            x = group.gather_from(x, tensor.output_axis(
+                self.equation, self._smp_letter()))
         if self.activation is not None:
             x = self.activation(x)
-        if mode == "gather":
-            out = tensor.split_einsum(self.equation)[2]
-            axis = out.index(self._smp_letter()) - len(out)
-            x = group.gather_from(x, axis)
         return x
 
 
@@ -369,6 +374,19 @@ class TensorParallelMultiHeadAttention(keras.layers.MultiHeadAttention):
     """`keras.layers.MultiHeadAttention` with its heads split: the query,
     key and value projections by heads (columns), the output projection by
     heads (rows)."""
+
+    def call(self, *args, return_attention_scores=False, **kwargs):
+        query = getattr(self, "_query_dense", None)
+        if (return_attention_scores and query is not None
+                and query._smp_tp_group() is not None):
+            raise ValueError(
+                f"MultiHeadAttention '{self.name}' is split by heads across "
+                "tensor-parallel ranks; return_attention_scores=True would "
+                "give each rank's heads only. Keep this layer whole "
+                "(`keras_smp.set_tensor_parallelism(layer, False)` before "
+                "it is built) to read its attention scores.")
+        return super().call(*args, return_attention_scores=
+                            return_attention_scores, **kwargs)
 
 
 # Sublayers MultiHeadAttention.build creates, by name, and their split.
@@ -448,6 +466,7 @@ def _convert(layer):
     cls = _CLASSES[type(layer)]
     if cls is TensorParallelMultiHeadAttention:
         _swap(layer, cls)
+        _set(layer, "_smp_keras_build", layer.build)
         layer.build = _attention_build(layer, layer.build)
         return
     _swap(layer, cls, cls._smp_tp_mode)
@@ -475,16 +494,76 @@ def _pair_with_producer(layer, inputs):
     if (isinstance(producer, TensorParallelDense)
             and producer._smp_tp_mode == "gather"
             and not getattr(producer, "_smp_paired", False)
+            and _elementwise(producer.activation)
             and keras_private.consumers(producer) == 0):
         _set(producer, "_smp_tp_mode", "column")
         _set(producer, "_smp_paired", True)
+        _set(producer, "_smp_partner", layer.name)
         _set(layer, "_smp_tp_mode", "row")
 
 
+# Keras activations that act on each value alone: a Dense with one of them
+# may keep its output split (softmax and custom functions may not).
+_ELEMENTWISE = frozenset((
+    "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "gelu", "tanh",
+    "sigmoid", "hard_sigmoid", "softplus", "softsign", "silu", "swish",
+    "hard_silu", "hard_swish", "mish", "exponential", "celu",
+    "log_sigmoid", "tanh_shrink", "hard_tanh", "soft_shrink",
+    "hard_shrink", "squareplus", "sparse_plus", "sparse_sigmoid",
+    "threshold"))
+
+
+def _elementwise(activation):
+    if activation is None:
+        return True
+    name = getattr(activation, "__name__", None)
+    return (name in _ELEMENTWISE
+            and getattr(keras.activations, name, None) is activation)
+
+
+# Keras optimizers whose update of a weight depends on the whole weight
+# (its norm, or its rows and columns): on a shard they would compute
+# something else.
+_WHOLE_WEIGHT_OPTIMIZERS = ("Lamb", "Adafactor", "Muon", "LARS")
+
+
 def _check_model(model):
-    """A Dense split by columns whose output stays split must feed only
-    its row-split partner: any other user would get 1/T of the units."""
-    for layer in keras_private.flatten_layers(model):
+    """Layouts of a tensor-parallel model that cannot run, found before
+    its step functions are made."""
+    group = current_group_of(model)
+    layers = keras_private.flatten_layers(model)
+    if group is not None:
+        outside = [layer.name for layer in layers
+                   if isinstance(layer, _TensorParallel) and layer.built
+                   and layer._smp_tp_group() is None and layer.weights]
+        if outside:
+            raise ValueError(
+                f"Layers {outside} are marked tensor-parallel but were "
+                "built outside the scope of the tensor-parallel "
+                "SMPStrategy, so every rank holds them whole. Build the "
+                "model inside `strategy.scope()`.")
+        optimizer = getattr(model, "optimizer", None)
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        name = type(inner).__name__ if inner is not None else None
+        if name in _WHOLE_WEIGHT_OPTIMIZERS:
+            raise ValueError(
+                f"The {name} optimizer scales each weight's update by "
+                "statistics of the whole weight, which a tensor-parallel "
+                "rank does not hold (it holds a shard). Use an element-"
+                "wise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, "
+                "Lion, ...) with tensor parallelism.")
+    stage_of = _stage_of_layers(model)
+    for layer in layers:
+        partner = getattr(layer, "_smp_partner", None)
+        if (isinstance(layer, TensorParallelDense) and partner is not None
+                and stage_of.get(layer.name) != stage_of.get(partner)):
+            raise ValueError(
+                f"The pipeline cut falls between Dense '{layer.name}' "
+                f"(split by columns, output kept split) and Dense "
+                f"'{partner}' (split by rows), which must run in one "
+                "stage. Move the cut: `DistributedModel(model, "
+                "split_points=[...])` or `keras_smp.partition(i)` scopes.")
+    for layer in layers:
         if (isinstance(layer, TensorParallelDense)
                 and layer._smp_tp_mode == "column"
                 and keras_private.consumers(layer) > 1):
@@ -496,6 +575,31 @@ def _check_model(model):
                 f"`keras_smp.set_tensor_parallelism(layer, False)` on one of "
                 "them, or create the other user's input from a separate "
                 "Dense.")
+
+
+def current_group_of(model):
+    """The tensor-parallel group of the strategy `model` runs under (or,
+    for a model built outside it, its optimizer was made under)."""
+    optimizer = getattr(model, "optimizer", None)
+    for strategy in (getattr(model, "distribute_strategy", None),
+                     optimizer is not None
+                     and keras_private.optimizer_strategy(optimizer)):
+        group = getattr(strategy, "_smp_tensor_group", None)
+        if group is not None and group.size > 1:
+            return group
+    return None
+
+
+def _stage_of_layers(model):
+    """`{layer name: pipeline stage}` of a `DistributedModel` ({} else)."""
+    if not getattr(model, "_smp_pipelined", False):
+        return {}
+    try:
+        graph = model.staged_graph
+    except ValueError:  # not built yet
+        return {}
+    return {node.operation.name: s for s in range(graph.num_stages)
+            for node in graph.stage_nodes(s)}
 
 
 if _check_model not in tensor.MODEL_CHECKS:
@@ -569,6 +673,9 @@ def set_tensor_parallelism(layer, enabled=True):
                 f"Layer '{layer.name}' is already built with split weights; "
                 "call set_tensor_parallelism(layer, False) before building "
                 "it.")
+        original = getattr(layer, "_smp_keras_build", None)
+        if original is not None:
+            layer.build = original
         layer.__class__ = _ORIGINAL[type(layer)]
         return
     if not enabled:

@@ -72,6 +72,13 @@ class TensorGroup:
     # ---- plain collectives ------------------------------------------------
 
     def _common(self, x=None):
+        if x is not None and x.shape.rank and None in x.shape[1:]:
+            raise ValueError(
+                f"keras-smp: a tensor-parallel collective on a tensor of shape "
+                f"{x.shape}: only the batch (first) dimension may vary "
+                "between steps. Give the model fixed sizes in the other "
+                "dimensions (e.g. pad sequences to one length: "
+                "keras.Input((length,))).")
         if x is not None and x.shape.rank and x.shape[0] is None:
             position = next(self._batched)
             if position >= _ROWS_STRIDE:
@@ -119,7 +126,12 @@ class TensorGroup:
         gathered = tf.raw_ops.CollectiveGatherV2(
             input=moved, ordering_token=[], **self._common(x))
         back = [perm.index(i) for i in range(rank)]
-        return tf.cast(tf.transpose(gathered, back), x.dtype)
+        out = tf.cast(tf.transpose(gathered, back), x.dtype)
+        shape = x.shape.as_list()
+        if shape[axis] is not None:
+            shape[axis] *= self.size
+        out.set_shape(shape)  # the op itself tells no static sizes
+        return out
 
     def broadcast_from_first(self, value):
         """Rank 0's `value` on every member (initial values)."""
@@ -145,7 +157,9 @@ class TensorGroup:
         @tf.custom_gradient
         def copy(x):
             def grad(dy):
-                return self.sum(dy)
+                # The gradient has x's shape; say so (shape inference may
+                # have lost static sizes on the way back).
+                return self.sum(tf.ensure_shape(dy, x.shape))
             return tf.identity(x), grad
 
         return copy(x)
@@ -158,7 +172,7 @@ class TensorGroup:
         @tf.custom_gradient
         def reduce(x):
             def grad(dy):
-                return tf.identity(dy)
+                return tf.ensure_shape(dy, x.shape)
             return self.sum(x), grad
 
         return reduce(x)
@@ -178,7 +192,9 @@ class TensorGroup:
                 size = [-1] * rank
                 begin[axis % rank] = self.rank * width
                 size[axis % rank] = width
-                return tf.slice(dy, begin, size)
+                part = tf.slice(dy, begin, size)
+                part.set_shape(x.shape)
+                return part
             return self.all_gather(x, axis), grad
 
         return gather(x)

@@ -7,6 +7,10 @@ memory limit (issue 17: a model too big for one process).
     --mode reference   plain Keras, one process, no limit
     --mode stages      `DistributedModel`, one stage per process
                        (`keras-smp launch -n P`)
+    --mode tensor      tensor parallelism, `--stages` processes splitting
+                       every layer (consecutive Dense layers pair: columns,
+                       then rows); writes tensor{R}.npz, this rank's
+                       shard of each weight, and the axis it is cut on
     --cgroup DIR       a memory cgroup directory (v1 or v2) made by the
                        test: this process makes DIR/rank{R} with
                        --limit-mb and moves itself into it before
@@ -36,7 +40,8 @@ import os
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
-parser.add_argument("--mode", choices=("reference", "stages", "load"),
+parser.add_argument("--mode", choices=("reference", "stages", "load",
+                                       "tensor"),
                     required=True)
 parser.add_argument("--checkpoint", action="store_true")
 parser.add_argument("--load", default=None)
@@ -124,6 +129,11 @@ if args.mode == "stages":
 
     strategy = keras_smp.SMPStrategy(partitions=args.stages, microbatches=2,
                                      collective_timeout_seconds=300)
+elif args.mode == "tensor":
+    import keras_smp  # noqa: E402
+
+    strategy = keras_smp.SMPStrategy(tensor_parallel_degree=args.stages,
+                                     collective_timeout_seconds=300)
 import keras  # noqa: E402
 
 keras.utils.set_random_seed(rank if args.seed_by_rank else 0)
@@ -144,7 +154,7 @@ def build():
 
 
 def wrap(model):
-    if strategy is not None:
+    if strategy is not None and args.mode == "stages":
         model = keras_smp.DistributedModel(model)
     # Adam's memory (two slots per weight) with epsilon=1: its update is
     # then smooth in the gradient, so float32 rounding differences of the
@@ -177,6 +187,11 @@ elif args.outside_scope:
     model = build()
     with strategy.scope():
         model = wrap(model)
+elif args.mode == "tensor":
+    with strategy.scope():
+        with keras_smp.tensor_parallelism():
+            model = build()
+        model = wrap(model)
 else:
     with strategy.scope():
         model = wrap(build())
@@ -197,6 +212,19 @@ if strategy is None:
     result["max_change"] = max(float(np.max(np.abs(w.numpy() - w0)))
                                for w, w0 in zip(model.weights, initial))
     name = "reference"
+elif args.mode == "tensor":
+    # This rank's shards only (gathering whole weights here would break
+    # the limit), with the axis each is cut on (-1: whole).
+    tp_rank = strategy.topology.tp_rank
+    arrays = {f"w{i}": w.numpy() for i, w in enumerate(model.weights)}
+    arrays.update({f"axis{i}": np.array(
+        -1 if getattr(w, "_smp_tp_axis", None) is None else w._smp_tp_axis)
+        for i, w in enumerate(model.weights)})
+    np.savez(os.path.join(args.out, f"tensor{tp_rank}.npz"), **arrays)
+    result["state_mb"] = sum(
+        w.numpy().nbytes for w in model.weights + model.optimizer.variables
+    ) / 2**20
+    name = f"tensor{tp_rank}"
 else:
     # This stage's own weights only: gathering the whole model here would
     # break the limit (that is what sharded checkpoints are for).

@@ -16,8 +16,9 @@ Dense (columns, gathered), logits from the tied embedding
 
 Writes DIR/rankR.npz: the final whole weights (w0, w1, ... of a plain
 Keras model that loaded the run's `save_weights` file: so the file holds
-whole weights and plain Keras reads it), losses, evaluate, predict, and
-DIR/model.weights.h5 (rank 0). With --load, the weights of CKPT are
+whole weights and plain Keras reads it) and optimizer variables (o0, ...:
+the slots of split weights saved whole too), losses, evaluate, predict,
+and DIR/model.weights.h5 (rank 0). With --load, the weights of CKPT are
 loaded before training (a checkpoint of another tensor_parallel_degree).
 """
 
@@ -36,6 +37,8 @@ p.add_argument("--epochs", type=int, default=2)
 p.add_argument("--partitions", type=int, default=1,
                help="pipeline stages (DistributedModel, one per process)")
 p.add_argument("--microbatches", type=int, default=2)
+p.add_argument("--jit", action="store_true",
+               help="compile(jit_compile=True): split layers run uncompiled")
 args = p.parse_args()
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -81,7 +84,8 @@ def build_model():
     # Lone projections: split by output columns, then gathered.
     h = keras.layers.EinsumDense("abc,cd->abd", output_shape=(SEQ, WIDTH),
                                  bias_axes="d", name="proj")(h)
-    h = keras.layers.Dense(WIDTH, activation="tanh", name="proj2")(h)
+    # softmax sees every unit: the split output is gathered first.
+    h = keras.layers.Dense(WIDTH, activation="softmax", name="proj2")(h)
     logits = emb(h, reverse=True)
     return keras.Model(tokens, logits)
 
@@ -91,7 +95,7 @@ def compile_args():
         opt = keras.optimizers.Adam(1e-2, clipnorm=0.05)
     else:
         opt = keras.optimizers.SGD(0.2, momentum=0.9, global_clipnorm=0.5)
-    return dict(optimizer=opt,
+    return dict(optimizer=opt, jit_compile=True if args.jit else "auto",
                 loss=keras.losses.SparseCategoricalCrossentropy(
                     from_logits=True),
                 metrics=["sparse_categorical_accuracy"])
@@ -116,6 +120,11 @@ if strategy is not None:
             model = keras_smp.DistributedModel(model)
         model.compile(**compile_args())
     layout = keras_smp.tensor_parallel_layers(model)
+    if args.partitions > 1:
+        summary = model.partition_summary()
+        print(summary, flush=True)
+        assert "Tensor parallel (tp=2" in summary, summary
+        assert "ff0a [column], ff0b [row]" in summary, summary
     expected = {"tok_emb": "vocab", "mha0": "heads", "mha1": "heads",
                 "ff0a": "column", "ff0b": "row", "ff1a": "column",
                 "ff1b": "row", "proj": "gather", "proj2": "gather"}
@@ -149,6 +158,8 @@ out = {}
 if rank == 0:
     # A plain Keras model (no strategy, no tensor parallelism) reads it.
     plain = build_model()
+    plain.compile(**compile_args())
+    plain.optimizer.build(plain.trainable_variables)
     if args.partitions > 1:
         # A sharded checkpoint (a shard per stage), made one plain file.
         whole_file = os.path.join(args.out, "whole.weights.h5")
@@ -157,6 +168,8 @@ if rank == 0:
     else:
         plain.load_weights(path)
     out = {f"w{i}": w for i, w in enumerate(plain.get_weights())}
+    out.update({f"o{i}": v.numpy() for i, v in
+                enumerate(plain.optimizer.variables) if len(v.shape)})
     for i, w in enumerate(whole):
         np.testing.assert_array_equal(w, out[f"w{i}"])
 if strategy is not None:

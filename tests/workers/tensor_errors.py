@@ -1,0 +1,85 @@
+"""Tensor-parallel layouts that cannot run fail early, on every rank, with
+errors that name the fix (run under `keras-smp launch -n 2`)."""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+PIPELINE = "--pipeline" in sys.argv  # 4 processes: tp 2 x pp 2
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_smp  # noqa: E402
+
+strategy = keras_smp.SMPStrategy(
+    tensor_parallel_degree=2, collective_timeout_seconds=60,
+    **(dict(partitions=2, microbatches=2) if PIPELINE else {}))
+x = np.ones((8, 4, 8), "float32")
+
+
+def expect(what, fn, *words):
+    try:
+        fn()
+    except ValueError as e:
+        for word in words:
+            assert word in str(e), (what, str(e))
+        print(f"ok: {what}", flush=True)
+        return
+    raise SystemExit(f"no error: {what}")
+
+
+def mlp(optimizer="sgd", inputs=(4, 8)):
+    with keras_smp.tensor_parallelism():
+        i = keras.Input(inputs)
+        h = keras.layers.Dense(16, activation="relu")(i)
+        model = keras.Model(i, keras.layers.Dense(8)(h))
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+if PIPELINE:
+    # A pipeline cut between a Dense pair (its activation stays split).
+    with strategy.scope():
+        with keras_smp.tensor_parallelism():
+            i = keras.Input((4, 8))
+            h = keras.layers.Dense(16, activation="relu", name="ff_a")(i)
+            h = keras.layers.Dense(8, name="ff_b")(h)
+            out = keras.layers.Dense(8, name="last")(h)
+        cut = keras_smp.DistributedModel(keras.Model(i, out),
+                                         split_points=["ff_b"])
+        cut.compile(optimizer="sgd", loss="mse")
+    expect("a pipeline cut inside a Dense pair",
+           lambda: cut.fit(x, x, batch_size=4, verbose=0),
+           "pipeline cut falls between Dense 'ff_a'", "split_points")
+    print("errors ok", flush=True)
+    raise SystemExit(0)
+
+# Built outside the strategy's scope: the layers would be whole.
+outside = mlp()
+with strategy.scope():
+    outside.compile(optimizer="sgd", loss="mse")
+expect("built outside the scope",
+       lambda: outside.fit(x, x, batch_size=4, verbose=0),
+       "built outside the scope", "strategy.scope()")
+
+with strategy.scope():
+    lamb = mlp(keras.optimizers.Lamb())
+expect("Lamb", lambda: lamb.fit(x, x, batch_size=4, verbose=0),
+       "Lamb optimizer", "element-wise optimizer")
+
+with strategy.scope():
+    with keras_smp.tensor_parallelism():
+        q = keras.Input((4, 8))
+        attention = keras.layers.MultiHeadAttention(2, 4)
+        attention(q, q)
+expect("attention scores of split heads",
+       lambda: attention(x, x, return_attention_scores=True),
+       "return_attention_scores=True", "set_tensor_parallelism")
+
+# The layers that did run are split: half of the MLP's first kernel here.
+with strategy.scope():
+    fine = mlp()
+fine.fit(x, x, batch_size=4, verbose=0)
+assert tuple(fine.layers[1].kernel.shape) == (8, 8), fine.layers[1].kernel.shape
+print("errors ok", flush=True)
