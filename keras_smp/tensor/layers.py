@@ -165,6 +165,24 @@ class _TensorParallel:
     def _smp_split_axis(self, name, shape):
         return None
 
+    def _smp_linear(self, group, inputs, product, gather_axis):
+        """A Dense-like call on this rank's shard: `product(x, kernel)`,
+        the collective of the layer's mode, the bias, the activation."""
+        mode = self._smp_tp_mode
+        x = inputs if mode == "row" else group.copy_to(inputs)
+        x = product(x, self.kernel)
+        if mode == "row":
+            x = group.reduce_from(x)  # the bias is added once, after
+        if self.bias is not None:
+            x = ops.add(x, self.bias)
+        if mode == "gather":
+            x = group.gather_from(x, gather_axis)
+        # After the gather: any activation sees every unit (a split
+        # output stays split only under an element-wise one).
+        if self.activation is not None:
+            x = self.activation(x)
+        return x
+
     def _smp_tp_group(self):
         group = getattr(self, "_smp_group", None)
         return group if group is not None and group.size > 1 else None
@@ -241,20 +259,7 @@ class TensorParallelDense(_TensorParallel, keras.layers.Dense):
         group = self._smp_tp_group()
         if group is None:
             return super().call(inputs, training=training)
-        mode = self._smp_tp_mode
-        x = inputs if mode == "row" else group.copy_to(inputs)
-        x = ops.matmul(x, self.kernel)
-        if mode == "row":
-            x = group.reduce_from(x)
-        if self.bias is not None:
-            x = ops.add(x, self.bias)
-        if mode == "gather":
-            x = group.gather_from(x, -1)
-        # After the gather: any activation sees every unit (a split
-        # output stays split only under an element-wise one).
-        if self.activation is not None:
-            x = self.activation(x)
-        return x
+        return self._smp_linear(group, inputs, ops.matmul, -1)
 
 
 class TensorParallelEinsumDense(_TensorParallel, keras.layers.EinsumDense):
@@ -288,19 +293,9 @@ class TensorParallelEinsumDense(_TensorParallel, keras.layers.EinsumDense):
         group = self._smp_tp_group()
         if group is None:
             return super().call(inputs, training=training)
-        mode = self._smp_tp_mode
-        x = inputs if mode == "row" else group.copy_to(inputs)
-        x = ops.einsum(self.equation, x, self.kernel)
-        if mode == "row":
-            x = group.reduce_from(x)
-        if self.bias is not None:
-            x = ops.add(x, self.bias)
-        if mode == "gather":
-            x = group.gather_from(x, tensor.output_axis(
-                self.equation, self._smp_letter()))
-        if self.activation is not None:
-            x = self.activation(x)
-        return x
+        return self._smp_linear(
+            group, inputs, lambda x, k: ops.einsum(self.equation, x, k),
+            tensor.output_axis(self.equation, self._smp_letter()))
 
 
 class TensorParallelEmbedding(_TensorParallel, keras.layers.Embedding):

@@ -133,20 +133,6 @@ class TensorGroup:
         out.set_shape(shape)  # the op itself tells no static sizes
         return out
 
-    def broadcast_from_first(self, value):
-        """Rank 0's `value` on every member (initial values)."""
-        if self.size == 1:
-            return value
-        wire = _WIRE.get(value.dtype, value.dtype)
-        common = self._common()
-        if self.rank == 0:
-            send = tf.raw_ops.CollectiveBcastSendV2(
-                input=tf.cast(value, wire), **common)
-            with tf.control_dependencies([send]):
-                return tf.identity(value)
-        return tf.cast(tf.raw_ops.CollectiveBcastRecvV2(
-            shape=value.shape, T=wire, **common), value.dtype)
-
     # ---- Megatron's operators ---------------------------------------------
 
     def copy_to(self, x):
