@@ -293,9 +293,10 @@ class TensorParallelEinsumDense(_TensorParallel, keras.layers.EinsumDense):
         group = self._smp_tp_group()
         if group is None:
             return super().call(inputs, training=training)
+        axis = (tensor.output_axis(self.equation, self._smp_letter())
+                if self._smp_tp_mode == "gather" else None)
         return self._smp_linear(
-            group, inputs, lambda x, k: ops.einsum(self.equation, x, k),
-            tensor.output_axis(self.equation, self._smp_letter()))
+            group, inputs, lambda x, k: ops.einsum(self.equation, x, k), axis)
 
 
 class TensorParallelEmbedding(_TensorParallel, keras.layers.Embedding):
