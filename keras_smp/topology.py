@@ -555,26 +555,20 @@ class Topology:
                 "Topology tensor_parallel_degree must be >= 1, received "
                 f"{self.tensor_parallel_degree!r}."
             )
-        t = self.tensor_parallel_degree
-        if t > 1 and self.world_size % (self.partitions * t):
-            p, w = self.partitions * t, self.world_size
+        t, w = self.tensor_parallel_degree, self.world_size
+        p = self.partitions * t
+        if w % p:
             lower, upper = w - w % p, w - w % p + p
             counts = f"{lower} or {upper}" if lower else f"{upper}"
+            what, fix = (
+                (f"partitions={self.partitions} x tensor_parallel_degree={t} "
+                 f"= {p}", "choose partitions and tensor_parallel_degree "
+                 f"whose product divides {w}") if t > 1 else
+                (f"partitions={p}", f"set partitions to a divisor of {w}"))
             raise ValueError(
-                f"partitions={self.partitions} x tensor_parallel_degree={t} = {p} "
-                f"does not divide the number of workers world_size={w}: each model "
-                f"replica needs exactly {p} processes. Run a multiple of {p} workers "
-                f"(e.g. {counts}), or choose partitions and tensor_parallel_degree "
-                f"whose product divides {w} ({', '.join(map(str, _divisors(w)))})."
-            )
-        if self.world_size % self.partitions:
-            p, w = self.partitions, self.world_size
-            lower, upper = w - w % p, w - w % p + p
-            counts = f"{lower} or {upper}" if lower else f"{upper}"
-            raise ValueError(
-                f"partitions={p} does not divide the number of workers world_size={w}: "
-                f"each model replica needs exactly {p} processes. Run a multiple of {p} "
-                f"workers (e.g. {counts}), or set partitions to a divisor of {w} "
+                f"{what} does not divide the number of workers world_size={w}: "
+                f"each model replica needs exactly {p} processes. Run a multiple "
+                f"of {p} workers (e.g. {counts}), or {fix} "
                 f"({', '.join(map(str, _divisors(w)))})."
             )
         if self.placement_strategy not in PLACEMENT_STRATEGIES:

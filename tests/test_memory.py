@@ -76,21 +76,8 @@ def test_four_stages_each_under_a_limit_the_whole_model_exceeds(tmp_path):
     # saved as one .keras file under the limit too (streamed from the
     # stages: gathering it would exceed the limit), and loads whole.
     ref_dir, out = tmp_path / "ref", tmp_path / "stages"
-    run_python([MEMORY_FIT, "--out", str(ref_dir), "--mode", "reference"],
-               timeout=600)
-    cgroup = _memory_cgroup_root()
-    flags = ["--cgroup", cgroup, "--limit-mb", str(LIMIT_MB)] if cgroup else []
-    if cgroup is None:
-        # Still a real check, after the fact: each process's measured peak.
-        print("no writable memory cgroup on this machine: the stage "
-              "processes run unlimited and their measured peak resident "
-              f"memory is checked against {LIMIT_MB} MB instead")
-    try:
-        launch(4, [MEMORY_FIT, "--out", str(out), "--mode", "stages",
-                   "--checkpoint", "--keras-file", *flags], timeout=600)
-    finally:
-        if cgroup:
-            _remove_cgroup(cgroup)
+    cgroup = _reference_then_limited(ref_dir, out, "stages", "--checkpoint",
+                                     "--keras-file")
 
     with open(ref_dir / "reference.json") as f:
         reference = json.load(f)
@@ -159,6 +146,29 @@ def test_four_stages_each_under_a_limit_the_whole_model_exceeds(tmp_path):
                                       err_msg=f".keras weight {key}")
 
 
+def _reference_then_limited(ref_dir, out, mode, *flags):
+    """Runs the reference (one process, no limit), then `mode` in 4
+    processes, each in a memory cgroup of LIMIT_MB when the machine has
+    one; returns the cgroup (None: unlimited, checked after the fact)."""
+    run_python([MEMORY_FIT, "--out", str(ref_dir), "--mode", "reference"],
+               timeout=600)
+    cgroup = _memory_cgroup_root()
+    limit = ["--cgroup", cgroup, "--limit-mb", str(LIMIT_MB)] if cgroup else []
+    if cgroup is None:
+        # Still a real check, after the fact: each process's measured peak.
+        print(f"no writable memory cgroup on this machine: the {mode} "
+              "processes run unlimited and their measured peak resident "
+              f"memory is checked against {LIMIT_MB} MB instead")
+    try:
+        launch(4, [MEMORY_FIT, "--out", str(out), "--mode", mode, *flags,
+                   *limit], timeout=600)
+    finally:
+        if cgroup:
+            _remove_cgroup(cgroup)
+    return cgroup
+
+
+@pytest.mark.slow
 def test_tensor_parallel_ranks_each_under_a_limit_the_whole_model_exceeds(
         tmp_path):
     # The same model with tensor parallelism (tp=4): each of 4 processes
@@ -166,20 +176,7 @@ def test_tensor_parallel_ranks_each_under_a_limit_the_whole_model_exceeds(
     # columns, then rows), under the same limit, and trains what one
     # device trains.
     ref_dir, out = tmp_path / "ref", tmp_path / "tensor"
-    run_python([MEMORY_FIT, "--out", str(ref_dir), "--mode", "reference"],
-               timeout=600)
-    cgroup = _memory_cgroup_root()
-    flags = ["--cgroup", cgroup, "--limit-mb", str(LIMIT_MB)] if cgroup else []
-    if cgroup is None:
-        print("no writable memory cgroup on this machine: the tensor-"
-              "parallel processes run unlimited and their measured peak "
-              f"resident memory is checked against {LIMIT_MB} MB instead")
-    try:
-        launch(4, [MEMORY_FIT, "--out", str(out), "--mode", "tensor",
-                   *flags], timeout=600)
-    finally:
-        if cgroup:
-            _remove_cgroup(cgroup)
+    cgroup = _reference_then_limited(ref_dir, out, "tensor")
     with open(ref_dir / "reference.json") as f:
         reference = json.load(f)
     assert reference["peak_mb"] > LIMIT_MB * 1.15, reference
