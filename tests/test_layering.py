@@ -57,6 +57,7 @@ LAYERS = {
         "keras_smp.pipeline.recompute",
         "keras_smp.pipeline.residency", "keras_smp.pipeline.profiling",
         "keras_smp.tensor.ops", "keras_smp.tensor.layers",
+        "keras_smp.tensor.losses",
     ],
     3: [
         "keras_smp.smp", "keras_smp.smp.custom_loop",

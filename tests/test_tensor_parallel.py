@@ -237,6 +237,12 @@ CASES = {
                           dict(atol=1e-5, skip=KEY_BIASES)),
     "tp2_mixed_float16": (2, ["--tp", "2"], "mixed_float16",
                           dict(rtol=2e-3, atol=2e-3)),
+    # VocabParallelSparseCategoricalCrossentropy and -Accuracy: the
+    # logits stay split in fit and evaluate (the worker checks the width
+    # the loss saw), whole in predict; the reference runs Keras' own.
+    "tp2_vocab_parallel": (2, ["--tp", "2"], "vocab_parallel", {}),
+    "tp2_pp2_vocab_parallel": (4, ["--tp", "2", "--partitions", "2"],
+                               "vocab_parallel", {}),
 }
 
 
@@ -272,6 +278,86 @@ def test_checkpoint_of_one_degree_trains_on_in_another(tmp_path_factory):
     got = _result(_run(tmp_path_factory, "tp4_from_tp2", 4, "--tp", "4",
                        "--load", ckpt, "--epochs", "1"))
     _assert_matches(got, ref)
+
+
+# ---------------------------------------------------------------------------
+# SMP's custom loop (smp.init, @smp.step) with tensor parallelism
+# ---------------------------------------------------------------------------
+
+CUSTOM_LOOP = os.path.join(WORKERS, "custom_loop_tp.py")
+
+
+def _custom_loop(tmp_path_factory, name, processes, *flags):
+    key = ("custom_loop", name, processes, flags)
+    if key not in _runs:
+        out = tmp_path_factory.mktemp(name)
+        proc = launch(processes, [CUSTOM_LOOP, "--out", str(out), *flags],
+                      timeout=400, check=False)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        _runs[key] = (out, proc.stdout)
+    return _runs[key]
+
+
+def _whole_weights(result):
+    return [result[f"w{i}"] for i in range(len(
+        [k for k in result if k.startswith("w")]))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes,partitions", [(2, 1), (4, 2)],
+                         ids=["tp2", "tp2_dp2_pp2"])
+def test_custom_loop_with_tensor_parallelism_matches_single_device(
+        tmp_path_factory, processes, partitions):
+    """`@smp.step` over tp=2 (x 2 replicas x 2 in-process stages) against
+    plain Keras on the whole global batch, from the same initial weights
+    (rank 0's, copied to all: the ranks were seeded differently)."""
+    out, _ = _custom_loop(tmp_path_factory, f"cl_tp_{processes}_{partitions}",
+                          processes, "--partitions", str(partitions))
+    r0 = _result(out)
+    assert int(r0["iterations"]) == 4
+    plain = [r0[f"plain{i}"] for i in range(len(_whole_weights(r0)))]
+    # float32: the split layers sum partial products in another order.
+    for i, (got, ref) in enumerate(zip(_whole_weights(r0), plain)):
+        np.testing.assert_allclose(got, ref, rtol=RTOL,
+                                   atol=scaled_atol(ref), err_msg=f"w{i}")
+    # Each replica's loss is its rows' mean; their mean is the batch's.
+    replicas = processes // 2
+    mean = np.mean([_result(out, 2 * d)["losses"] for d in range(replicas)],
+                   axis=0)
+    np.testing.assert_allclose(mean, r0["plain_losses"], rtol=RTOL)
+    # Every rank gathers the same whole weights, bit for bit: replicated
+    # weights (LayerNorm, the row-parallel biases) have their gradients
+    # averaged over the tensor-parallel group, so the copies cannot drift.
+    for r in range(1, processes):
+        for i, (a, b) in enumerate(zip(_whole_weights(_result(out, r)),
+                                       _whole_weights(r0))):
+            np.testing.assert_array_equal(a, b, err_msg=f"rank {r} w{i}")
+
+
+@pytest.mark.slow
+def test_custom_loop_tensor_parallel_checkpoint_resumes_exactly(
+        tmp_path_factory, tmp_path):
+    """CheckpointManager: each tensor-parallel rank writes its shards
+    (tp_rank_R/), fresh processes restore them and train on as if never
+    stopped."""
+    full, _ = _custom_loop(tmp_path_factory, "cl_tp_full_4", 4)
+    ckpt = str(tmp_path / "ckpt")
+    first = launch(4, [CUSTOM_LOOP, "--stop-at", "2", "--ckpt", ckpt,
+                       "--out", str(tmp_path / "a")], timeout=400)
+    assert "saved at step 2" in first.stdout
+    assert sorted(os.listdir(ckpt)) == ["tp_rank_0", "tp_rank_1"]
+    launch(4, [CUSTOM_LOOP, "--ckpt", ckpt, "--out", str(tmp_path / "b")],
+           timeout=400)
+    for r in range(4):
+        resumed, whole = _result(tmp_path / "b", r), _result(full, r)
+        assert int(resumed["start"]) == 2 and int(resumed["iterations"]) == 4
+        np.testing.assert_allclose(resumed["losses"], whole["losses"][2:],
+                                   rtol=1e-6)
+        for i, (a, b) in enumerate(zip(_whole_weights(resumed),
+                                       _whole_weights(whole))):
+            np.testing.assert_allclose(a, b, rtol=1e-6,
+                                       atol=scaled_atol(b, 1e-7),
+                                       err_msg=f"rank {r} w{i}")
 
 
 # ---------------------------------------------------------------------------
@@ -316,8 +402,12 @@ def test_keras_examples_in_docstrings_run(tmp_path):
         ast.get_docstring(node) for node in tree.body
         if isinstance(node, ast.FunctionDef)
         and node.name in ("tensor_parallelism", "set_tensor_parallelism")]
+    losses = ast.parse(open(os.path.join(
+        ROOT, "keras_smp", "tensor", "losses.py")).read())
+    docs += [ast.get_docstring(node) for node in losses.body
+             if isinstance(node, ast.ClassDef)]
     blocks = [b for d in docs for b in _python_blocks(d)]
-    assert len(blocks) == 3
+    assert len(blocks) == 5
     script = tmp_path / "examples.py"
     script.write_text("\n\n".join(blocks) + "\nprint('examples ok')\n")
     proc = run_python([str(script)], timeout=300)
@@ -358,7 +448,9 @@ def test_layouts_that_cannot_run_fail_early_on_every_rank():
                   timeout=300)
     for rank in (0, 1):
         for what in ("built outside the scope", "Lamb",
-                     "attention scores of split heads"):
+                     "attention scores of split heads",
+                     "vocab-parallel loss with a whole-logits metric",
+                     "vocab-parallel loss after a softmax"):
             assert f"[{rank}] ok: {what}" in proc.stdout, proc.stdout[-3000:]
         assert f"[{rank}] errors ok" in proc.stdout
     proc = launch(4, [os.path.join(WORKERS, "tensor_errors.py"),

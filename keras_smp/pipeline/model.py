@@ -18,6 +18,7 @@ import keras
 import tensorflow as tf
 
 from keras_smp import runtime
+from keras_smp import tensor
 from keras_smp.pipeline import microbatch
 from keras_smp.pipeline import shards
 from keras_smp.pipeline.backward import accumulate
@@ -40,6 +41,7 @@ from keras_smp.runtime import tf_private
 from keras_smp.runtime import xla
 from keras_smp.smp import comms
 from keras_smp.smp import custom_loop
+from keras_smp.tensor.layers import current_group_of
 from keras_smp.tensor.layers import tensor_parallel_layers
 
 
@@ -211,7 +213,7 @@ class DistributedModel(keras.Model):
         schedule = self.schedule
         text = self.staged_graph.summary(
             schedule.rank_of if schedule.virtual_stages > 1 else None)
-        group = getattr(self.distribute_strategy, "_smp_tensor_group", None)
+        group = current_group_of(self)
         split = tensor_parallel_layers(self)
         if group is not None and split:
             text += (f"\nTensor parallel (tp={group.size}; params above are "
@@ -375,8 +377,11 @@ class DistributedModel(keras.Model):
         graph = self.staged_graph
         devices = self._smp_devices()
         tensors = self._smp_flat_inputs(inputs)
+        rank_of = self.schedule.rank_of
         for s in range(graph.num_stages):  # model stages
-            with tf.device(devices[s]), tf.name_scope(f"stage{s}"):
+            # Tensor-parallel collectives: the group of the stage's device.
+            with tf.device(devices[s]), tf.name_scope(f"stage{s}"), \
+                    tensor.stage(rank_of(s)):
                 tensors = graph.stage_fn(s, training=training)(tensors)
         return graph.pack_outputs(tensors)
 
@@ -667,6 +672,14 @@ class DistributedModel(keras.Model):
             raise ValueError(
                 "save_model: the model has no weights yet. Train it (fit, "
                 "or one @smp.step) or call it on data before saving.")
+        if current_group_of(self) is not None:
+            raise ValueError(
+                "save_model: the model has tensor-parallel layers, whose "
+                "forward pass needs every tensor-parallel rank; a "
+                "SavedModel is exported by one process. Save whole weights "
+                "with `model.save_weights(path)` (every rank calls it), "
+                "load them into the same model built without keras-smp "
+                "(plain Keras) and export that: `plain.export(dir)`.")
         spec = keras.tree.map_structure(
             lambda t: tf.TensorSpec((None,) + tuple(t.shape[1:]), t.dtype),
             self.staged_graph.inputs_struct)

@@ -15,6 +15,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_smp import tensor
 from keras_smp.pipeline import microbatch
 from keras_smp.pipeline import recompute
 from keras_smp.pipeline.backward import accumulate
@@ -25,6 +26,7 @@ from keras_smp.pipeline.transport import CollectiveTransport
 from keras_smp.pipeline.transport import LocalTransport
 from keras_smp.runtime import keras_private
 from keras_smp.runtime import xla
+from keras_smp.tensor.layers import current_group_of
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
@@ -179,11 +181,14 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                   trackers, loss_fn)
 
 
-def _specs(tensors, rows):
-    """`(shape, dtype)` of tensors crossing a process boundary."""
+def _specs(tensors, rows, split=1):
+    """`(shape, dtype)` of tensors crossing a process boundary (`split`:
+    their last axis is split in that many slices)."""
     out = []
     for t in tensors:
         rest = list(t.shape[1:])
+        if split > 1 and rest:
+            rest[-1] //= split
         if any(d is None for d in rest):
             raise ValueError(
                 f"Tensor {t.name} of shape {t.shape} crosses a stage "
@@ -207,7 +212,12 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
     """
     graph = model.staged_graph
     last = links.rank == links.last_rank
-    pred_specs = _specs(graph.outputs, batch) if need_outputs else []
+    # A vocabulary-parallel loss keeps the logits split: each stage
+    # process shares its tensor-parallel rank's slice.
+    group = current_group_of(model) if tensor.logits_kept_split() else None
+    pred_specs = (_specs(graph.outputs, batch,
+                         split=group.size if group is not None else 1)
+                  if need_outputs else [])
     tracked = ([v for m in keras_private.loss_output_trackers(model)
                 for v in m.variables] if has_loss else [])
     mine, merged = [], None
@@ -222,7 +232,9 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
     specs = pred_specs + ([((), tf.float32)] if has_loss else [])
     specs += [((), v.dtype) for v in tracked]
     # One instance key per role (outputs, loss, trackers) and batch size.
-    positions = ([links.SHARE_OUTPUTS + i for i in range(len(pred_specs))]
+    shares = links.SHARE_OUTPUTS if group is None else \
+        links.SHARE_SPLIT_OUTPUTS  # (another shape: its own keys)
+    positions = ([shares + i for i in range(len(pred_specs))]
                  + ([links.SHARE_LOSS] if has_loss else [])
                  + [links.SHARE_TRACKED + i for i in range(len(tracked))])
     with tf.control_dependencies([result.done]):

@@ -207,6 +207,7 @@ class StageLinks:
     # role, so a step sharing only its loss and one sharing outputs too
     # never give one key two shapes.
     SHARE_OUTPUTS = 60_000  # + output index
+    SHARE_SPLIT_OUTPUTS = 60_500  # + output index: vocabulary-split logits
     SHARE_LOSS = 61_000
     SHARE_TRACKED = 61_001  # + loss-tracker variable index
 

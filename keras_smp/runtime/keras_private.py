@@ -75,6 +75,17 @@ def compiled_loss_objects(model):
     return list(getattr(compiled_loss(model), "_flat_losses", None) or [])
 
 
+def compiled_loss_specs(model):
+    """The losses given to `compile`, flattened over outputs (strings,
+    functions or `Loss` objects; known before the first step builds
+    them)."""
+    import keras
+
+    given = getattr(compiled_loss(model), "_user_loss", None)
+    return [x for x in keras.tree.flatten(given) if x is not None] \
+        if given is not None else []
+
+
 def loss_output_trackers(model):
     """The per-output loss `Mean` metrics the compiled loss updates when it
     runs ("cls_loss", ...: models with several outputs), or []."""
@@ -85,6 +96,20 @@ def loss_output_trackers(model):
 def compiled_metrics(model):
     """The compiled metrics container, or None."""
     return getattr(model, "_compile_metrics", None)
+
+
+def compiled_metric_specs(model):
+    """The metrics given to `compile` (`metrics` and `weighted_metrics`),
+    flattened over outputs: strings, functions or `Metric` objects."""
+    import keras
+
+    container = compiled_metrics(model)
+    specs = []
+    for attr in ("_user_metrics", "_user_weighted_metrics"):
+        given = getattr(container, attr, None)
+        if given is not None:
+            specs.extend(keras.tree.flatten(given))
+    return [m for m in specs if m is not None]
 
 
 def loss_tracker(model):

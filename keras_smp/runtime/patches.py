@@ -381,16 +381,21 @@ def _tensor_group(optimizer):
     `SMPStrategy` with `tensor_parallel_degree > 1`), or `None`."""
     from keras_smp.runtime import keras_private
 
-    group = getattr(keras_private.optimizer_strategy(optimizer),
-                    "_smp_tensor_group", None)
+    strategy = keras_private.optimizer_strategy(optimizer)
+    group = getattr(strategy, "_smp_tensor_group", None)
+    if group is None and _runtime_of(strategy) is None:
+        # A custom loop (smp.init): the group of the split weights the
+        # optimizer was built for (marked by its `build`).
+        for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+            group = group or getattr(opt, "_smp_tp_group", None)
     return group if group is not None and group.size > 1 else None
 
 
 def _smp_optimizer(optimizer):
     from keras_smp.runtime import keras_private
 
-    return _runtime_of(keras_private.optimizer_strategy(optimizer)) \
-        is not None
+    return (_runtime_of(keras_private.optimizer_strategy(optimizer))
+            is not None or _tensor_group(optimizer) is not None)
 
 
 def _patch_optimizer(keras):
@@ -425,13 +430,20 @@ def _patch_optimizer(keras):
                 else:
                     def reduce_sum(t):
                         return stage_sum(group.sum(t))
-                _set(self, "_smp_tp_summed", True)
+                grads = _average_replicated(group, list(grads),
+                                            list(trainable_variables))
+                # Once (a LossScaleOptimizer's inner optimizer steps inside).
+                optimizers = [self, getattr(self, "inner_optimizer", None)]
+                optimizers = [o for o in optimizers if o is not None]
+                for o in optimizers:
+                    _set(o, "_smp_tp_summed", True)
                 try:
                     with across_stages(self, reduce_sum, elsewhere):
                         return backend_apply_gradients(
                             self, grads, trainable_variables)
                 finally:
-                    _set(self, "_smp_tp_summed", False)
+                    for o in optimizers:
+                        _set(o, "_smp_tp_summed", False)
             if not (_smp_optimizer(self) and clips(self)):
                 return apply_gradients(self, grads, trainable_variables)
             if (self.global_clipnorm and self.gradient_accumulation_steps
@@ -543,6 +555,32 @@ def _patch_optimizer(keras):
     keras_private.wrap_optimizer_step(
         apply_gradients=wrap_apply, all_reduce=wrap_all_reduce,
         clip=wrap_clip, check_finite=wrap_check_finite)
+
+
+def _average_replicated(group, grads, variables):
+    """The gradients of replicated weights (every tensor-parallel rank
+    holds the whole weight: LayerNorm, biases added after a sum, layers
+    left whole) averaged over the group, in one fused all-reduce.
+
+    Every rank computes them from the same values, but CPU kernels may
+    round differently in different processes (memory alignment changes
+    the summation order): unsynced, the copies would drift apart by a few
+    ULPs a step. Sparse gradients are made dense first.
+    """
+    import tensorflow as tf
+
+    index = [i for i, (g, v) in enumerate(zip(grads, variables))
+             if g is not None and getattr(v, "_smp_tp_axis", None) is None]
+    if not index:
+        return grads
+    dense = [tf.convert_to_tensor(grads[i]) for i in index]
+    flat = tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1])
+                      for g in dense], axis=0)
+    flat = group.sum(flat) / group.size
+    sizes = [int(g.shape.num_elements()) for g in dense]
+    for i, g, part in zip(index, dense, tf.split(flat, sizes)):
+        grads[i] = tf.cast(tf.reshape(part, g.shape), g.dtype)
+    return grads
 
 
 def _squared_norm(grad):
@@ -784,6 +822,19 @@ def _patch_split_weights(keras):
             object.__setattr__(slot, "_smp_tp_axis", split[0])
             object.__setattr__(slot, "_smp_tp_group", split[1])
         return slot
+
+    build = base.build
+
+    @functools.wraps(build)
+    def build_marked(self, variables):
+        build(self, variables)
+        # The group of the split weights it steps (a custom loop's
+        # optimizer has no strategy to tell it).
+        splits = [split_of(v) for v in variables]
+        object.__setattr__(self, "_smp_tp_group", next(
+            (s[1] for s in splits if s is not None), None))
+
+    base.build = build_marked
 
     save_slots, load_slots = base.save_own_variables, base.load_own_variables
 

@@ -224,12 +224,11 @@ def start(config=None, /, *, custom_loop=False, **kwargs):
     cluster = resolve_cluster()
     p = config.partitions
     tp = config.tensor_parallel_degree
-    if custom_loop and tp > 1:
-        raise ValueError(
-            f"tensor_parallel_degree={tp} is not supported by smp.init / "
-            "@smp.step yet; train the tensor-parallel model with "
-            "SMPStrategy and model.fit, or use tensor_parallel_degree=1.")
-    check_tensor_parallel(tp, p, config.local_devices, cluster.world_size)
+    # A custom loop runs a process's stages on its devices: only the
+    # tensor-parallel ranks (and replicas) are processes.
+    check_tensor_parallel(tp, 1 if custom_loop else p,
+                          None if custom_loop else config.local_devices,
+                          cluster.world_size)
     if custom_loop:
         mode = "none" if p == 1 else "in_process"
     else:

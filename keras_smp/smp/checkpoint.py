@@ -12,6 +12,11 @@ of the model and the optimizer:
   model has no weights yet, the restore waits until the first step has
   built them (and the optimizer's), then runs before that step computes
   anything. Every rank reads the same checkpoint.
+- With `tensor_parallel_degree > 1` each tensor-parallel rank holds its
+  own shards: the first replica's process of every tensor-parallel rank
+  writes them under `directory/tp_rank_R` (SMP's partial checkpoints), and
+  each process restores its rank's. Restore with the same degree; to
+  change it, use `model.save_weights` (whole weights).
 
 Example:
 
@@ -31,6 +36,7 @@ assert manager.latest_checkpoint == path
 ```
 """
 
+import os
 import weakref
 
 import tensorflow as tf
@@ -60,7 +66,12 @@ class CheckpointManager:
                 "tf.train.Checkpoint(model=model, optimizer=optimizer); "
                 f"received {type(checkpoint).__name__}.")
         self.checkpoint = checkpoint
+        topology = state.topology()
         self.directory = str(directory)
+        if topology.tp_size > 1:
+            # Shards: one checkpoint per tensor-parallel rank.
+            self.directory = os.path.join(self.directory,
+                                          f"tp_rank_{topology.tp_rank}")
         self._manager = tf.train.CheckpointManager(
             checkpoint, self.directory, max_to_keep=max_to_keep,
             checkpoint_name=checkpoint_name)
@@ -76,14 +87,18 @@ class CheckpointManager:
         return self._manager.checkpoints
 
     def save(self, checkpoint_number=None):
-        """Writes a checkpoint (on rank 0) and returns its path prefix."""
+        """Writes a checkpoint (on rank 0; with tensor parallelism, on
+        the first replica of each tensor-parallel rank) and returns its
+        path prefix."""
         from keras_smp.smp import comms
 
+        topology = state.topology()
         path = None
-        if state.topology().rank == 0:
+        if topology.rank == topology.tp_rank:  # first replica's processes
             path = self._manager.save(checkpoint_number=checkpoint_number)
         # Nobody goes on (and maybe restores) before the files exist.
-        return comms.broadcast(path)
+        paths = comms.allgather(path)
+        return paths[topology.tp_rank]
 
     def restore(self, save_path=None):
         """Restores `save_path` (default: the latest checkpoint).

@@ -51,6 +51,7 @@ import weakref
 import tensorflow as tf
 
 from keras_smp import state
+from keras_smp import tensor
 from keras_smp.pipeline import microbatch
 from keras_smp.runtime import process
 
@@ -99,11 +100,16 @@ def init(config=None):
     runtime = process.start(config, custom_loop=True)
     _initialised.clear()
     _initialised["runtime"] = runtime
+    topology = runtime.topology
     if runtime.collectives:
-        # The group of `accumulate`'s replica average (the same key on
-        # every process: every process calls init in the same order).
+        # The group of `accumulate`'s replica average (the same keys on
+        # every process: every process calls init in the same order): the
+        # replicas of one tensor-parallel rank.
         _initialised["group_key"] = runtime.keys.allocate(
-            "smp.StepOutput.accumulate replica average", 1).key(0)
+            "smp.StepOutput.accumulate replica average",
+            topology.tp_size).key(topology.tp_rank)
+    tensor.set_process_group(_tensor_group(runtime) if runtime.collectives
+                             and topology.tp_size > 1 else None)
     if runtime.config.horovod:
         _init_horovod(runtime.topology)
     return runtime.config
@@ -111,6 +117,28 @@ def init(config=None):
 
 # What `init` started: its Runtime, the replica-average group key, Horovod.
 _initialised = {}
+
+
+def _tensor_group(runtime):
+    """The tensor-parallel group of this process (`tensor_parallel_degree
+    > 1`): consecutive processes, one collective group per pipeline
+    device (the stages of a step run on their own devices) and one for
+    what runs outside the stages (optimizer sums, weight gathers)."""
+    from keras_smp.tensor.ops import TensorGroup
+
+    topology, config = runtime.topology, runtime.config
+    p = config.partitions
+    slots = p + 1
+    keys = runtime.keys.allocate(
+        "smp.init tensor-parallel groups",
+        topology.world_size // topology.tp_size * slots)
+    base = topology.rank // topology.tp_size * slots
+    devices = [d or "" for d in runtime.layout.stage_devices(0)]
+    return TensorGroup(
+        topology.tp_size, topology.tp_rank, keys.key(base),
+        timeout=config.collective_timeout_seconds,
+        stage_keys=[keys.key(base + 1 + s) for s in range(p)],
+        stage_devices=devices if len(devices) == p else None)
 
 
 def _init_horovod(topology):
@@ -164,13 +192,17 @@ def after_first_call(model):
 
         restore_pending(model)
         if state.topology().world_size > 1:
+            from keras_smp.runtime import patches
             from keras_smp.smp import comms
 
+            # Whole values (a tensor-parallel shard gathered over its
+            # group: every rank takes part), rank 0's sent to all, each
+            # keeping its own shard.
+            whole = [patches.whole_value(v) for v in model.variables]
             values = comms.broadcast(
-                [v.numpy() for v in model.variables]
-                if state.topology().rank == 0 else None)
+                whole if state.topology().rank == 0 else None)
             for v, value in zip(model.variables, values):
-                v.assign(value)
+                v.assign(patches.rank_part(value, v))
 
 
 class StepOutput:

@@ -43,6 +43,58 @@ HOOKS = []
 MODEL_CHECKS = []
 
 
+# The custom loop's group (`smp.init` with `tensor_parallel_degree > 1`,
+# where no strategy carries one) and the model stage being traced.
+_process = {"group": None, "stage": None}
+
+
+def set_process_group(group):
+    """Makes `group` the tensor-parallel group of layers created and
+    optimizers stepped without an `SMPStrategy` (`smp.init` sets it)."""
+    _process["group"] = group
+
+
+def process_group():
+    """The group `set_process_group` set, or `None`."""
+    return _process["group"]
+
+
+@contextlib.contextmanager
+def stage(index):
+    """Within: collectives are made for model stage `index` (`@smp.step`
+    runs the stages of one process on their own devices; a collective
+    group spans one device per process, so each stage has its own)."""
+    previous = _process["stage"]
+    _process["stage"] = index
+    try:
+        yield
+    finally:
+        _process["stage"] = previous
+
+
+def current_stage():
+    """The model stage `stage()` set, or `None`."""
+    return _process["stage"]
+
+
+@contextlib.contextmanager
+def keep_logits_split():
+    """Within (a train or test step of a model compiled with a
+    vocabulary-parallel loss): its output projection keeps its logits
+    split by vocabulary, and the loss and metrics reduce over the group."""
+    previous = _process.get("split_logits", False)
+    _process["split_logits"] = True
+    try:
+        yield
+    finally:
+        _process["split_logits"] = previous
+
+
+def logits_kept_split():
+    """Whether `keep_logits_split()` is active."""
+    return _process.get("split_logits", False)
+
+
 def marking():
     """Whether layers created now are made tensor-parallel."""
     return bool(getattr(_state, "marking", False))

@@ -17,8 +17,10 @@ processes per model replica. Each rank holds 1/T of those layers' weights
 
 Biases of split outputs are split; the bias of a row-parallel layer is
 added once, after the sum. Other layers (LayerNormalization, ...) run
-replicated: every rank computes them on the same values, so their
-gradients agree without a collective.
+replicated: every rank computes them on the same values, and the
+optimizer averages their gradients over the group (one fused all-reduce)
+so that rounding differences between processes cannot make the copies
+drift apart.
 
 Example (without a tensor-parallel strategy the layers are plain Keras):
 
@@ -61,10 +63,10 @@ __all__ = ["tensor_parallelism", "set_tensor_parallelism",
 
 
 def current_group():
-    """The `TensorGroup` of the `SMPStrategy` in scope, or `None` (no
-    strategy, or `tensor_parallel_degree=1`)."""
+    """The `TensorGroup` of the `SMPStrategy` in scope, or without one,
+    of `smp.init` (`None`: neither, or `tensor_parallel_degree=1`)."""
     if not tf.distribute.has_strategy():
-        return None
+        return tensor.process_group()  # smp.init's, or None
     return getattr(tf.distribute.get_strategy(), "_smp_tensor_group", None)
 
 
@@ -175,7 +177,7 @@ class _TensorParallel:
             x = group.reduce_from(x)  # the bias is added once, after
         if self.bias is not None:
             x = ops.add(x, self.bias)
-        if mode == "gather":
+        if mode == "gather" and not _keeps_split(self):
             x = group.gather_from(x, gather_axis)
         # After the gather: any activation sees every unit (a split
         # output stays split only under an element-wise one).
@@ -363,7 +365,17 @@ class TensorParallelReversibleEmbedding(_TensorParallel,
         if self.logit_soft_cap is not None:
             cap = self.logit_soft_cap
             logits = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
+        if _keeps_split(self):
+            return logits  # a vocabulary-parallel loss takes them split
         return group.gather_from(logits, -1)
+
+
+def _keeps_split(layer):
+    """Whether `layer` (the output projection of a model compiled with a
+    vocabulary-parallel loss) leaves its logits split now: in its train
+    and test steps (`keras_smp.tensor.losses`)."""
+    return (getattr(layer, "_smp_vocab_output", False)
+            and tensor.logits_kept_split())
 
 
 class TensorParallelMultiHeadAttention(keras.layers.MultiHeadAttention):
@@ -583,6 +595,11 @@ def current_group_of(model):
         group = getattr(strategy, "_smp_tensor_group", None)
         if group is not None and group.size > 1:
             return group
+    group = tensor.process_group()
+    if group is not None and any(
+            getattr(v, "_smp_tp_group", None) is group
+            for v in model.weights):
+        return group
     return None
 
 

@@ -24,9 +24,12 @@ Example (one process: a group of one is the identity):
 2.0
 """
 
+import contextlib
 import itertools
 
 import tensorflow as tf
+
+from keras_smp import tensor
 
 _WIRE = {tf.float16: tf.float32, tf.bfloat16: tf.float32}
 
@@ -53,17 +56,55 @@ class TensorGroup:
         initial_value_sync: `fn(value)` making a new weight's whole
             initial value the same on every process of the stage (the
             strategy's broadcast), or `None` (trust the seeds).
+        stage_keys, stage_devices: for a process running several model
+            stages on their own devices (`@smp.step`): the group key and
+            device of each stage's collectives (a TensorFlow collective
+            group has one device per process). Collectives made within
+            `keras_smp.tensor.stage(s)` use stage `s`'s; the others (the
+            optimizer's sums, weight gathers) use `group_key` on the
+            default device.
     """
 
     def __init__(self, size, rank, group_key, timeout=0.0,
-                 initial_value_sync=None):
+                 initial_value_sync=None, stage_keys=None,
+                 stage_devices=None):
         self.size = size
         self.rank = rank
         self.group_key = group_key
         self.timeout = float(timeout or 0)
         self.initial_value_sync = initial_value_sync
+        self.stage_keys = list(stage_keys or ())
+        self.stage_devices = list(stage_devices or ())
+        if len(self.stage_devices) not in (0, len(self.stage_keys)):
+            raise ValueError(
+                f"TensorGroup: {len(self.stage_keys)} stage_keys but "
+                f"{len(self.stage_devices)} stage_devices; give one device "
+                "per stage key.")
         self._instances = itertools.count(1)
         self._batched = itertools.count(0)
+
+    def _stage(self):
+        """The model stage collectives are made for now (`None`: the
+        default key and device)."""
+        s = tensor.current_stage()
+        if s is None or not self.stage_keys:
+            return None
+        if not 0 <= s < len(self.stage_keys):
+            raise ValueError(
+                f"keras-smp: a tensor-parallel collective for model stage "
+                f"{s}, but the group has keys for {len(self.stage_keys)} "
+                "stages (internal error).")
+        return s
+
+    @contextlib.contextmanager
+    def _placed(self, stage):
+        """Within: collectives use `stage`'s key and device (made again in
+        a gradient function, outside the stage that made the forward)."""
+        with tensor.stage(stage), (
+                tf.device(self.stage_devices[stage])
+                if stage is not None and self.stage_devices
+                else contextlib.nullcontext()):
+            yield
 
     def __repr__(self):
         return (f"TensorGroup(size={self.size}, rank={self.rank}, "
@@ -99,19 +140,33 @@ class TensorGroup:
                 raise RuntimeError(
                     "keras-smp: too many tensor-parallel collectives traced "
                     "in this process.")
-        return dict(group_size=self.size, group_key=self.group_key,
+        stage = self._stage()
+        group_key = (self.group_key if stage is None
+                     else self.stage_keys[stage])
+        return dict(group_size=self.size, group_key=group_key,
                     instance_key=key, communication_hint="auto",
                     timeout_seconds=self.timeout)
 
     def sum(self, x):
         """Sum of `x` over the group (no gradient)."""
+        return self._reduce(x, "Add")
+
+    def maximum(self, x):
+        """Element-wise maximum of `x` over the group (no gradient)."""
+        return self._reduce(x, "Max")
+
+    def minimum(self, x):
+        """Element-wise minimum of `x` over the group (no gradient)."""
+        return self._reduce(x, "Min")
+
+    def _reduce(self, x, merge_op):
         if self.size == 1:
             return x
         wire = _WIRE.get(x.dtype, x.dtype)
         out = tf.raw_ops.CollectiveReduceV2(
-            input=tf.cast(x, wire), ordering_token=[], merge_op="Add",
+            input=tf.cast(x, wire), ordering_token=[], merge_op=merge_op,
             final_op="Id", **self._common(x))
-        return tf.cast(out, x.dtype)
+        return tf.stop_gradient(tf.cast(out, x.dtype))
 
     def all_gather(self, x, axis):
         """The members' `x` concatenated on `axis`, in rank order."""
@@ -140,12 +195,15 @@ class TensorGroup:
         if self.size == 1:
             return x
 
+        stage = self._stage()
+
         @tf.custom_gradient
         def copy(x):
             def grad(dy):
                 # The gradient has x's shape; say so (shape inference may
                 # have lost static sizes on the way back).
-                return self.sum(tf.ensure_shape(dy, x.shape))
+                with self._placed(stage):
+                    return self.sum(tf.ensure_shape(dy, x.shape))
             return tf.identity(x), grad
 
         return copy(x)

@@ -77,6 +77,33 @@ expect("attention scores of split heads",
        lambda: attention(x, x, return_attention_scores=True),
        "return_attention_scores=True", "set_tensor_parallelism")
 
+# The vocabulary-parallel loss: metrics that would see one rank's slice,
+# and an output that is not a split vocabulary projection.
+tokens = np.ones((8, 4), "int32")
+
+
+def language_model(metrics, activation=None):
+    with keras_smp.tensor_parallelism():
+        i = keras.Input((4,), dtype="int32")
+        h = keras.layers.Embedding(16, 8)(i)
+        out = keras.layers.Dense(16, activation=activation)(h)
+    model = keras.Model(i, out)
+    model.compile(optimizer="sgd", metrics=metrics,
+                  loss=keras_smp.VocabParallelSparseCategoricalCrossentropy())
+    return model
+
+
+with strategy.scope():
+    metric = language_model(["accuracy"])
+expect("vocab-parallel loss with a whole-logits metric",
+       lambda: metric.fit(tokens, tokens, batch_size=4, verbose=0),
+       "Metrics ['accuracy']", "VocabParallelSparseCategoricalAccuracy")
+with strategy.scope():
+    softmax = language_model([], activation="softmax")
+expect("vocab-parallel loss after a softmax",
+       lambda: softmax.fit(tokens, tokens, batch_size=4, verbose=0),
+       "activation=softmax", "drop the activation")
+
 # The layers that did run are split: half of the MLP's first kernel here.
 with strategy.scope():
     fine = mlp()

@@ -31,7 +31,7 @@ p.add_argument("--out", required=True)
 p.add_argument("--tp", type=int, required=True)
 p.add_argument("--variant", default="sgd_global_clipnorm",
                choices=["sgd_global_clipnorm", "adam_clipnorm",
-                        "mixed_float16"])
+                        "mixed_float16", "vocab_parallel"])
 p.add_argument("--load", default=None)
 p.add_argument("--epochs", type=int, default=2)
 p.add_argument("--partitions", type=int, default=1,
@@ -90,11 +90,31 @@ def build_model():
     return keras.Model(tokens, logits)
 
 
+# Widths of the logits the vocabulary-parallel loss saw (at trace time).
+SEEN = set()
+
+
+class ProbedLoss(keras_smp.VocabParallelSparseCategoricalCrossentropy):
+    def call(self, y_true, y_pred):
+        from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+        if not in_symbolic_scope():  # not Keras' shape-only build
+            SEEN.add(y_pred.shape[-1])
+        return super().call(y_true, y_pred)
+
+
 def compile_args():
     if args.variant == "adam_clipnorm":
         opt = keras.optimizers.Adam(1e-2, clipnorm=0.05)
     else:
         opt = keras.optimizers.SGD(0.2, momentum=0.9, global_clipnorm=0.5)
+    if args.variant == "vocab_parallel":
+        # The logits stay split in fit and evaluate (Keras' own loss and
+        # accuracy without tensor parallelism: the reference).
+        return dict(
+            optimizer=opt, jit_compile=True if args.jit else "auto",
+            loss=ProbedLoss(),
+            metrics=[keras_smp.VocabParallelSparseCategoricalAccuracy()])
     return dict(optimizer=opt, jit_compile=True if args.jit else "auto",
                 loss=keras.losses.SparseCategoricalCrossentropy(
                     from_logits=True),
@@ -182,6 +202,12 @@ if strategy is not None:
         raise SystemExit("set_weights accepted a wrong shape")
     except ValueError as e:
         assert "not compatible" in str(e), e
+if args.variant == "vocab_parallel":
+    # fit and evaluate never gathered the logits; predict returns them
+    # whole (checked against the reference by the test).
+    # (Only the last pipeline stage computes the loss.)
+    last = args.tp == 0 or keras_smp.pp_rank() == args.partitions - 1
+    assert SEEN == ({VOCAB // max(args.tp, 1)} if last else set()), SEEN
 out["loss"] = np.array(history.history["loss"], dtype="float64")
 out["evaluate"] = np.array([evaluation["loss"],
                             evaluation["sparse_categorical_accuracy"]])
