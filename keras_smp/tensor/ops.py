@@ -56,13 +56,14 @@ class TensorGroup:
         initial_value_sync: `fn(value)` making a new weight's whole
             initial value the same on every process of the stage (the
             strategy's broadcast), or `None` (trust the seeds).
-        stage_keys, stage_devices: for a process running several model
-            stages on their own devices (`@smp.step`): the group key and
-            device of each stage's collectives (a TensorFlow collective
-            group has one device per process). Collectives made within
-            `keras_smp.tensor.stage(s)` use stage `s`'s; the others (the
-            optimizer's sums, weight gathers) use `group_key` on the
-            default device.
+        stage_keys: for a process running several model stages on their
+            own devices (`@smp.step`): the group key of each stage's
+            collectives (a TensorFlow collective group has one device per
+            process). Collectives made within `keras_smp.tensor.stage(s)`
+            use stage `s`'s; the others (the optimizer's sums, weight
+            gathers) use `group_key` on the default device.
+        stage_devices: the device of each stage (for the collectives of
+            its gradients, made outside the stage's device scope).
     """
 
     def __init__(self, size, rank, group_key, timeout=0.0,
