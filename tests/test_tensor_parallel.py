@@ -227,10 +227,9 @@ KEY_BIASES = ("w5", "w21")  # mha0/key/bias, mha1/key/bias
 CASES = {
     "tp2": (2, ["--tp", "2"], "sgd_global_clipnorm", {}),
     "tp2_dp2": (4, ["--tp", "2"], "sgd_global_clipnorm", {}),
-    # tensor x pipeline (DistributedModel, 2 microbatches; the tied
-    # embedding's two users on two stages), and x data parallel.
-    "tp2_pp2": (4, ["--tp", "2", "--partitions", "2"],
-                "sgd_global_clipnorm", {}),
+    # tensor x pipeline x data parallel (DistributedModel, 2 microbatches;
+    # the tied embedding's two users on two stages). tp x pp alone runs
+    # below with the vocabulary-parallel loss (its predict gathers).
     "tp2_pp2_dp2": (8, ["--tp", "2", "--partitions", "2"],
                     "sgd_global_clipnorm", {}),
     "tp2_adam_clipnorm": (2, ["--tp", "2"], "adam_clipnorm",
@@ -298,6 +297,17 @@ def _custom_loop(tmp_path_factory, name, processes, *flags):
     return _runs[key]
 
 
+def test_custom_loop_refuses_horovod_with_tensor_parallelism():
+    code = ("import keras_smp as smp\n"
+            "try:\n"
+            "    smp.init({'tensor_parallel_degree': 2, 'horovod': True})\n"
+            "except ValueError as e:\n"
+            "    print('ERROR', e)\n")
+    out = run_python(["-c", code]).stdout
+    assert "horovod=True is not supported" in out, out
+    assert "StepOutput.accumulate()" in out, out
+
+
 def _whole_weights(result):
     return [result[f"w{i}"] for i in range(len(
         [k for k in result if k.startswith("w")]))]
@@ -340,14 +350,27 @@ def test_custom_loop_tensor_parallel_checkpoint_resumes_exactly(
     """CheckpointManager: each tensor-parallel rank writes its shards
     (tp_rank_R/), fresh processes restore them and train on as if never
     stopped."""
-    full, _ = _custom_loop(tmp_path_factory, "cl_tp_full_4", 4)
+    # The uninterrupted run: the fidelity test's tp2 x dp2 x pp2.
+    full, _ = _custom_loop(tmp_path_factory, "cl_tp_4_2", 4,
+                           "--partitions", "2")
     ckpt = str(tmp_path / "ckpt")
-    first = launch(4, [CUSTOM_LOOP, "--stop-at", "2", "--ckpt", ckpt,
-                       "--out", str(tmp_path / "a")], timeout=400)
+    first = launch(4, [CUSTOM_LOOP, "--partitions", "2", "--stop-at", "2",
+                       "--ckpt", ckpt, "--out", str(tmp_path / "a")],
+                   timeout=400)
     assert "saved at step 2" in first.stdout
     assert sorted(os.listdir(ckpt)) == ["tp_rank_0", "tp_rank_1"]
-    launch(4, [CUSTOM_LOOP, "--ckpt", ckpt, "--out", str(tmp_path / "b")],
-           timeout=400)
+    launch(4, [CUSTOM_LOOP, "--partitions", "2", "--ckpt", ckpt,
+               "--out", str(tmp_path / "b")], timeout=400)
+    # Another degree finds shards it cannot use, and says so.
+    code = ("import tensorflow as tf, keras_smp as smp\n"
+            "smp.init()\n"
+            f"m = smp.CheckpointManager(tf.train.Checkpoint(), {ckpt!r})\n"
+            "try:\n"
+            "    m.latest_checkpoint\n"
+            "except ValueError as e:\n"
+            "    print('ERROR', e)\n")
+    out = run_python(["-c", code]).stdout
+    assert "tensor_parallel_degree=2" in out and "save_weights" in out, out
     for r in range(4):
         resumed, whole = _result(tmp_path / "b", r), _result(full, r)
         assert int(resumed["start"]) == 2 and int(resumed["iterations"]) == 4
@@ -450,6 +473,7 @@ def test_layouts_that_cannot_run_fail_early_on_every_rank():
         for what in ("built outside the scope", "Lamb",
                      "attention scores of split heads",
                      "vocab-parallel loss with a whole-logits metric",
+                     "compiled again with Keras' loss",
                      "vocab-parallel loss after a softmax"):
             assert f"[{rank}] ok: {what}" in proc.stdout, proc.stdout[-3000:]
         assert f"[{rank}] errors ok" in proc.stdout

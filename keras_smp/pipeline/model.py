@@ -678,8 +678,9 @@ class DistributedModel(keras.Model):
                 "forward pass needs every tensor-parallel rank; a "
                 "SavedModel is exported by one process. Save whole weights "
                 "with `model.save_weights(path)` (every rank calls it), "
-                "load them into the same model built without keras-smp "
-                "(plain Keras) and export that: `plain.export(dir)`.")
+                "load them into the same model built without "
+                "`keras_smp.tensor_parallelism()` (plain Keras layers) and "
+                "export that: `plain.export(dir)`.")
         spec = keras.tree.map_structure(
             lambda t: tf.TensorSpec((None,) + tuple(t.shape[1:]), t.dtype),
             self.staged_graph.inputs_struct)

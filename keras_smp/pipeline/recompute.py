@@ -26,6 +26,7 @@ import keras
 import tensorflow as tf
 from keras import tree
 
+from keras_smp import tensor
 from keras_smp.runtime import keras_private
 from keras_smp.runtime import xla
 
@@ -182,6 +183,10 @@ def checkpointed(call, layer):
 
         updates = []
 
+        # A tensor-parallel layer's collectives, recomputed in the
+        # backward, belong to the stage that ran the forward.
+        stage = tensor.current_stage()
+
         @tf.custom_gradient
         def forward(*tensors):
             a, k = rebuild(tensors)
@@ -196,7 +201,7 @@ def checkpointed(call, layer):
                 now = [keras_private.keras_mask(t) for t in tensors]
                 for t, mask in zip(tensors, masks):
                     keras_private.set_keras_mask(t, mask)
-                with tf.GradientTape() as tape:
+                with tf.GradientTape() as tape, tensor.stage(stage):
                     tape.watch(list(tensors))
                     a2, k2 = rebuild(tensors)
                     again = rerun(state, snap, lambda: call(*a2, **k2),

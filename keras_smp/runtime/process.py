@@ -224,6 +224,13 @@ def start(config=None, /, *, custom_loop=False, **kwargs):
     cluster = resolve_cluster()
     p = config.partitions
     tp = config.tensor_parallel_degree
+    if custom_loop and tp > 1 and config.horovod:
+        raise ValueError(
+            f"tensor_parallel_degree={tp} with horovod=True is not "
+            "supported: Horovod's allreduce would average different "
+            "tensor-parallel ranks' shards. Use horovod=False (keras-smp "
+            "averages the replicas of each tensor-parallel rank in "
+            "`StepOutput.accumulate()`), or tensor_parallel_degree=1.")
     # A custom loop runs a process's stages on its devices: only the
     # tensor-parallel ranks (and replicas) are processes.
     check_tensor_parallel(tp, 1 if custom_loop else p,

@@ -67,10 +67,12 @@ class CheckpointManager:
                 f"received {type(checkpoint).__name__}.")
         self.checkpoint = checkpoint
         topology = state.topology()
-        self.directory = str(directory)
+        self.root = str(directory)
+        self.directory = self.root
+        self._tp_size = topology.tp_size
         if topology.tp_size > 1:
             # Shards: one checkpoint per tensor-parallel rank.
-            self.directory = os.path.join(self.directory,
+            self.directory = os.path.join(self.root,
                                           f"tp_rank_{topology.tp_rank}")
         self._manager = tf.train.CheckpointManager(
             checkpoint, self.directory, max_to_keep=max_to_keep,
@@ -79,7 +81,31 @@ class CheckpointManager:
     @property
     def latest_checkpoint(self):
         """Path prefix of the newest checkpoint, or `None`."""
+        self._check_degree()
         return tf.train.latest_checkpoint(self.directory)
+
+    def _check_degree(self):
+        """Raises when the directory holds checkpoints of another
+        tensor_parallel_degree (every rank sees the same files, so every
+        rank raises)."""
+        if not os.path.isdir(self.root):
+            return
+        ranks = sorted(
+            int(name[len("tp_rank_"):]) for name in os.listdir(self.root)
+            if name.startswith("tp_rank_")
+            and name[len("tp_rank_"):].isdigit()
+            and tf.train.latest_checkpoint(os.path.join(self.root, name)))
+        found = len(ranks) if ranks else (
+            1 if tf.train.latest_checkpoint(self.root) else None)
+        if found is not None and found != self._tp_size:
+            raise ValueError(
+                f"CheckpointManager: {self.root!r} holds checkpoints of "
+                f"tensor_parallel_degree={found} (one per tensor-parallel "
+                f"rank), but this job runs tensor_parallel_degree="
+                f"{self._tp_size}; a rank's checkpoint holds its shards only. "
+                "Restore with the degree that saved them, or move across "
+                "degrees with whole weights: `model.save_weights(path)` "
+                "there and `model.load_weights(path)` here.")
 
     @property
     def checkpoints(self):
@@ -105,11 +131,24 @@ class CheckpointManager:
 
         Before the model has weights, the restore is deferred to the first
         step. Returns the path restored (or to be restored), or `None` when
-        there is no checkpoint yet.
+        there is no checkpoint yet. Every process calls it.
         """
+        from keras_smp.smp import comms
+
         path = save_path or self.latest_checkpoint
         if path is None:
             return None
+        if self._tp_size > 1 and not all(comms.allgather(
+                os.path.dirname(os.path.abspath(str(path)))
+                == os.path.abspath(self.directory))):
+            # (Every rank raises: one restoring alone would wait for the
+            # others in its first step's collectives.)
+            raise ValueError(
+                f"CheckpointManager.restore({str(path)!r}): with "
+                f"tensor_parallel_degree={self._tp_size} each process "
+                "restores its own rank's shards, from "
+                f"{self.directory!r}; give a path there (or no path, for "
+                "the latest).")
         if _built(self.checkpoint):
             _restore(self.checkpoint, path)
         else:

@@ -44,8 +44,9 @@ MODEL_CHECKS = []
 
 
 # The custom loop's group (`smp.init` with `tensor_parallel_degree > 1`,
-# where no strategy carries one) and the model stage being traced.
-_process = {"group": None, "stage": None}
+# where no strategy carries one). What a trace is in (the model stage,
+# split logits) is thread-local, as the marking scope.
+_process = {"group": None}
 
 
 def set_process_group(group):
@@ -64,17 +65,17 @@ def stage(index):
     """Within: collectives are made for model stage `index` (`@smp.step`
     runs the stages of one process on their own devices; a collective
     group spans one device per process, so each stage has its own)."""
-    previous = _process["stage"]
-    _process["stage"] = index
+    previous = current_stage()
+    _state.stage = index
     try:
         yield
     finally:
-        _process["stage"] = previous
+        _state.stage = previous
 
 
 def current_stage():
     """The model stage `stage()` set, or `None`."""
-    return _process["stage"]
+    return getattr(_state, "stage", None)
 
 
 @contextlib.contextmanager
@@ -82,17 +83,17 @@ def keep_logits_split():
     """Within (a train or test step of a model compiled with a
     vocabulary-parallel loss): its output projection keeps its logits
     split by vocabulary, and the loss and metrics reduce over the group."""
-    previous = _process.get("split_logits", False)
-    _process["split_logits"] = True
+    previous = logits_kept_split()
+    _state.split_logits = True
     try:
         yield
     finally:
-        _process["split_logits"] = previous
+        _state.split_logits = previous
 
 
 def logits_kept_split():
     """Whether `keep_logits_split()` is active."""
-    return _process.get("split_logits", False)
+    return getattr(_state, "split_logits", False)
 
 
 def marking():

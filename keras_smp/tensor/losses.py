@@ -7,7 +7,7 @@ whole `(batch, sequence, vocabulary)` tensor on every rank, the largest
 activation of a large-vocabulary model. Compiled with these, training and
 evaluation never gather it: each rank keeps its slice, and the softmax's
 maximum, its normaliser and the label's logit are reduced over the group
-(three all-reduces of `(batch, sequence)`). `predict` still returns the
+(two all-reduces of `(batch, sequence)` values). `predict` still returns the
 whole logits.
 
 Example:
@@ -68,10 +68,18 @@ def vocab_parallel_cross_entropy(group, labels, logits):
 
     A custom gradient, as Megatron's: the forward keeps one buffer of the
     slice's size (the exponentials) for the backward, which is
-    `softmax - one_hot(label)` on the slice.
+    `softmax - one_hot(label)` on the slice. Two all-reduces: the maximum,
+    then the label's logit and the normaliser together.
     """
     width = logits.shape[-1]
-    local = labels - group.rank * width
+    vocab = width * group.size
+    check = tf.debugging.assert_less(
+        tf.cast(tf.logical_or(labels < 0, labels >= vocab), tf.int32), 1,
+        message=(f"keras-smp: VocabParallelSparseCategoricalCrossentropy "
+                 f"got a label outside [0, {vocab}) (the vocabulary); "
+                 "labels must be ids of the whole vocabulary."))
+    with tf.control_dependencies([check]):
+        local = labels - group.rank * width
     mine = tf.logical_and(local >= 0, local < width)
     index = tf.where(mine, local, 0)
 
@@ -84,15 +92,21 @@ def vocab_parallel_cross_entropy(group, labels, logits):
         shifted = values - peak[..., None]
         picked = tf.gather(shifted, index, axis=-1,
                            batch_dims=len(labels.shape))
-        target = group.sum(tf.where(mine, picked, 0.0))
         exps = tf.exp(shifted)
-        total = group.sum(tf.reduce_sum(exps, axis=-1))
+        # One all-reduce for both (one collective fewer, and no two
+        # independent collectives whose order could differ by rank).
+        both = group.sum(tf.stack([tf.where(mine, picked, 0.0),
+                                   tf.reduce_sum(exps, axis=-1)], axis=-1))
+        target, total = both[..., 0], both[..., 1]
 
         def grad(dy):
-            hot = tf.one_hot(index, width, on_value=1.0, off_value=0.0,
-                             dtype=tf.float32) * tf.cast(
-                                 mine, tf.float32)[..., None]
-            g = (exps / total[..., None] - hot) * dy[..., None]
+            # softmax * dy, then dy off at the label (on its rank).
+            g = exps * (dy / total)[..., None]
+            at = tf.where(mine)
+            where = tf.concat(
+                [at, tf.cast(tf.gather_nd(index, at), tf.int64)[:, None]],
+                axis=1)
+            g = tf.tensor_scatter_nd_sub(g, where, tf.gather_nd(dy, at))
             return tf.cast(g, logits.dtype)
 
         return tf.math.log(total) - target, grad
@@ -235,34 +249,11 @@ def _output_projection(model):
     return layer
 
 
-def _keep_split_in(model, name):
-    step = getattr(model, name)
-    if getattr(step, "_smp_keeps_logits_split", False):
-        return
-
-    @functools.wraps(step)
-    def keeping_split(*args, **kwargs):
-        with tensor.keep_logits_split():
-            return step(*args, **kwargs)
-
-    keeping_split._smp_keeps_logits_split = True
-    object.__setattr__(model, name, keeping_split)
-
-
-def _check_vocab_parallel(model):
-    """A model compiled with the vocabulary-parallel loss, under tensor
-    parallelism: its output projection keeps the logits split in train
-    and test steps (predict gathers them); its metrics must take split
-    logits."""
-    losses = keras_private.compiled_loss_specs(model)
-    if not any(isinstance(loss, VocabParallelSparseCategoricalCrossentropy)
-               for loss in losses):
-        return
-    if current_group_of(model) is None:
-        return  # Keras' own cross-entropy
-    layer = _output_projection(model)
+def _metrics_take_split_logits(model):
     bad = [m for m in keras_private.compiled_metric_specs(model)
-           if not isinstance(m, VocabParallelSparseCategoricalAccuracy)]
+           if not (isinstance(m, VocabParallelSparseCategoricalAccuracy) or (
+               isinstance(m, type)
+               and issubclass(m, VocabParallelSparseCategoricalAccuracy)))]
     if bad:
         names = [getattr(m, "name", getattr(m, "__name__", m)) for m in bad]
         raise ValueError(
@@ -271,7 +262,51 @@ def _check_vocab_parallel(model):
             "the logits stay split in fit and evaluate. Use "
             "`keras_smp.VocabParallelSparseCategoricalAccuracy()`, or "
             "compute other metrics on `model.predict` (whole logits).")
+
+
+def _keep_split_in(model, name):
+    step = getattr(model, name)
+    if getattr(step, "_smp_keeps_logits_split", False):
+        return
+
+    @functools.wraps(step)
+    def keeping_split(*args, **kwargs):
+        # When the step is traced (predict has no metrics to check).
+        _metrics_take_split_logits(model)
+        with tensor.keep_logits_split():
+            return step(*args, **kwargs)
+
+    keeping_split._smp_keeps_logits_split = True
+    object.__setattr__(model, name, keeping_split)
+
+
+def _stop_keeping_split(model):
+    """Undoes `_check_vocab_parallel` (a re-compile with another loss)."""
+    for name in ("train_step", "test_step"):
+        if getattr(model.__dict__.get(name), "_smp_keeps_logits_split",
+                   False):
+            del model.__dict__[name]
+    layer = model.__dict__.get("_smp_vocab_layer")
+    if layer is not None:
+        object.__setattr__(layer, "_smp_vocab_output", False)
+        del model.__dict__["_smp_vocab_layer"]
+
+
+def _check_vocab_parallel(model):
+    """A model compiled with the vocabulary-parallel loss, under tensor
+    parallelism: its output projection keeps the logits split in train
+    and test steps (predict gathers them); its metrics must take split
+    logits. Compiled with another loss, it gathers them again."""
+    _stop_keeping_split(model)
+    losses = keras_private.compiled_loss_specs(model)
+    if not any(isinstance(loss, VocabParallelSparseCategoricalCrossentropy)
+               for loss in losses):
+        return
+    if current_group_of(model) is None:
+        return  # Keras' own cross-entropy
+    layer = _output_projection(model)
     object.__setattr__(layer, "_smp_vocab_output", True)
+    object.__setattr__(model, "_smp_vocab_layer", layer)
     _keep_split_in(model, "train_step")
     _keep_split_in(model, "test_step")
 

@@ -97,15 +97,14 @@ class TensorGroup:
                 "stages (internal error).")
         return s
 
-    @contextlib.contextmanager
-    def _placed(self, stage):
-        """Within: collectives use `stage`'s key and device (made again in
-        a gradient function, outside the stage that made the forward)."""
-        with tensor.stage(stage), (
-                tf.device(self.stage_devices[stage])
-                if stage is not None and self.stage_devices
-                else contextlib.nullcontext()):
-            yield
+    def _device(self):
+        """The device scope of a collective made now: its stage's device
+        (whatever scope the caller is in: a gradient function, a
+        recomputation), matching the stage's group key."""
+        stage = self._stage()
+        if stage is None or not self.stage_devices:
+            return contextlib.nullcontext()
+        return tf.device(self.stage_devices[stage])
 
     def __repr__(self):
         return (f"TensorGroup(size={self.size}, rank={self.rank}, "
@@ -164,9 +163,10 @@ class TensorGroup:
         if self.size == 1:
             return x
         wire = _WIRE.get(x.dtype, x.dtype)
-        out = tf.raw_ops.CollectiveReduceV2(
-            input=tf.cast(x, wire), ordering_token=[], merge_op=merge_op,
-            final_op="Id", **self._common(x))
+        with self._device():
+            out = tf.raw_ops.CollectiveReduceV2(
+                input=tf.cast(x, wire), ordering_token=[],
+                merge_op=merge_op, final_op="Id", **self._common(x))
         return tf.stop_gradient(tf.cast(out, x.dtype))
 
     def all_gather(self, x, axis):
@@ -179,8 +179,9 @@ class TensorGroup:
         perm = [axis] + [i for i in range(rank) if i != axis]
         wire = _WIRE.get(x.dtype, x.dtype)
         moved = tf.cast(tf.transpose(x, perm), wire)
-        gathered = tf.raw_ops.CollectiveGatherV2(
-            input=moved, ordering_token=[], **self._common(x))
+        with self._device():
+            gathered = tf.raw_ops.CollectiveGatherV2(
+                input=moved, ordering_token=[], **self._common(x))
         back = [perm.index(i) for i in range(rank)]
         out = tf.cast(tf.transpose(gathered, back), x.dtype)
         shape = x.shape.as_list()
@@ -203,7 +204,7 @@ class TensorGroup:
             def grad(dy):
                 # The gradient has x's shape; say so (shape inference may
                 # have lost static sizes on the way back).
-                with self._placed(stage):
+                with tensor.stage(stage):
                     return self.sum(tf.ensure_shape(dy, x.shape))
             return tf.identity(x), grad
 

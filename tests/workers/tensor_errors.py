@@ -98,6 +98,22 @@ with strategy.scope():
 expect("vocab-parallel loss with a whole-logits metric",
        lambda: metric.fit(tokens, tokens, batch_size=4, verbose=0),
        "Metrics ['accuracy']", "VocabParallelSparseCategoricalAccuracy")
+# predict runs (whole logits; no metric sees them).
+assert metric.predict(tokens, batch_size=4, verbose=0).shape == (8, 4, 16)
+with strategy.scope():
+    # Trained with the vocabulary-parallel loss, then compiled again with
+    # Keras' loss and metric: the logits are whole again.
+    again = language_model([keras_smp.VocabParallelSparseCategoricalAccuracy])
+    again.fit(tokens, tokens, batch_size=4, verbose=0)
+    again.compile(optimizer="sgd", metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+logs = again.evaluate(tokens, tokens, batch_size=4, verbose=0,
+                      return_dict=True)
+whole = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
+    tokens, again.predict(tokens, batch_size=4, verbose=0))
+assert abs(logs["loss"] - float(whole)) < 1e-5, (logs, float(whole))
+print("ok: compiled again with Keras' loss", flush=True)
 with strategy.scope():
     softmax = language_model([], activation="softmax")
 expect("vocab-parallel loss after a softmax",
