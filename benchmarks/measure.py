@@ -39,3 +39,25 @@ def launch_workers(root, script, args, n=2, timeout=600):
          str(timeout), "--", sys.executable, os.path.abspath(script),
          "--worker", *args], env=env, cwd=root, capture_output=True,
         text=True, timeout=timeout + 100)
+
+
+def timed_fit(model, dataset, steps, warmup=2):
+    """`model.fit` for `warmup + steps` steps of `dataset` (repeated);
+    returns `(median ms per step after the warm-up, History)`."""
+    import time
+
+    import keras
+    import numpy as np
+
+    times = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.perf_counter() - self.start)
+
+    history = model.fit(dataset, steps_per_epoch=steps + warmup, epochs=1,
+                        verbose=0, callbacks=[Timer()])
+    return float(np.median(times[warmup:])) * 1000, history

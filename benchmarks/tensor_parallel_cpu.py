@@ -37,6 +37,7 @@ sys.path.insert(0, HERE)
 
 from measure import cpu_model  # noqa: E402
 from measure import peak_mb  # noqa: E402
+from measure import timed_fit  # noqa: E402
 
 HIDDEN, HEADS, MLP, BATCH, TOKENS = 2048, 16, 8192, 4, 64
 # The block's all-reduces per step: forward after the attention output and
@@ -86,18 +87,7 @@ def worker(args):
     x = rng.randn(BATCH, TOKENS, HIDDEN).astype("float32")
     y = rng.randn(BATCH, TOKENS, HIDDEN).astype("float32")
     ds = tf.data.Dataset.from_tensors((x, y)).repeat()
-    times = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.start)
-
-    model.fit(ds, steps_per_epoch=args.steps + 2, epochs=1, verbose=0,
-              callbacks=[Timer()])
-    ms = float(np.median(times[2:])) * 1000
+    ms, _ = timed_fit(model, ds, args.steps)
 
     def nbytes(variables):
         return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize

@@ -31,14 +31,13 @@ sys.path.insert(0, HERE)
 
 from measure import cpu_model  # noqa: E402
 from measure import peak_mb  # noqa: E402
+from measure import timed_fit  # noqa: E402
 from tensor_parallel_cpu import run  # noqa: E402
 
 VOCAB, WIDTH, BATCH, TOKENS = 32768, 256, 8, 256
 
 
 def worker(args):
-    import time
-
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -72,19 +71,9 @@ def worker(args):
     rng = np.random.RandomState(0)
     x = rng.randint(0, VOCAB, size=(BATCH, TOKENS)).astype("int32")
     ds = tf.data.Dataset.from_tensors((x, np.roll(x, -1, 1))).repeat()
-    times = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.start)
-
-    history = model.fit(ds, steps_per_epoch=args.steps + 2, epochs=1,
-                        verbose=0, callbacks=[Timer()])
+    ms, history = timed_fit(model, ds, args.steps)
     print("RESULT " + json.dumps({
-        "ms": float(np.median(times[2:])) * 1000,
+        "ms": ms,
         "loss": float(history.history["loss"][-1]),
         "peak_mb": peak_mb(),
         "rank": strategy.topology.rank if strategy else 0}), flush=True)
