@@ -314,15 +314,17 @@ def _whole_weights(result):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes,partitions", [(2, 1), (4, 2)],
-                         ids=["tp2", "tp2_dp2_pp2"])
+@pytest.mark.parametrize("processes,partitions,extra", [
+    (2, 1, ()), (4, 2, ()), (2, 1, ("--vocab-parallel",))],
+    ids=["tp2", "tp2_dp2_pp2", "tp2_vocab_parallel"])
 def test_custom_loop_with_tensor_parallelism_matches_single_device(
-        tmp_path_factory, processes, partitions):
-    """`@smp.step` over tp=2 (x 2 replicas x 2 in-process stages) against
-    plain Keras on the whole global batch, from the same initial weights
-    (rank 0's, copied to all: the ranks were seeded differently)."""
+        tmp_path_factory, processes, partitions, extra):
+    """`@smp.step` over tp=2 (x 2 replicas x 2 in-process stages; or the
+    loss on split logits, `smp.vocab_parallel_logits`) against plain Keras
+    on the whole global batch, from the same initial weights (rank 0's,
+    copied to all: the ranks were seeded differently)."""
     out, _ = _custom_loop(tmp_path_factory, f"cl_tp_{processes}_{partitions}",
-                          processes, "--partitions", str(partitions))
+                          processes, "--partitions", str(partitions), *extra)
     r0 = _result(out)
     assert int(r0["iterations"]) == 4
     plain = [r0[f"plain{i}"] for i in range(len(_whole_weights(r0)))]
@@ -428,9 +430,11 @@ def test_keras_examples_in_docstrings_run(tmp_path):
     losses = ast.parse(open(os.path.join(
         ROOT, "keras_smp", "tensor", "losses.py")).read())
     docs += [ast.get_docstring(node) for node in losses.body
-             if isinstance(node, ast.ClassDef)]
+             if isinstance(node, ast.ClassDef) or (
+                 isinstance(node, ast.FunctionDef)
+                 and node.name == "vocab_parallel_logits")]
     blocks = [b for d in docs for b in _python_blocks(d)]
-    assert len(blocks) == 5
+    assert len(blocks) == 6
     script = tmp_path / "examples.py"
     script.write_text("\n\n".join(blocks) + "\nprint('examples ok')\n")
     proc = run_python([str(script)], timeout=300)

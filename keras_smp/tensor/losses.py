@@ -26,6 +26,7 @@ Keras' `SparseCategoricalCrossentropy(from_logits=True)` and
 `SparseCategoricalAccuracy`, with the same numbers.
 """
 
+import contextlib
 import functools
 
 import keras
@@ -41,7 +42,7 @@ from keras_smp.tensor.layers import current_group
 from keras_smp.tensor.layers import current_group_of
 
 __all__ = ["VocabParallelSparseCategoricalCrossentropy",
-           "VocabParallelSparseCategoricalAccuracy"]
+           "VocabParallelSparseCategoricalAccuracy", "vocab_parallel_logits"]
 
 
 def _split_logits():
@@ -312,3 +313,37 @@ def _check_vocab_parallel(model):
 
 if _check_vocab_parallel not in tensor.MODEL_CHECKS:
     tensor.MODEL_CHECKS.append(_check_vocab_parallel)
+
+
+@contextlib.contextmanager
+def vocab_parallel_logits(model):
+    """Within: `model`'s calls leave its logits split by vocabulary, for
+    `VocabParallelSparseCategoricalCrossentropy` and `-Accuracy` called
+    directly (SMP custom loops: `compile`/`fit` need no scope).
+
+    Example (inside an `@smp.step` function, with `smp.init` and
+    `tensor_parallel_degree > 1`; without it the logits are whole):
+
+    ```python
+    import keras, numpy as np, keras_smp
+    tokens = keras.Input((4,), dtype="int32")
+    emb = keras.layers.ReversibleEmbedding(16, 8)
+    model = keras.Model(tokens, emb(emb(tokens), reverse=True))
+    loss_fn = keras_smp.VocabParallelSparseCategoricalCrossentropy()
+    x = np.ones((2, 4), "int32")
+    with keras_smp.vocab_parallel_logits(model):
+        loss = loss_fn(x, model(x))
+    assert model(x).shape == (2, 4, 16)
+    ```
+    """
+    if current_group_of(model) is None:
+        yield  # whole logits: Keras' own numbers
+        return
+    layer = _output_projection(model)
+    previous = getattr(layer, "_smp_vocab_output", False)
+    object.__setattr__(layer, "_smp_vocab_output", True)
+    try:
+        with tensor.keep_logits_split():
+            yield
+    finally:
+        object.__setattr__(layer, "_smp_vocab_output", previous)

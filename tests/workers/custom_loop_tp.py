@@ -29,6 +29,9 @@ parser.add_argument("--partitions", type=int, default=1)
 parser.add_argument("--stop-at", type=int, default=None)
 parser.add_argument("--ckpt", default=None)
 parser.add_argument("--out", required=True)
+parser.add_argument("--vocab-parallel", action="store_true",
+                    help="the step's loss on split logits "
+                         "(smp.vocab_parallel_logits)")
 args = parser.parse_args()
 
 import keras  # noqa: E402
@@ -92,10 +95,20 @@ assert shapes["tok_emb/embeddings"] == (VOCAB // 2, WIDTH), shapes
 assert shapes["ff_a/kernel"] == (WIDTH, 2 * WIDTH), shapes
 
 
+vp_loss = smp.VocabParallelSparseCategoricalCrossentropy()
+
+
 @smp.step
 def get_grads(inputs, labels):
-    logits = model(inputs, training=True)
-    loss = loss_fn(labels, logits)
+    if args.vocab_parallel:
+        with smp.vocab_parallel_logits(model):
+            logits = model(inputs, training=True)
+            # This rank's half of the vocabulary, never gathered.
+            assert logits.shape[-1] == VOCAB // 2, logits.shape
+            loss = vp_loss(labels, logits)
+    else:
+        logits = model(inputs, training=True)
+        loss = loss_fn(labels, logits)
     return opt.get_gradients(loss, model.trainable_variables), loss
 
 
