@@ -165,20 +165,24 @@ def worker_env(
             `index` is the world rank.
 
     Returns:
-        A new dict with `TF_CONFIG`, `SMP_LAUNCHED=1`, `PYTHONUNBUFFERED=1`
-        and (if given) `SMP_HOST_MAP` set on top of `base_env`.
+        A new dict with `TF_CONFIG`, `SMP_LAUNCHED=1`, `PYTHONUNBUFFERED=1`,
+        `PYTHONFAULTHANDLER=1` (unless `base_env` sets it) and (if given)
+        `SMP_HOST_MAP` set on top of `base_env`.
 
     Example:
 
     >>> env = worker_env([1111, 2222], 0, base_env={})
-    >>> env["SMP_LAUNCHED"]
-    '1'
+    >>> env["SMP_LAUNCHED"], env["PYTHONFAULTHANDLER"]
+    ('1', '1')
     """
     env = dict(os.environ if base_env is None else base_env)
     env["TF_CONFIG"] = (make_tf_config(ports, index) if workers is None
                         else tf_config_for(workers, index))
     env["SMP_LAUNCHED"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    # A worker killed by a signal (a native crash: SIGSEGV, SIGABRT, ...)
+    # prints every thread's Python stack first, so its log says where.
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     if host_map is not None:
         host_map = list(host_map)
         size = len(ports) if workers is None else len(workers)

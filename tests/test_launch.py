@@ -163,10 +163,32 @@ def test_worker_env():
     env = launch.worker_env([1, 2], 1, host_map=["a", "b"], base_env={"KEEP": "x"})
     assert env["KEEP"] == "x"
     assert env["SMP_LAUNCHED"] == "1" and env["PYTHONUNBUFFERED"] == "1"
+    assert env["PYTHONFAULTHANDLER"] == "1"
+    assert launch.worker_env([1], 0, base_env={"PYTHONFAULTHANDLER": ""})[
+        "PYTHONFAULTHANDLER"] == ""  # the user's setting wins
     assert env["SMP_HOST_MAP"] == "a,b"
     assert json.loads(env["TF_CONFIG"])["task"]["index"] == 1
     with pytest.raises(ValueError):
         launch.worker_env([1, 2], 0, host_map=["a"])
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_killed_by_a_native_crash_leaves_its_python_stack():
+    # A SIGSEGV inside a native call (as a crashing kernel would): the
+    # worker's log shows where in Python it was (faulthandler), and the
+    # launcher names the signal.
+    code = ("import ctypes, os\n"
+            "def crash_here():\n"
+            "    ctypes.string_at(0)\n"
+            "if os.environ['SMP_LAUNCHED'] and "
+            "'\"index\": 1' in os.environ['TF_CONFIG']:\n"
+            "    crash_here()\n")
+    result = _run("module", "-n", "2", "--", *_worker(code))
+    assert result.returncode != 0
+    out = result.stdout + result.stderr
+    assert "[1] Fatal Python error: Segmentation fault" in out, out
+    assert "crash_here" in out, out
+    assert "worker 1 (pid" in out and "was killed by SIGSEGV" in out, out
 
 
 # --------------------------------------------------------------------------
