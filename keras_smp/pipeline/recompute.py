@@ -22,6 +22,8 @@ training is unchanged. TensorFlow's stateful random ops (and unseeded
 naming the op and the fix.
 """
 
+import contextlib
+
 import keras
 import tensorflow as tf
 from keras import tree
@@ -184,8 +186,10 @@ def checkpointed(call, layer):
         updates = []
 
         # A tensor-parallel layer's collectives, recomputed in the
-        # backward, belong to the stage that ran the forward.
+        # backward, belong to the stage that ran the forward; split
+        # logits stay split.
         stage = tensor.current_stage()
+        split = tensor.logits_kept_split()
 
         @tf.custom_gradient
         def forward(*tensors):
@@ -201,7 +205,9 @@ def checkpointed(call, layer):
                 now = [keras_private.keras_mask(t) for t in tensors]
                 for t, mask in zip(tensors, masks):
                     keras_private.set_keras_mask(t, mask)
-                with tf.GradientTape() as tape, tensor.stage(stage):
+                with tf.GradientTape() as tape, tensor.stage(stage), (
+                        tensor.keep_logits_split() if split
+                        else contextlib.nullcontext()):
                     tape.watch(list(tensors))
                     a2, k2 = rebuild(tensors)
                     again = rerun(state, snap, lambda: call(*a2, **k2),

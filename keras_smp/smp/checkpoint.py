@@ -85,27 +85,37 @@ class CheckpointManager:
         return tf.train.latest_checkpoint(self.directory)
 
     def _check_degree(self):
-        """Raises when the directory holds checkpoints of another
-        tensor_parallel_degree (every rank sees the same files, so every
-        rank raises)."""
-        if not os.path.isdir(self.root):
+        """Raises when this job's own location holds no checkpoint but the
+        directory holds checkpoints of another tensor_parallel_degree
+        (which would otherwise be ignored, or half-restored)."""
+        if tf.train.latest_checkpoint(self.directory):
+            return  # this degree's own checkpoints: restorable
+        root = self.root
+        if not tf.io.gfile.isdir(root):
             return
         ranks = sorted(
-            int(name[len("tp_rank_"):]) for name in os.listdir(self.root)
+            int(name.rstrip("/")[len("tp_rank_"):])
+            for name in tf.io.gfile.listdir(root)
             if name.startswith("tp_rank_")
-            and name[len("tp_rank_"):].isdigit()
-            and tf.train.latest_checkpoint(os.path.join(self.root, name)))
-        found = len(ranks) if ranks else (
-            1 if tf.train.latest_checkpoint(self.root) else None)
-        if found is not None and found != self._tp_size:
+            and name.rstrip("/")[len("tp_rank_"):].isdigit()
+            and tf.train.latest_checkpoint(
+                os.path.join(root, name.rstrip("/"))))
+        if self._tp_size == 1:
+            other = len(ranks) or None
+        else:
+            other = (1 if tf.train.latest_checkpoint(root) else
+                     (max(ranks) + 1 if ranks and max(ranks) >= self._tp_size
+                      else None))
+        if other is not None:
             raise ValueError(
-                f"CheckpointManager: {self.root!r} holds checkpoints of "
-                f"tensor_parallel_degree={found} (one per tensor-parallel "
-                f"rank), but this job runs tensor_parallel_degree="
-                f"{self._tp_size}; a rank's checkpoint holds its shards only. "
-                "Restore with the degree that saved them, or move across "
-                "degrees with whole weights: `model.save_weights(path)` "
-                "there and `model.load_weights(path)` here.")
+                f"CheckpointManager: {root!r} holds checkpoints of "
+                f"tensor_parallel_degree={'>= ' if self._tp_size > 1 and other > 1 else ''}"
+                f"{other} (one per tensor-parallel rank) and none of this "
+                f"job's tensor_parallel_degree={self._tp_size}; a rank's "
+                "checkpoint holds its shards only. Restore with the degree "
+                "that saved them, or move across degrees with whole "
+                "weights: `model.save_weights(path)` there and "
+                "`model.load_weights(path)` here.")
 
     @property
     def checkpoints(self):
@@ -126,6 +136,38 @@ class CheckpointManager:
         paths = comms.allgather(path)
         return paths[topology.tp_rank]
 
+    def _agreed_path(self, save_path, comms):
+        """Tensor parallelism: every rank's path to restore, checked
+        together (every rank raises, or none: a rank restoring alone would
+        wait for the others in its first step's collectives)."""
+        try:
+            path, error = save_path or self.latest_checkpoint, None
+        except ValueError as e:
+            path, error = None, str(e)
+        if path is not None and os.path.dirname(os.path.abspath(
+                str(path))) != os.path.abspath(self.directory):
+            error = (f"CheckpointManager.restore({str(path)!r}): with "
+                     f"tensor_parallel_degree={self._tp_size} each process "
+                     "restores its own rank's shards, from "
+                     f"{self.directory!r}; give a path there (or no path, "
+                     "for the latest).")
+        views = comms.allgather(
+            (error, None if path is None else os.path.basename(str(path))))
+        errors = [e for e, _ in views if e]
+        if errors:
+            raise ValueError(errors[0])
+        names = sorted({str(n) for _, n in views})
+        if len(names) > 1:
+            raise ValueError(
+                f"CheckpointManager.restore: the tensor-parallel ranks "
+                f"found different checkpoints ({', '.join(names)}; 'None': "
+                f"none in its directory under {self.root!r}), e.g. after a "
+                "save interrupted between ranks or a directory not shared "
+                "by every process. Give every process the same "
+                "`save_path` name that every rank holds (see "
+                "`manager.checkpoints`), or share the directory.")
+        return path
+
     def restore(self, save_path=None):
         """Restores `save_path` (default: the latest checkpoint).
 
@@ -135,20 +177,12 @@ class CheckpointManager:
         """
         from keras_smp.smp import comms
 
-        path = save_path or self.latest_checkpoint
+        if self._tp_size == 1:
+            path = save_path or self.latest_checkpoint
+        else:
+            path = self._agreed_path(save_path, comms)
         if path is None:
             return None
-        if self._tp_size > 1 and not all(comms.allgather(
-                os.path.dirname(os.path.abspath(str(path)))
-                == os.path.abspath(self.directory))):
-            # (Every rank raises: one restoring alone would wait for the
-            # others in its first step's collectives.)
-            raise ValueError(
-                f"CheckpointManager.restore({str(path)!r}): with "
-                f"tensor_parallel_degree={self._tp_size} each process "
-                "restores its own rank's shards, from "
-                f"{self.directory!r}; give a path there (or no path, for "
-                "the latest).")
         if _built(self.checkpoint):
             _restore(self.checkpoint, path)
         else:

@@ -103,9 +103,8 @@ def vocab_parallel_cross_entropy(group, labels, logits):
 
         def grad(dy):
             # (softmax - one_hot(label, on its rank)) * dy.
-            hot = tf.one_hot(index, width, on_value=1.0, off_value=0.0,
-                             dtype=tf.float32) * tf.cast(
-                                 mine, tf.float32)[..., None]
+            hot = tf.one_hot(tf.where(mine, local, -1), width,
+                             dtype=tf.float32)  # all zero off this rank
             g = (exps / total[..., None] - hot) * dy[..., None]
             return tf.cast(g, logits.dtype)
 
@@ -283,9 +282,14 @@ def _keep_split_in(model, name):
 def _stop_keeping_split(model):
     """Undoes `_check_vocab_parallel` (a re-compile with another loss)."""
     for name in ("train_step", "test_step"):
-        if getattr(model.__dict__.get(name), "_smp_keeps_logits_split",
-                   False):
-            del model.__dict__[name]
+        wrapper = model.__dict__.get(name)
+        if getattr(wrapper, "_smp_keeps_logits_split", False):
+            inner = wrapper.__wrapped__
+            if getattr(inner, "__func__", None) is getattr(type(model), name,
+                                                           None):
+                del model.__dict__[name]  # the class's own step again
+            else:
+                model.__dict__[name] = inner  # one the user set
     layer = model.__dict__.get("_smp_vocab_layer")
     if layer is not None:
         object.__setattr__(layer, "_smp_vocab_output", False)
@@ -337,6 +341,11 @@ def vocab_parallel_logits(model):
     ```
     """
     if current_group_of(model) is None:
+        if current_group() is not None and not model.weights:
+            raise ValueError(
+                "vocab_parallel_logits: the model has no weights yet, so "
+                "its split output projection is not known. Build it first "
+                "(call it once on data, or `model.build(input_shape)`).")
         yield  # whole logits: Keras' own numbers
         return
     layer = _output_projection(model)
