@@ -34,11 +34,18 @@ sysdeps:
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2; } || \
 	  echo "note: iproute2 (ip, tc) missing and not root: the all-reduce benchmark test will skip"
 
+# Two pytest processes, each taking whole test files (a file's module-scoped
+# runs, e.g. the model zoo's one job per mode, stay in one process): the suite
+# spends about a third of its time in one-process work (tracing, TensorFlow's
+# import), which leaves the second core idle when the files run one by one.
+# `make test PYTEST_PARALLEL=` runs them one by one.
+PYTEST_PARALLEL ?= -n 2 --dist loadfile
+
 test: $(STAMP) $(HVD_STAMP) sysdeps
-	$(BIN)/python -m pytest -v -rs --durations=15 tests
+	$(BIN)/python -m pytest -v -rs --durations=15 $(PYTEST_PARALLEL) tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_PARALLEL) tests
 
 clean:
 	rm -rf $(VENV) .venv-hvd build *.egg-info
