@@ -35,9 +35,9 @@ sysdeps:
 	  echo "note: iproute2 (ip, tc) missing and not root: the all-reduce benchmark test will skip"
 
 # Two pytest processes, each taking whole test files (a file's module-scoped
-# runs, e.g. the model zoo's one job per mode, stay in one process): the suite
-# spends about a third of its time in one-process work (tracing, TensorFlow's
-# import), which leaves the second core idle when the files run one by one.
+# runs, e.g. the model zoo's one job per mode, stay in one process). Run one
+# by one, the files kept 1.37 of 2 cores busy on average (one-process tracing
+# and TensorFlow's import); in 2 processes 1.79 (80 -> 59 min, slow AMD EPYC).
 # `make test PYTEST_PARALLEL=` runs them one by one.
 PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
