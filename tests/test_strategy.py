@@ -8,6 +8,7 @@ of the same global-batch sums taken in another order).
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -130,7 +131,14 @@ def test_callbacks_across_workers(tmp_path, reference):
     # ModelCheckpoint, BackupAndRestore, EarlyStopping and TensorBoard on 2
     # workers: training still matches, files are written once (by the
     # chief), and a second run restores from the backup without retraining.
-    launch(2, fit_model(tmp_path, "--callbacks"))
+    # The non-chief's TensorBoard scratch directory is gone when it exits.
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    proc = launch(2, fit_model(tmp_path, "--callbacks"),
+                  extra_env={"TMPDIR": str(scratch)})
+    board = re.search(r"rank 1: tensorboard log_dir (\S+)", proc.stdout)
+    assert board and board.group(1).startswith(str(scratch)), proc.stdout
+    assert not os.path.exists(board.group(1)), "scratch summaries left"
     assert_same_training(load(tmp_path, 1), reference())
     files = tmp_path / "files"
     assert (files / "ckpt.keras").is_file()

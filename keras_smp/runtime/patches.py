@@ -47,6 +47,7 @@ Readers (restore) read the chief's files, so multi-host restore needs a
 shared filesystem.
 """
 
+import atexit
 import contextlib
 import functools
 import os
@@ -246,8 +247,15 @@ def _patch_files(keras):
     @functools.wraps(set_model)
     def _set_model(self, model):
         if _non_chief_runtime(model) is not None:
-            # Summaries of non-chief workers duplicate the chief's.
-            self.log_dir = tempfile.mkdtemp(prefix="keras_smp_tb_")
+            # Summaries of non-chief workers duplicate the chief's: they go
+            # to one scratch directory per callback, removed when the
+            # process exits (a later fit or evaluate reuses it).
+            scratch = getattr(self, "_keras_smp_scratch", None)
+            if scratch is None or not os.path.isdir(scratch):
+                scratch = tempfile.mkdtemp(prefix="keras_smp_tb_")
+                atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+                self._keras_smp_scratch = scratch
+            self.log_dir = scratch
         return set_model(self, model)
 
     board.set_model = _set_model

@@ -192,6 +192,10 @@ elif args.split_fit:
 else:
     history = model.fit(ds, epochs=args.epochs, verbose=2,
                         callbacks=callbacks)
+if args.callbacks:
+    board = next(c for c in callbacks
+                 if isinstance(c, keras.callbacks.TensorBoard))
+    print(f"rank {rank}: tensorboard log_dir {board.log_dir}", flush=True)
 if args.save_weights:
     model.save_weights(args.save_weights)
 eval_ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
