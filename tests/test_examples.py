@@ -72,8 +72,9 @@ def test_smp_hybrid_horovod_example_trains(workers):
                                   "keras_smp.pipeline.shards", "save_model",
                                   "save_weights", "save(", "compile",
                                   "set_activation_checkpointing"])
-def test_smp_api_docstring_examples_run(name):
+def test_smp_api_docstring_examples_run(name, tmp_path):
     # Imported here by source text only: the pytest process stays TF-free.
+    # The examples' tempfile.mkdtemp() directories go under tmp_path.
     if name in ("save_model", "save_weights", "save(", "compile"):
         src = open(os.path.join(ROOT, "keras_smp", "pipeline", "model.py")).read()
         doc = src.split(f"def {name}", 1)[1].split('"""')[1]
@@ -87,4 +88,4 @@ def test_smp_api_docstring_examples_run(name):
     blocks = re.findall(r"```python\n(.*?)```", inspect.cleandoc(doc), flags=re.S)
     assert blocks, name
     for code in blocks:
-        run_python(["-c", code])
+        run_python(["-c", code], extra_env={"TMPDIR": str(tmp_path)})
