@@ -315,8 +315,12 @@ class SMPConfig:
         optimize: Auto-partition balance, `"memory"` or `"speed"`.
         auto_partition: Whether layers are partitioned automatically.
         default_partition: Partition for layers outside any
-            `smp.partition()` scope; must be < `partitions`.
-        contiguous: Whether each partition is a connected piece of the model.
+            `smp.partition()` scope; must be < `partitions *
+            virtual_stages`.
+        contiguous: SMP's flag allowing non-contiguous partitions when
+            False. Accepted for compatibility: keras-smp's automatic
+            partitioning always cuts contiguous pieces (valid under either
+            value).
         horovod: SMP's hybrid-parallelism flag; implies `allreduce="horovod"`.
         placement_strategy: `"cluster"` (a replica's stages on neighbouring
             ranks) or `"spread"`.
@@ -326,7 +330,8 @@ class SMPConfig:
             (0 disables fusion).
         collective_timeout_seconds: Timeout for collectives, > 0.
         local_devices: Devices driven by each process (int >= 1), or None to
-            use all visible GPUs, or 1 CPU device when there are none. On CPU
+            use all visible GPUs, or on CPU 1 device (`partitions` logical
+            devices for a pipeline held whole by one process). On CPU
             this many logical devices are created.
         activation_checkpointing: Recompute a stage's forward pass in its
             backward instead of keeping its activations between the two
@@ -344,7 +349,8 @@ class SMPConfig:
             default 2) or `r` and `2 partitions - 1 - r` (`"zb_v"`, 2).
             `None` (default) takes the schedule's own; stored as an int
             (1 for the other schedules, which accept only 1).
-        tensor_parallel_degree: Processes (or local devices) that split the
+        tensor_parallel_degree: Worker processes (one per rank; not local
+            devices of one process) that split the
             layers marked tensor-parallel (`keras_smp.tensor_parallelism()`),
             an int >= 1; alias `tp`. `partitions * tensor_parallel_degree`
             processes hold one model replica (see
