@@ -3,7 +3,8 @@
 Real worker processes (`keras-smp launch`), emulated hosts (`--host-map`):
 2 processes on 2 hosts and 4 processes on 2 hosts, ring, hierarchical and
 horovod (in the Horovod environment, `launch --horovod`),
-fusion on (64 MB: one bucket per dtype) and off (one per tensor). Each
+fusion on (64 MB: one bucket per dtype) and off (one per tensor), one
+call each in the same job. Each
 all-reduce call mixes float32, float16 and bfloat16 tensors of several
 shapes holding small integers, whose sums are exact in every dtype, and
 float32 random values (float32 rounding only); one 13 MB tensor makes the
@@ -21,25 +22,29 @@ from conftest import launch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fusion_mb", [64, 0], ids=["fused", "unfused"])
 @pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "horovod"])
 @pytest.mark.parametrize("workers,hosts", [(2, "a,b"), (4, "a,a,b,b")],
                          ids=["2procs-2hosts", "4procs-2hosts"])
-def test_allreduce_equals_numpy_sum(workers, hosts, algorithm, fusion_mb):
+def test_allreduce_equals_numpy_sum(workers, hosts, algorithm):
+    # Fused (64 MB) and unfused (0), one call each, in one job.
     extra = dict(python=None, launcher_args=("--host-map", hosts))
     if algorithm == "horovod":
         hvd_env_or_skip()
         extra = dict(python=HVD_PYTHON,
                      launcher_args=("--host-map", hosts, "--horovod"))
     proc = launch(workers, [f"{WORKERS}/allreduce_sums.py", algorithm,
-                            str(fusion_mb)], timeout=180, **extra)
-    line = next(l for l in proc.stdout.splitlines() if "RESULT " in l)
-    r = json.loads(line.split("RESULT ", 1)[1])
-    assert r["algorithm"] == algorithm and r["replicas"] == workers
-    wrong = [(dtype, shape) for dtype, shape, ok in r["exact"] if not ok]
-    assert not wrong, wrong
-    assert {d for d, _, _ in r["exact"]} == {"float32", "float16", "bfloat16"}
-    assert r["random_max_rel"] < 1e-4
-    assert [3_300_001] in [shape for _, shape, _ in r["exact"]]
-    # 17 tensors in 3 dtypes: fused into one bucket per dtype, or not fused.
-    assert r["buckets_traced"] == (3 if fusion_mb else 17)
+                            "64", "0"], timeout=180, **extra)
+    results = [json.loads(l.split("RESULT ", 1)[1])
+               for l in proc.stdout.splitlines() if "RESULT " in l]
+    assert [r["fusion_mb"] for r in results] == [64, 0], proc.stdout[-2000:]
+    for r in results:
+        assert r["algorithm"] == algorithm and r["replicas"] == workers
+        wrong = [(dtype, shape) for dtype, shape, ok in r["exact"] if not ok]
+        assert not wrong, (r["fusion_mb"], wrong)
+        assert {d for d, _, _ in r["exact"]} == {"float32", "float16",
+                                                 "bfloat16"}
+        assert r["random_max_rel"] < 1e-4
+        assert [3_300_001] in [shape for _, shape, _ in r["exact"]]
+        # 17 tensors in 3 dtypes: fused into one bucket per dtype, or not
+        # fused.
+        assert r["buckets_traced"] == (3 if r["fusion_mb"] else 17), r

@@ -1,7 +1,9 @@
 """All-reduces known tensors with SMPStrategy's gradient sync (tests).
 
 Run with `keras-smp launch -n N [--host-map ...] -- python allreduce_sums.py
-ALGORITHM FUSION_MB`. Every replica contributes, in one all-reduce call,
+ALGORITHM FUSION_MB [FUSION_MB ...]`: one all-reduce call per fusion
+threshold, in one job (the gradient sync's `fusion_threshold_bytes` is set
+before each call is traced). Every replica contributes, in each call,
 float32 / float16 / bfloat16 tensors of several shapes (mixed dtypes in one
 call exercise fusion's per-dtype buckets) holding small integers (exact in
 every dtype) and float32 tensors holding random values; rank 0 prints how
@@ -15,8 +17,9 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras_smp  # noqa: E402
 
-algorithm, fusion = sys.argv[1], float(sys.argv[2])
-strategy = keras_smp.SMPStrategy(allreduce=algorithm, fusion_threshold_mb=fusion)
+algorithm, fusions = sys.argv[1], [float(f) for f in sys.argv[2:]]
+strategy = keras_smp.SMPStrategy(allreduce=algorithm,
+                                 fusion_threshold_mb=fusions[0])
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -51,37 +54,51 @@ def values(replica):
     return out
 
 
-@tf.function
 def run():
-    def replica_fn():
-        ctx = tf.distribute.get_replica_context()
-        # The replica's index among all replicas of the job.
-        rid = ctx.replica_id_in_sync_group
-        tensors = tf.switch_case(rid, [lambda r=r: values(r) for r in range(n)])
-        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
-    out = strategy.run(replica_fn)
-    return [strategy.experimental_local_results(o)[0] for o in out]
+    @tf.function
+    def step():
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            # The replica's index among all replicas of the job.
+            rid = ctx.replica_id_in_sync_group
+            tensors = tf.switch_case(
+                rid, [lambda r=r: values(r) for r in range(n)])
+            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
+        out = strategy.run(replica_fn)
+        return [strategy.experimental_local_results(o)[0] for o in out]
+    return step()
 
 
-got = [t.numpy().astype("float64") for t in run()]
-report = {"algorithm": strategy.allreduce_algorithm, "replicas": n,
-          "buckets_traced": int(strategy.gradient_sync.buckets_traced),
-          "exact": [], "random_max_rel": 0.0}
-expected = sum(integers(r, 999, BIG).astype("float64") for r in range(n))
-report["exact"].append(["float32", list(BIG), bool(np.array_equal(got[0], expected))])
-i = 1
-for d, dtype in enumerate(DTYPES):
+def check(fusion_mb):
+    sync = strategy.gradient_sync
+    sync.fusion_threshold_bytes = int(fusion_mb * 2**20)
+    traced = sync.buckets_traced
+    got = [t.numpy().astype("float64") for t in run()]
+    report = {"algorithm": strategy.allreduce_algorithm, "replicas": n,
+              "fusion_mb": fusion_mb,
+              "buckets_traced": int(sync.buckets_traced - traced),
+              "exact": [], "random_max_rel": 0.0}
+    expected = sum(integers(r, 999, BIG).astype("float64") for r in range(n))
+    report["exact"].append(["float32", list(BIG),
+                            bool(np.array_equal(got[0], expected))])
+    i = 1
+    for d, dtype in enumerate(DTYPES):
+        for k, shape in enumerate(SHAPES):
+            expected = sum(integers(r, 10 * d + k, shape).astype("float64")
+                           for r in range(n))
+            report["exact"].append([dtype, list(shape),
+                                    bool(np.array_equal(got[i], expected))])
+            i += 1
     for k, shape in enumerate(SHAPES):
-        expected = sum(integers(r, 10 * d + k, shape).astype("float64")
+        expected = sum(randoms(r, 100 + k, shape).astype("float64")
                        for r in range(n))
-        report["exact"].append([dtype, list(shape),
-                                bool(np.array_equal(got[i], expected))])
+        rel = float(np.max(np.abs(got[i] - expected)
+                           / (np.abs(expected) + 1e-3)))
+        report["random_max_rel"] = max(report["random_max_rel"], rel)
         i += 1
-for k, shape in enumerate(SHAPES):
-    expected = sum(randoms(r, 100 + k, shape).astype("float64")
-                   for r in range(n))
-    rel = float(np.max(np.abs(got[i] - expected) / (np.abs(expected) + 1e-3)))
-    report["random_max_rel"] = max(report["random_max_rel"], rel)
-    i += 1
-if keras_smp.rank() == 0:
-    print("RESULT " + json.dumps(report), flush=True)
+    if keras_smp.rank() == 0:
+        print("RESULT " + json.dumps(report), flush=True)
+
+
+for fusion_mb in fusions:
+    check(fusion_mb)
