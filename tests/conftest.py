@@ -106,6 +106,21 @@ def assert_same_training(got, ref, rtol=RTOL, atol=ATOL,
                                    atol=scaled_atol(ref[k], atol), err_msg=k)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def worker_tmpdir(tmp_path_factory):
+    """Worker processes' temporary files go under pytest's own temporary
+    directory (which keeps only its last 3 runs), not /tmp: a worker the
+    tests kill cannot remove its scratch directories itself."""
+    path = tmp_path_factory.mktemp("worker_tmp")
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """Single-device plain-Keras run, computed once per set of flags."""
@@ -132,8 +147,8 @@ HEAVY_FILES = {
     "test_model_zoo.py": 676,
     "test_tensor_parallel.py": 618,
     "test_memory.py": 377,
-    "test_allreduce_sums.py": 195,
     "test_reliability.py": 169,
+    "test_allreduce_sums.py": 145,
     "test_strategy.py": 121,
     "test_notebooks.py": 113,
     "test_executed_timeline.py": 112,

@@ -5,6 +5,7 @@ import dataclasses
 import doctest
 import pathlib
 import subprocess
+import tempfile
 import sys
 
 import pytest
@@ -426,6 +427,7 @@ def test_schedule_module_does_not_import_tensorflow_or_keras(path):
 
 def test_docstring_examples_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # their mkdtemp()
     failed, attempted = doctest.testmod(schedule_module, verbose=False)
     assert attempted > 20 and failed == 0
 
