@@ -38,10 +38,8 @@ sysdeps:
 # runs, e.g. the model zoo's one job per mode, stay in one process). Run one
 # by one, the files kept 1.37 of 2 cores busy on average (one-process tracing
 # and TensorFlow's import); in 2 processes 1.79 (80 -> 59 min, slow AMD EPYC).
-# The heaviest files go first (tests/conftest.py: HEAVY_FILES), so neither
-# process is left alone with a long file at the end.
 # `make test PYTEST_PARALLEL=` runs them one by one.
-PYTEST_PARALLEL ?= -n 2 --dist loadfile --no-loadscope-reorder
+PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
 test: $(STAMP) $(HVD_STAMP) sysdeps
 	$(BIN)/python -m pytest -v -rs --durations=15 $(PYTEST_PARALLEL) tests

@@ -135,29 +135,3 @@ def reference(tmp_path_factory):
 
     return get
 
-
-# Serial seconds of the heaviest test files (`pytest --durations`, slow 2-core
-# AMD EPYC, 2026-11-26). `make test` hands whole files to 2 pytest processes
-# in collection order (`--dist loadfile --no-loadscope-reorder`); running the
-# longest first keeps one process from starting a 6-minute file while the
-# other has finished (longest-processing-time-first). Files not listed take
-# under a minute each and follow in their usual order. Only the order changes.
-HEAVY_FILES = {
-    "test_pipeline_model.py": 1081,
-    "test_model_zoo.py": 676,
-    "test_tensor_parallel.py": 618,
-    "test_memory.py": 377,
-    "test_reliability.py": 169,
-    "test_allreduce_sums.py": 145,
-    "test_strategy.py": 121,
-    "test_notebooks.py": 113,
-    "test_executed_timeline.py": 112,
-    "test_examples.py": 75,
-}
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Runs the heaviest files first; a file's tests keep their order."""
-    def weight(item):
-        return -HEAVY_FILES.get(os.path.basename(str(item.path)), 0)
-    items.sort(key=weight)  # stable: ties keep collection order
