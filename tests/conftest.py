@@ -134,4 +134,3 @@ def reference(tmp_path_factory):
         return cache[flags]
 
     return get
-

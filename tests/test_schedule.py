@@ -5,8 +5,8 @@ import dataclasses
 import doctest
 import pathlib
 import subprocess
-import tempfile
 import sys
+import tempfile
 
 import pytest
 
