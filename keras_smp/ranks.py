@@ -55,25 +55,42 @@ def pp_size():
     return state.topology().pp_size
 
 
+def _local_tp():
+    """Tensor-parallel ranks that are local devices of this process (1:
+    none; the ranks are processes)."""
+    runtime = state.runtime()
+    return getattr(runtime, "local_tensor_parallel", 1) or 1
+
+
 def tp_rank():
-    """Index of this process in its tensor-parallel group."""
+    """Index of this process in its tensor-parallel group. With the ranks
+    on the local devices of one process (`local_devices ==
+    tensor_parallel_degree`): the rank of the replica whose step runs
+    now, 0 outside the steps."""
+    local = _local_tp()
+    if local > 1:
+        from keras_smp.runtime import tf_private
+
+        return tf_private.local_replica_index(local)
     return state.topology().tp_rank
 
 
 def tp_size():
     """Tensor-parallel degree (`tensor_parallel_degree`)."""
-    return state.topology().tp_size
+    return max(state.topology().tp_size, _local_tp())
 
 
 def mp_rank():
     """Model-parallel rank: `pp_rank() * tp_size() + tp_rank()` (SMP's
     rank within a model replica, tensor x pipeline)."""
+    if _local_tp() > 1:
+        return state.topology().pp_rank * tp_size() + tp_rank()
     return state.topology().mp_rank
 
 
 def mp_size():
     """Model-parallel degree: `pp_size() * tp_size()`."""
-    return state.topology().mp_size
+    return state.topology().pp_size * tp_size()
 
 
 def is_chief():

@@ -61,9 +61,17 @@ def test_tensor_parallel_settings_that_cannot_run_fail_early():
     check_tensor_parallel(2, 2, None, 4)  # tp x pp in processes
     with pytest.raises(ValueError, match="1 process.*launch -n 2"):
         check_tensor_parallel(2, 1, None, 1)
-    with pytest.raises(ValueError, match="one tensor-parallel rank per "
-                                         "worker process, but local_devices=2"):
+    with pytest.raises(ValueError, match="4 processes and local_devices=2 "
+                                         r"\(use 1"):
         check_tensor_parallel(2, 1, 2, 4)
+    # The ranks as the local devices of one process: a whole model.
+    assert check_tensor_parallel(2, 1, 2, 1) is True
+    assert check_tensor_parallel(2, 1, None, 4) is False
+    with pytest.raises(ValueError, match="partitions=2 .*local_devices=2 "
+                                         r"\(with partitions=1\)"):
+        check_tensor_parallel(2, 2, 4, 1)
+    with pytest.raises(ValueError, match="local_devices=3.*local_devices=2"):
+        check_tensor_parallel(2, 1, 3, 1)
 
 
 def test_shard_arithmetic_and_einsum_axes():
@@ -242,6 +250,15 @@ CASES = {
     "tp2_vocab_parallel": (2, ["--tp", "2"], "vocab_parallel", {}),
     "tp2_pp2_vocab_parallel": (4, ["--tp", "2", "--partitions", "2"],
                                "vocab_parallel", {}),
+    # One process whose local devices are the ranks (local_devices=T):
+    # each device holds its shard (the worker measures the split weights
+    # and slots per device: 1/T), the collectives run between devices.
+    "tp2_local": (1, ["--tp", "2", "--local"], "sgd_global_clipnorm", {}),
+    "tp4_local": (1, ["--tp", "4", "--local"], "sgd_global_clipnorm", {}),
+    "tp2_local_vocab_parallel": (1, ["--tp", "2", "--local"],
+                                 "vocab_parallel", {}),
+    "tp2_local_mixed_float16": (1, ["--tp", "2", "--local"], "mixed_float16",
+                                dict(rtol=2e-3, atol=2e-3)),
 }
 
 
@@ -481,6 +498,18 @@ def test_layouts_that_cannot_run_fail_early_on_every_rank():
                      "vocab-parallel loss after a softmax"):
             assert f"[{rank}] ok: {what}" in proc.stdout, proc.stdout[-3000:]
         assert f"[{rank}] errors ok" in proc.stdout
+    # The same errors with the ranks on the local devices of one process,
+    # and a direct call of a split layer outside the replicas.
+    proc = run_python([os.path.join(WORKERS, "tensor_errors.py"), "--local"],
+                      timeout=300)
+    for what in ("built outside the scope", "Lamb",
+                 "attention scores of split heads",
+                 "vocab-parallel loss with a whole-logits metric",
+                 "compiled again with Keras' loss",
+                 "vocab-parallel loss after a softmax",
+                 "a direct call outside the replicas"):
+        assert f"ok: {what}" in proc.stdout, proc.stdout[-3000:]
+    assert "errors ok" in proc.stdout
     proc = launch(4, [os.path.join(WORKERS, "tensor_errors.py"),
                       "--pipeline"], timeout=300)
     for rank in range(4):

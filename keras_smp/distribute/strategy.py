@@ -153,6 +153,17 @@ class SMPStrategy(tf_private.CollectiveAllReduceStrategy):
                 axis = None
         return super().reduce(reduce_op, value, axis)
 
+    def experimental_local_results(self, value):
+        # The local replicas of tensor parallelism over local devices are
+        # ranks of one model fed the same batch: the first one's output
+        # is the process's (Keras concatenates predictions from these).
+        if (getattr(self.extended, "_smp_local_tp", 1) > 1
+                and isinstance(value, tf.distribute.DistributedValues)
+                and not isinstance(value, tf.Variable)
+                and len(value.values) == self.extended._smp_local_tp):
+            return (value.values[0],)
+        return super().experimental_local_results(value)
+
     def gather(self, value, axis):
         # TensorFlow's collective all-gather has no bfloat16 kernel; Keras
         # gathers predictions with it (mixed_bfloat16 models output
@@ -198,9 +209,11 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
         replica_layout = groups.stage_replica_layout(
             topology, devices_per_worker, multi)
         algorithm = resolve_algorithm(config.allreduce, replica_layout)
-        if topology.tp_size > 1 and algorithm == "horovod":
+        self._smp_local_tp = runtime.local_tensor_parallel
+        tp_degree = max(topology.tp_size, self._smp_local_tp)
+        if tp_degree > 1 and algorithm == "horovod":
             raise ValueError(
-                f"tensor_parallel_degree={topology.tp_size} with the Horovod "
+                f"tensor_parallel_degree={tp_degree} with the Horovod "
                 "backend is not supported yet; use allreduce='ring' or "
                 "'hierarchical' (TensorFlow's collectives) with tensor "
                 "parallelism.")
@@ -245,6 +258,18 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
                 tp_keys.key(topology.rank // topology.tp_size),
                 timeout=config.collective_timeout_seconds,
                 initial_value_sync=self._broadcast_in_stage)
+        elif self._smp_local_tp > 1:
+            from keras_smp.tensor.ops import TensorGroup
+
+            # The ranks are this process's devices, one local replica
+            # each: every replica runs the step on the same batch and
+            # holds its own shard of the split weights.
+            self._smp_tensor_group = TensorGroup(
+                self._smp_local_tp, None,
+                keys.allocate("tensor-parallel group of local devices",
+                              1).key(0),
+                timeout=config.collective_timeout_seconds, local=True,
+                devices=self.worker_devices)
         common = dict(
             devices=self.worker_devices, layout=replica_layout,
             fusion_threshold_bytes=int(config.fusion_threshold_mb * 2**20),
@@ -268,6 +293,15 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
 
     def _get_variable_creator_initial_value(self, replica_id, device,
                                             primary_var, **kwargs):
+        shard_of = placement.local_shard_initializer()
+        if shard_of is not None:
+            # A tensor-parallel weight over local devices: each replica
+            # (rank) starts from its own shard.
+            def shard_value():
+                with tf.device(device):
+                    return tf.identity(shard_of(replica_id))
+
+            return shard_value
         if self._smp_init_group is not None and replica_id == 0:
             return self._stage_initial_value(device, kwargs)
         if self._smp_horovod is None or replica_id != 0:
@@ -324,13 +358,80 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
         return tf.cast(tf.raw_ops.CollectiveBcastRecvV2(
             shape=value.shape, T=wire, **common), value.dtype)
 
+    # ---- tensor parallelism over the local devices ----------------------
+    # The local replicas are tensor-parallel ranks, not data-parallel
+    # replicas: one replica in sync (Keras does not divide the loss), the
+    # same batch on every one, and no reduction among them (a gradient of
+    # a shard is that rank's own; the group's layers sum what must be
+    # summed themselves).
+
+    def _smp_same_batch(self, dataset):
+        """`dataset` with each element repeated once per local replica
+        (a replica's iterator takes every T-th element)."""
+        copies = self._smp_local_tp
+
+        def repeat(*element):
+            if not isinstance(dataset.element_spec, tuple):
+                (element,) = element
+            return tf.data.Dataset.from_tensors(element).repeat(copies)
+
+        return dataset.flat_map(repeat)
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        if self._smp_local_tp > 1:
+            dataset = self._smp_same_batch(dataset)
+        return super()._experimental_distribute_dataset(dataset, options)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        if self._smp_local_tp > 1:
+            inner = dataset_fn
+
+            def dataset_fn(context):
+                return self._smp_same_batch(inner(context))
+        return super()._distribute_datasets_from_function(dataset_fn,
+                                                          options)
+
+    def _smp_own_values(self, value):
+        """A tensor-parallel rank's own value of `value` for every local
+        replica (no reduction among them), or `None` (not per replica)."""
+        if (self._smp_local_tp > 1
+                and isinstance(value, tf.distribute.DistributedValues)
+                and len(value.values) == self._smp_local_tp):
+            return tf_private.mirrored(value.values)
+        return None
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        own = self._smp_own_values(value)
+        if own is not None:
+            return own
+        return super()._reduce_to(reduce_op, value, destinations, options)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        if self._smp_local_tp > 1:
+            own = [self._smp_own_values(v) for v, _ in value_destination_pairs]
+            if all(o is not None for o in own):
+                return own
+        return super()._batch_reduce_to(reduce_op, value_destination_pairs,
+                                        options)
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        if self._smp_local_tp > 1:
+            return value
+        return super()._replica_ctx_all_reduce(reduce_op, value, options)
+
     @property
     def _num_replicas_in_sync(self):
+        if self._smp_local_tp > 1:
+            return self._smp_topology.dp_size
         if self._smp_topology.mp_size > 1:
             return self._smp_topology.dp_size
         return super()._num_replicas_in_sync
 
     def _make_input_context(self):
+        if self._smp_local_tp > 1:
+            return tf_private.InputContext(
+                num_input_pipelines=1, input_pipeline_id=0,
+                num_replicas_in_sync=1)
         if self._smp_topology.mp_size == 1:
             return super()._make_input_context()
         # Every process of a replica (its stages and tensor-parallel
@@ -356,6 +457,11 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
         if placement.creating_local():
             kwargs.pop("colocate_with", None)
             return next_creator(**kwargs)
+        if (self._smp_local_tp > 1 and kwargs.get("synchronization")
+                == tf.VariableSynchronization.ON_READ):
+            # A metric's state: every rank (local replica) counts the same
+            # batch, so the first one's is the value (not their sum).
+            kwargs["aggregation"] = tf.VariableAggregation.ONLY_FIRST_REPLICA
         if _moving_statistic(kwargs):
             # BatchNormalization's moving statistics: Keras leaves their
             # aggregation "none", so each replica keeps its own update and

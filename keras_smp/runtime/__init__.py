@@ -53,6 +53,9 @@ class Runtime:
         started: whether TensorFlow was set up for it.
         collectives: whether TensorFlow's multi-worker collective runtime
             (gRPC server, collective ops, coordination service) runs.
+        local_tensor_parallel: tensor-parallel ranks that are local
+            devices of this one process (`local_devices ==
+            tensor_parallel_degree`), or 1.
     """
 
     config: Any
@@ -62,6 +65,7 @@ class Runtime:
     keys: KeyAllocator | None = None
     started: bool = False
     collectives: bool = False
+    local_tensor_parallel: int = 1
 
     @property
     def mode(self):

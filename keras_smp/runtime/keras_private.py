@@ -368,3 +368,18 @@ def model_json(model):
     """`(config.json, metadata.json)` texts of a `.keras` file for `model`
     (its architecture only: no weight is read)."""
     return _saving_lib._serialize_model_as_json(model)
+
+
+def backing_variable(variable):
+    """The TensorFlow variable behind a Keras variable (under a strategy,
+    its distributed variable), or `variable` itself."""
+    return getattr(variable, "_value", variable)
+
+
+def in_symbolic_scope():
+    """Whether Keras is tracing for shapes only (`compute_output_spec`,
+    building a functional model): values computed now are never used."""
+    from keras.src.backend.common.symbolic_scope import (
+        in_symbolic_scope as symbolic)
+
+    return symbolic()

@@ -74,34 +74,56 @@ def resolve_mode(partitions, local_devices, world_size, has_gpus):
 
 def check_tensor_parallel(tensor_parallel_degree, partitions, local_devices,
                           world_size):
-    """Checks that tensor parallelism can run as configured.
+    """Checks that tensor parallelism can run as configured; returns
+    whether its ranks are the local devices of one process.
 
-    Each tensor-parallel rank is one worker process with one device
-    (`local_devices` unset or 1); with `partitions > 1` each pipeline
-    stage's tensor-parallel ranks are processes too (tensor x pipeline x
-    data parallelism).
+    Two layouts:
+
+    - one tensor-parallel rank per worker process with one device
+      (`local_devices` unset or 1); with `partitions > 1` each pipeline
+      stage's tensor-parallel ranks are processes too (tensor x pipeline x
+      data parallelism);
+    - one process whose `local_devices` are the ranks (GPUs, or logical
+      CPUs for notebooks and tests): `local_devices ==
+      tensor_parallel_degree`, `partitions=1`.
 
     >>> check_tensor_parallel(2, 1, None, 4)
+    False
     >>> check_tensor_parallel(2, 2, None, 8)
+    False
+    >>> check_tensor_parallel(2, 1, 2, 1)
+    True
     >>> check_tensor_parallel(2, 1, None, 1)
     Traceback (most recent call last):
     ...
-    ValueError: tensor_parallel_degree=2 runs one tensor-parallel rank per worker process, but this job has 1 process. Start a multiple of 2 processes (`keras-smp launch -n 2 -- python train.py`, or `keras_smp.notebook_launcher(fn, num_workers=2)` in a notebook); splitting layers over the devices of one process is not supported yet.
+    ValueError: tensor_parallel_degree=2 runs one tensor-parallel rank per worker process, or one per local device of a single process, but this job has 1 process and local_devices=None. Start a multiple of 2 processes (`keras-smp launch -n 2 -- python train.py`, or `keras_smp.notebook_launcher(fn, num_workers=2)` in a notebook), or in one process set local_devices=2 (with partitions=1).
     """
     t = tensor_parallel_degree
     if t == 1:
-        return
+        return False
+    if world_size == 1 and local_devices == t and partitions == 1:
+        return True
     if world_size == 1 or local_devices not in (None, 1):
         n = t * partitions
-        where = (f"local_devices={local_devices} (use 1)" if world_size > 1
-                 else "this job has 1 process")
+        if world_size > 1:
+            where = (f"this job has {world_size} processes and "
+                     f"local_devices={local_devices} (use 1: with several "
+                     "processes, each is one rank)")
+        elif partitions > 1:
+            where = (f"this job has 1 process and partitions={partitions} "
+                     "(the ranks of one process's devices split a whole "
+                     "model: partitions=1)")
+        else:
+            where = f"this job has 1 process and local_devices={local_devices}"
         raise ValueError(
             f"tensor_parallel_degree={t} runs one tensor-parallel rank per "
-            f"worker process, but {where}. Start a multiple of {n} "
-            f"processes (`keras-smp launch -n {n} -- python train.py`, or "
+            "worker process, or one per local device of a single process, "
+            f"but {where}. Start a multiple of {n} processes (`keras-smp "
+            f"launch -n {n} -- python train.py`, or "
             f"`keras_smp.notebook_launcher(fn, num_workers={n})` in a "
-            "notebook); splitting layers over the devices of one process "
-            "is not supported yet.")
+            f"notebook), or in one process set local_devices={t} (with "
+            "partitions=1).")
+    return False
 
 
 def topology_for(cluster, partitions, placement_strategy, mode,

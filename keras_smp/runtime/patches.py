@@ -314,14 +314,16 @@ def across_stages(optimizer, reduce_sum, counted_elsewhere=()):
     if inner is not None:
         optimizers.append(inner)
     state = (reduce_sum, frozenset(counted_elsewhere))
-    previous = [getattr(opt, "_smp_stage_state", None) for opt in optimizers]
+    key = _replica_key()
+    previous = [opt.__dict__.get("_smp_step_state", {}).get(
+        ("stage_state", key)) for opt in optimizers]
     for opt in optimizers:
-        _set(opt, "_smp_stage_state", state)
+        _set_step(opt, "stage_state", state)
     try:
         yield
     finally:
         for opt, before in zip(optimizers, previous):
-            _set(opt, "_smp_stage_state", before)
+            _set_step(opt, "stage_state", before)
 
 
 def _set(optimizer, name, value):
@@ -330,9 +332,38 @@ def _set(optimizer, name, value):
     object.__setattr__(optimizer, name, value)
 
 
+def _replica_key():
+    """The replica whose step runs now (`None` outside a strategy's
+    replica function): the local replicas of one process (tensor-parallel
+    ranks on local devices) trace their steps in turns, switching at each
+    merge_call, so the optimizer's step state is kept per replica."""
+    import tensorflow as tf
+
+    from keras_smp.runtime import tf_private
+
+    if not tf_private.in_strategy_replica():
+        return None
+    return tf.distribute.get_replica_context()._replica_id_in_sync_group
+
+
+def _set_step(optimizer, name, value):
+    """Sets `optimizer`'s step state `name` for the replica running now."""
+    table = optimizer.__dict__.setdefault("_smp_step_state", {})
+    table[(name, _replica_key())] = value
+
+
+def _step(optimizer, name, default=None):
+    """`optimizer`'s step state `name` for the replica running now (or as
+    set outside the replicas)."""
+    table = optimizer.__dict__.get("_smp_step_state", {})
+    key = _replica_key()
+    if (name, key) in table and table[(name, key)] is not None:
+        return table[(name, key)]
+    return table.get((name, None), default)
+
+
 def _stage_state(optimizer):
-    return getattr(optimizer, "_smp_stage_state", None) or (None,
-                                                            frozenset())
+    return _step(optimizer, "stage_state") or (None, frozenset())
 
 
 def _stage_sum(optimizer, tensor):
@@ -421,8 +452,7 @@ def _patch_optimizer(keras):
     def wrap_apply(apply_gradients):
         def backend_apply_gradients(self, grads, trainable_variables):
             group = _tensor_group(self)
-            if group is not None and not getattr(self, "_smp_tp_summed",
-                                                 False):
+            if group is not None and not _step(self, "tp_summed", False):
                 # Tensor parallelism: each rank holds shards, so the global
                 # norm and the finite check sum over the group (then over
                 # the pipeline's stages, if any); a replicated weight's
@@ -444,14 +474,14 @@ def _patch_optimizer(keras):
                 optimizers = [self, getattr(self, "inner_optimizer", None)]
                 optimizers = [o for o in optimizers if o is not None]
                 for o in optimizers:
-                    _set(o, "_smp_tp_summed", True)
+                    _set_step(o, "tp_summed", True)
                 try:
                     with across_stages(self, reduce_sum, elsewhere):
                         return backend_apply_gradients(
                             self, grads, trainable_variables)
                 finally:
                     for o in optimizers:
-                        _set(o, "_smp_tp_summed", False)
+                        _set_step(o, "tp_summed", False)
             if not (_smp_optimizer(self) and clips(self)):
                 return apply_gradients(self, grads, trainable_variables)
             if (self.global_clipnorm and self.gradient_accumulation_steps
@@ -474,24 +504,24 @@ def _patch_optimizer(keras):
                         [grads[i] for i in present])
                 for i, g in zip(present, summed):
                     grads[i] = g
-                _set(self, "_smp_synced", True)
-            _set(self, "_smp_clip_ids",
+                _set_step(self, "synced", True)
+            _set_step(self, "clip_ids",
                  tuple(id(v) for v in trainable_variables))
-            _set(self, "_smp_clip_split", tuple(
+            _set_step(self, "clip_split", tuple(
                 getattr(v, "_smp_tp_axis", None) is not None
                 for v in trainable_variables))
             try:
                 return apply_gradients(self, grads, trainable_variables)
             finally:
-                _set(self, "_smp_synced", False)
-                _set(self, "_smp_clip_ids", None)
-                _set(self, "_smp_clip_split", None)
+                _set_step(self, "synced", False)
+                _set_step(self, "clip_ids", None)
+                _set_step(self, "clip_split", None)
 
         return backend_apply_gradients
 
     def wrap_all_reduce(all_reduce):
         def all_reduce_sum_gradients(self, grads_and_vars):
-            if getattr(self, "_smp_synced", False):
+            if _step(self, "synced", False):
                 return list(grads_and_vars)  # summed before clipping
             return all_reduce(self, grads_and_vars)
 
@@ -503,7 +533,7 @@ def _patch_optimizer(keras):
             if group is not None and self.clipnorm:
                 # Each weight's own norm: a tensor-parallel shard's counts
                 # every rank's shard (Keras' clip_by_norm, whole weight).
-                split = getattr(self, "_smp_clip_split", None)
+                split = _step(self, "clip_split", None)
                 if split is None or len(split) != len(grads):
                     raise RuntimeError(
                         "keras-smp: clipnorm with tensor parallelism lost "
@@ -522,7 +552,7 @@ def _patch_optimizer(keras):
                     and reduce_sum is not None):
                 return clip(self, grads)
             # keras' clip_by_global_norm, with the norm over every stage.
-            ids = getattr(self, "_smp_clip_ids", None)
+            ids = _step(self, "clip_ids", None)
             if ids is None or len(ids) != len(grads):
                 raise RuntimeError(
                     "keras-smp: global_clipnorm across pipeline stages lost "
@@ -550,8 +580,7 @@ def _patch_optimizer(keras):
             if context is not None and context.num_replicas_in_sync > 1:
                 bad = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
             group = _tensor_group(self)
-            if group is not None and not getattr(self, "_smp_tp_summed",
-                                                 False):
+            if group is not None and not _step(self, "tp_summed", False):
                 # A LossScaleOptimizer checks before its inner optimizer's
                 # step (where the tensor-parallel sums are set): a shard's
                 # overflow on one rank skips the step on every rank.
@@ -749,13 +778,52 @@ def whole_value(variable):
     shard is gathered over its group (a collective: every rank of the
     group calls it for the same variables, in the same order)."""
     import keras
+    import numpy as np
     import tensorflow as tf
 
-    value = tf.convert_to_tensor(variable)
     split = split_of(variable)
+    if split is not None and split[1].local:
+        # Ranks of local devices: the shards are the components of the
+        # distributed variable, one per local replica.
+        return np.concatenate(
+            [keras.ops.convert_to_numpy(c)
+             for c in _rank_components(variable)], axis=split[0])
+    value = tf.convert_to_tensor(variable)
     if split is not None:
         value = split[1].all_gather(value, split[0])
     return keras.ops.convert_to_numpy(value)
+
+
+def _rank_components(variable):
+    """A local tensor-parallel group's shards of `variable`, in rank
+    order (the components of its distributed variable)."""
+    from keras_smp.runtime import keras_private
+
+    backing = keras_private.backing_variable(variable)
+    components = tuple(getattr(backing, "values", (backing,)))
+    group = split_of(variable)[1]
+    if len(components) != group.size:
+        raise RuntimeError(
+            f"keras-smp: tensor-parallel weight "
+            f"{getattr(variable, 'path', variable)} has {len(components)} "
+            f"copies for {group.size} local ranks (internal error).")
+    return components
+
+
+def assign_whole(variable, value, what="weight"):
+    """Assigns a whole `value` to `variable`: to a tensor-parallel shard,
+    its rank's part (every rank's, for ranks that are local devices)."""
+    part = rank_part(value, variable, what)  # checks the shape
+    split = split_of(variable)
+    if split is None or not split[1].local:
+        variable.assign(part)
+        return
+    import numpy as np
+
+    axis, group = split
+    for rank, component in enumerate(_rank_components(variable)):
+        component.assign(np.split(np.asarray(value), group.size,
+                                  axis=axis)[rank])
 
 
 def rank_part(value, variable, what="weight"):
@@ -814,10 +882,10 @@ def _patch_split_weights(keras):
                 f"You called `set_weights(weights)` on layer '{self.name}' "
                 f"with a weight list of length {len(weights)}, but the layer "
                 f"was expecting {len(variables)} weights.")
-        parts = [rank_part(w, v, f"Layer {self.name} weight")
-                 for v, w in zip(variables, weights)]
-        for v, part in zip(variables, parts):
-            v.assign(part)
+        for v, w in zip(variables, weights):  # check all, then assign
+            rank_part(w, v, f"Layer {self.name} weight")
+        for v, w in zip(variables, weights):
+            assign_whole(v, w, f"Layer {self.name} weight")
 
     # Optimizer slots of split weights are split alike (marked when made),
     # and saved whole like the weights.
@@ -865,8 +933,8 @@ def _patch_split_weights(keras):
                 len(store.keys()) != len(variables)):
             return load_slots(self, store)  # Keras' checks and warning
         for i, variable in enumerate(variables):
-            variable.assign(rank_part(store[str(i)], variable,
-                                      f"Optimizer {self.name} variable"))
+            assign_whole(variable, store[str(i)],
+                         f"Optimizer {self.name} variable")
 
     base.add_variable_from_reference = add_variable_from_reference
     base.save_own_variables = save_own_variables

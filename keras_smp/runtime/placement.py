@@ -79,3 +79,18 @@ def consistent_initial_values():
 def initial_values_consistent():
     """Whether `consistent_initial_values` is active."""
     return bool(getattr(_state, "consistent", False))
+
+
+@contextlib.contextmanager
+def local_shards(shard_of):
+    """The variable created inside is a tensor-parallel weight whose ranks
+    are the local replicas of this process: replica `r`'s copy starts as
+    `shard_of(r)` (its shard of the whole initial value), not as a copy of
+    replica 0's."""
+    with _setting("shards", shard_of):
+        yield
+
+
+def local_shard_initializer():
+    """The `shard_of` function `local_shards` set, or `None`."""
+    return getattr(_state, "shards", None)

@@ -233,11 +233,15 @@ def start(config=None, /, *, custom_loop=False, **kwargs):
             "`StepOutput.accumulate()`), or tensor_parallel_degree=1.")
     # A custom loop runs a process's stages on its devices: only the
     # tensor-parallel ranks (and replicas) are processes.
-    check_tensor_parallel(tp, 1 if custom_loop else p,
-                          None if custom_loop else config.local_devices,
-                          cluster.world_size)
+    local_tp = check_tensor_parallel(
+        tp, 1 if custom_loop else p,
+        None if custom_loop else config.local_devices, cluster.world_size)
     if custom_loop:
         mode = "none" if p == 1 else "in_process"
+    elif local_tp:
+        # The ranks are this process's devices: one model, no processes
+        # to split it across (the topology counts processes).
+        local_devices, mode = tp, "none"
     else:
         local_devices, mode = _pipeline_mode(config, cluster)
         if tp > 1:
@@ -249,7 +253,7 @@ def start(config=None, /, *, custom_loop=False, **kwargs):
                     f"process ({mode}). Set local_devices=1.")
             local_devices = 1
     topology = topology_for(cluster, p, config.placement_strategy, mode,
-                            tensor_parallel_degree=tp)
+                            tensor_parallel_degree=1 if local_tp else tp)
     if custom_loop:
         layout = _custom_loop_layout(config, topology, mode)
     else:
@@ -261,7 +265,8 @@ def start(config=None, /, *, custom_loop=False, **kwargs):
     patches.install()
     runtime = Runtime(config=config, cluster=cluster, topology=topology,
                       layout=layout, keys=process_keys(), started=True,
-                      collectives=collectives)
+                      collectives=collectives,
+                      local_tensor_parallel=tp if local_tp else 1)
     state.install(config, cluster, topology, runtime)
     return runtime
 

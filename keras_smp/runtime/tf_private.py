@@ -19,6 +19,7 @@ from tensorflow.python.distribute import device_util  # noqa: F401
 from tensorflow.python.distribute import distribute_lib  # noqa: F401
 from tensorflow.python.distribute import multi_worker_util  # noqa: F401
 from tensorflow.python.distribute import reduce_util  # noqa: F401
+from tensorflow.python.distribute import values as distribute_values  # noqa: F401
 from tensorflow.python.eager import context  # noqa: F401
 from tensorflow.python.ops import collective_ops  # noqa: F401
 from tensorflow.python.util import nest  # noqa: F401
@@ -52,6 +53,33 @@ def local_replica_index(num_local_replicas):
     if ctx is None:
         return 0
     return ctx._replica_id_in_sync_group % num_local_replicas
+
+
+def mirrored(components):
+    """A `Mirrored` distributed value of per-replica `components` (what
+    a strategy's reduction returns: replica `r` receives `components[r]`)."""
+    return distribute_values.Mirrored(tuple(components))
+
+
+def ordering_token(device):
+    """A resource on `device` whose handle, passed as a collective's
+    `ordering_token`, runs that device's collectives in program order.
+    Collectives between the devices of one process hang without one (TF
+    2.21); TensorFlow's `CollectiveReplicaLauncher` makes the same."""
+    from tensorflow.python.framework import ops
+    from tensorflow.python.ops import resource_variable_ops
+
+    with ops.init_scope(), ops.device(device):
+        return resource_variable_ops.ResourceVariable(0.0)
+
+
+def in_strategy_replica():
+    """Whether a strategy's replica function is being run or traced now
+    (not its cross-replica context, nor code outside any strategy)."""
+    import tensorflow as tf
+
+    return (tf.distribute.has_strategy()
+            and tf.distribute.get_replica_context() is not None)
 
 
 # --- used by keras_smp.runtime.process / patches ----------------------------

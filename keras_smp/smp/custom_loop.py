@@ -202,7 +202,7 @@ def after_first_call(model):
             values = comms.broadcast(
                 whole if state.topology().rank == 0 else None)
             for v, value in zip(model.variables, values):
-                v.assign(patches.rank_part(value, v))
+                patches.assign_whole(v, value)
 
 
 class StepOutput:

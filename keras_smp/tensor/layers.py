@@ -142,20 +142,30 @@ class _TensorParallel:
         local[axis] = stop - start
         init = keras.initializers.get(initializer)
         sync = group.initial_value_sync
+        made = {}
+        variable_dtype = dtype or self.variable_dtype
 
-        def sharded(shape, dtype=None):
+        def shard_of(rank, dtype=None):
             # The whole weight as one device would initialise it (the same
             # seeds give the same values), made identical on every rank of
-            # the stage, then this rank's slice: training starts where
+            # the stage, once, then the rank's slice: training starts where
             # single-device training does.
-            value = tf.convert_to_tensor(init(full, dtype=dtype))
-            if sync is not None:
-                value = sync(value)
+            if "whole" not in made:
+                value = tf.convert_to_tensor(
+                    init(full, dtype=dtype or variable_dtype))
+                made["whole"] = value if sync is None else sync(value)
             index = [slice(None)] * len(full)
-            index[axis] = slice(start, stop)
-            return value[tuple(index)]
+            index[axis] = slice(rank * local[axis], (rank + 1) * local[axis])
+            return made["whole"][tuple(index)]
 
-        with placement.consistent_initial_values():
+        def sharded(shape, dtype=None):
+            return shard_of(group.rank, dtype)
+
+        # Ranks that are local devices: each local replica's copy of the
+        # variable starts from its rank's shard.
+        shards = (placement.local_shards(shard_of) if group.local
+                  else contextlib.nullcontext())
+        with placement.consistent_initial_values(), shards:
             variable = super().add_weight(
                 shape=tuple(local), initializer=sharded, dtype=dtype,
                 name=name, **kwargs)
@@ -215,11 +225,11 @@ class _TensorParallel:
             raise ValueError(
                 f"Layer '{self.name}' expects {len(variables)} variables in "
                 f"the checkpoint, found {len(store.keys())}.")
-        parts = [patches.rank_part(store[str(i)], v,
-                                   f"Layer {self.name} weight")
-                 for i, v in enumerate(variables)]
-        for v, part in zip(variables, parts):
-            v.assign(part)
+        for i, v in enumerate(variables):  # check all, then assign
+            patches.rank_part(store[str(i)], v, f"Layer {self.name} weight")
+        for i, v in enumerate(variables):
+            patches.assign_whole(v, store[str(i)],
+                                 f"Layer {self.name} weight")
 
 
 class WholeWeight(np.ndarray):

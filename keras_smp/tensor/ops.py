@@ -24,12 +24,15 @@ Example (one process: a group of one is the identity):
 2.0
 """
 
+import collections
 import contextlib
+import functools
 import itertools
 
 import tensorflow as tf
 
 from keras_smp import tensor
+from keras_smp.runtime import tf_private
 
 _WIRE = {tf.float16: tf.float32, tf.bfloat16: tf.float32}
 
@@ -64,13 +67,28 @@ class TensorGroup:
             gathers) use `group_key` on the default device.
         stage_devices: the device of each stage (for the collectives of
             its gradients, made outside the stage's device scope).
+        local: the ranks are the local replicas of one process (its
+            devices), not processes: `rank` is the index of the replica
+            whose step is being traced (`rank` must be `None`).
+        devices: a local group's device of each rank.
     """
 
     def __init__(self, size, rank, group_key, timeout=0.0,
                  initial_value_sync=None, stage_keys=None,
-                 stage_devices=None):
+                 stage_devices=None, local=False, devices=None):
+        if local and rank is not None:
+            raise ValueError(
+                "TensorGroup: a local group's rank is that of the replica "
+                f"being traced; pass rank=None, not {rank!r}.")
+        if local and len(devices or ()) != size:
+            raise ValueError(
+                f"TensorGroup: a local group of {size} ranks needs one "
+                f"device per rank; received devices={devices!r}.")
         self.size = size
-        self.rank = rank
+        self.local = bool(local)
+        self.devices = tuple(devices or ())
+        self._tokens = {}
+        self._rank = rank
         self.group_key = group_key
         self.timeout = float(timeout or 0)
         self.initial_value_sync = initial_value_sync
@@ -81,8 +99,19 @@ class TensorGroup:
                 f"TensorGroup: {len(self.stage_keys)} stage_keys but "
                 f"{len(self.stage_devices)} stage_devices; give one device "
                 "per stage key.")
-        self._instances = itertools.count(1)
-        self._batched = itertools.count(0)
+        # Instance-key counters per rank: a local group's ranks trace the
+        # same collectives, in the same order, in one process.
+        self._instances = collections.defaultdict(
+            functools.partial(itertools.count, 1))
+        self._batched = collections.defaultdict(itertools.count)
+
+    @property
+    def rank(self):
+        """This rank's index in the group (a local group: the replica
+        being traced, 0 outside a replica's step)."""
+        if self.local:
+            return tf_private.local_replica_index(self.size)
+        return self._rank
 
     def _stage(self):
         """The model stage collectives are made for now (`None`: the
@@ -121,21 +150,30 @@ class TensorGroup:
                 "dimensions (e.g. pad sequences to one length: "
                 "keras.Input((length,))).")
         if x is not None and x.shape.rank and x.shape[0] is None:
-            position = next(self._batched)
+            position = next(self._batched[self.rank])
             if position >= _ROWS_STRIDE:
                 raise RuntimeError(
                     f"keras-smp: more than {_ROWS_STRIDE} tensor-parallel "
                     "collectives traced in this process; retracing step "
                     "functions without end? Keep input shapes fixed.")
             rows = tf.shape(x, out_type=tf.int32)[0]
-            check = tf.debugging.assert_less_equal(
-                rows, MAX_ROWS, message=(
-                    f"keras-smp: tensor parallelism takes batches of at "
-                    f"most {MAX_ROWS} rows; use a smaller batch."))
-            with tf.control_dependencies([check]):
-                key = _BATCHED_BASE + position + rows * _ROWS_STRIDE
+            if self.local:
+                # No assertion here: TensorFlow runs a function's stateful
+                # ops in program order, so a local rank's collective
+                # waiting on one would wait for the previous rank's next
+                # collective (a deadlock). Larger batches share the last
+                # key and fail TensorFlow's shape check instead.
+                key = (_BATCHED_BASE + position
+                       + tf.minimum(rows, MAX_ROWS) * _ROWS_STRIDE)
+            else:
+                check = tf.debugging.assert_less_equal(
+                    rows, MAX_ROWS, message=(
+                        f"keras-smp: tensor parallelism takes batches of at "
+                        f"most {MAX_ROWS} rows; use a smaller batch."))
+                with tf.control_dependencies([check]):
+                    key = _BATCHED_BASE + position + rows * _ROWS_STRIDE
         else:
-            key = next(self._instances)
+            key = next(self._instances[self.rank])
             if key >= _BATCHED_BASE:
                 raise RuntimeError(
                     "keras-smp: too many tensor-parallel collectives traced "
@@ -146,6 +184,34 @@ class TensorGroup:
         return dict(group_size=self.size, group_key=group_key,
                     instance_key=key, communication_hint="auto",
                     timeout_seconds=self.timeout)
+
+    def _ordering(self):
+        """The `ordering_token` of a collective made now: a local group's
+        collectives need one per device (in-process collectives hang
+        without it); a process's run unordered."""
+        if not self.local:
+            return []
+        rank = self.rank
+        if rank not in self._tokens:
+            self._tokens[rank] = tf_private.ordering_token(self.devices[rank])
+        return [self._tokens[rank].handle]
+
+    def _outside_ranks(self):
+        """A local group's collective made outside a replica's step: only
+        Keras' shape inference may do that (each rank is a local replica;
+        there is no rank to meet here)."""
+        if not self.local or tf_private.in_strategy_replica():
+            return False
+        from keras_smp.runtime import keras_private
+
+        if keras_private.in_symbolic_scope():
+            return True  # shapes only: a stand-in of the right shape
+        raise RuntimeError(
+            "keras-smp: a tensor-parallel layer whose ranks are the local "
+            "devices of this process was called outside the strategy's "
+            "replicas (e.g. `model(x)` directly): each device holds one "
+            "shard. Call it through Keras (`model.predict(x)`, "
+            "`model.evaluate`, `model.fit`) or `strategy.run(fn, ...)`.")
 
     def sum(self, x):
         """Sum of `x` over the group (no gradient)."""
@@ -160,12 +226,12 @@ class TensorGroup:
         return self._reduce(x, "Min")
 
     def _reduce(self, x, merge_op):
-        if self.size == 1:
+        if self.size == 1 or self._outside_ranks():
             return x
         wire = _WIRE.get(x.dtype, x.dtype)
         with self._device():
             out = tf.raw_ops.CollectiveReduceV2(
-                input=tf.cast(x, wire), ordering_token=[],
+                input=tf.cast(x, wire), ordering_token=self._ordering(),
                 merge_op=merge_op, final_op="Id", **self._common(x))
         return tf.stop_gradient(tf.cast(out, x.dtype))
 
@@ -174,6 +240,8 @@ class TensorGroup:
         if self.size == 1:
             return x
         x = tf.convert_to_tensor(x)
+        if self._outside_ranks():
+            return tf.concat([x] * self.size, axis)
         rank = x.shape.rank
         axis = axis % rank
         perm = [axis] + [i for i in range(rank) if i != axis]
@@ -181,7 +249,8 @@ class TensorGroup:
         moved = tf.cast(tf.transpose(x, perm), wire)
         with self._device():
             gathered = tf.raw_ops.CollectiveGatherV2(
-                input=moved, ordering_token=[], **self._common(x))
+                input=moved, ordering_token=self._ordering(),
+                **self._common(x))
         back = [perm.index(i) for i in range(rank)]
         out = tf.cast(tf.transpose(gathered, back), x.dtype)
         shape = x.shape.as_list()

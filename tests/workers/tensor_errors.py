@@ -6,6 +6,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 PIPELINE = "--pipeline" in sys.argv  # 4 processes: tp 2 x pp 2
+LOCAL = "--local" in sys.argv  # 1 process: the ranks are 2 local devices
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -14,7 +15,8 @@ import keras_smp  # noqa: E402
 
 strategy = keras_smp.SMPStrategy(
     tensor_parallel_degree=2, collective_timeout_seconds=60,
-    **(dict(partitions=2, microbatches=2) if PIPELINE else {}))
+    **(dict(partitions=2, microbatches=2) if PIPELINE else {}),
+    **(dict(local_devices=2) if LOCAL else {}))
 x = np.ones((8, 4, 8), "float32")
 
 
@@ -125,4 +127,15 @@ with strategy.scope():
     fine = mlp()
 fine.fit(x, x, batch_size=4, verbose=0)
 assert tuple(fine.layers[1].kernel.shape) == (8, 8), fine.layers[1].kernel.shape
+if LOCAL:
+    # Each local device holds one shard: a direct call (outside Keras'
+    # steps and strategy.run) has no rank to compute with.
+    try:
+        fine(x)
+        raise SystemExit("no error: a direct call outside the replicas")
+    except RuntimeError as e:
+        assert "outside the strategy's replicas" in str(e), str(e)
+        assert "model.predict(x)" in str(e), str(e)
+    print("ok: a direct call outside the replicas", flush=True)
+    assert fine.predict(x, batch_size=4, verbose=0).shape == x.shape
 print("errors ok", flush=True)

@@ -37,6 +37,9 @@ p.add_argument("--epochs", type=int, default=2)
 p.add_argument("--partitions", type=int, default=1,
                help="pipeline stages (DistributedModel, one per process)")
 p.add_argument("--microbatches", type=int, default=2)
+p.add_argument("--local", action="store_true",
+               help="one process: the ranks are its local devices "
+                    "(local_devices=T)")
 p.add_argument("--jit", action="store_true",
                help="compile(jit_compile=True): split layers run uncompiled")
 args = p.parse_args()
@@ -55,8 +58,9 @@ BATCH, SAMPLES = 16, 64
 strategy = None
 if args.tp:
     strategy = keras_smp.SMPStrategy(
-        tensor_parallel_degree=args.tp, collective_timeout_seconds=120,
-        partitions=args.partitions, microbatches=args.microbatches)
+        tensor_parallel_degree=args.tp, collective_timeout_seconds=int(os.environ.get("TP_TIMEOUT", "120")),
+        partitions=args.partitions, microbatches=args.microbatches,
+        local_devices=args.tp if args.local else None)
 
 
 @keras.saving.register_keras_serializable(package="tensor_fit")
@@ -131,6 +135,39 @@ y = np.roll(x, -1, axis=1)
 vx = rng.randint(1, VOCAB, size=(40, SEQ)).astype("int32")
 vy = np.roll(vx, -1, axis=1)
 
+def check_local_shards(model):
+    """Ranks on the local devices of one process: each device holds its
+    own shard of every split weight and of its optimizer slots, 1/T of
+    the whole, measured on the variables' device copies."""
+    devices = strategy.extended.worker_devices
+    assert len(devices) == args.tp, devices
+    # SMP's rank helpers: the degree, and each replica's rank in its step.
+    assert keras_smp.tp_size() == args.tp and keras_smp.tp_rank() == 0
+    ranks = strategy.run(lambda: keras.ops.convert_to_tensor(
+        keras_smp.tp_rank()))
+    assert [int(r) for r in ranks.values] == list(range(args.tp)), ranks
+    assert strategy.num_replicas_in_sync == 1  # one model, T ranks
+    with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+    split = [v for v in model.weights + model.optimizer.variables
+             if getattr(v, "_smp_tp_axis", None) is not None]
+    assert len(split) > 20, len(split)
+    per_device = {d: 0 for d in devices}
+    whole = 0
+    for v in split:
+        copies = strategy.experimental_local_results(v.value)
+        assert [c.device for c in copies] == list(devices), (v.path, copies)
+        for c in copies:
+            per_device[c.device] += c.numpy().nbytes
+        whole += sum(c.numpy().nbytes for c in copies)
+        if v.path == "ff0a/kernel":  # different shards, not copies
+            assert not np.array_equal(copies[0].numpy(), copies[1].numpy())
+    assert set(per_device.values()) == {whole // args.tp}, (per_device,
+                                                             whole)
+    print(f"split weights and slots: {whole} bytes whole, "
+          f"{whole // args.tp} per device", flush=True)
+
+
 rank = strategy.topology.rank if strategy is not None else 0
 if strategy is not None:
     with strategy.scope():
@@ -157,6 +194,8 @@ if strategy is not None:
     assert shapes["ff0b/bias"] == (WIDTH,), shapes
     assert shapes["proj/kernel"] == (WIDTH, WIDTH // args.tp), shapes
     assert shapes["proj2/bias"] == (WIDTH // args.tp,), shapes
+    if args.local:
+        check_local_shards(model)
 else:
     model = build_model()
     model.compile(**compile_args())
