@@ -349,12 +349,13 @@ class SMPConfig:
             default 2) or `r` and `2 partitions - 1 - r` (`"zb_v"`, 2).
             `None` (default) takes the schedule's own; stored as an int
             (1 for the other schedules, which accept only 1).
-        tensor_parallel_degree: Worker processes (one per rank; not local
-            devices of one process) that split the
-            layers marked tensor-parallel (`keras_smp.tensor_parallelism()`),
-            an int >= 1; alias `tp`. `partitions * tensor_parallel_degree`
-            processes hold one model replica (see
-            docs/tensor-parallelism.md).
+        tensor_parallel_degree: Ranks that split the layers marked
+            tensor-parallel (`keras_smp.tensor_parallelism()`), an int
+            >= 1; alias `tp`. Each rank is a worker process, and
+            `partitions * tensor_parallel_degree` processes hold one model
+            replica; or, in a job of one process with `local_devices`
+            equal to it (and `partitions=1`), each rank is one of its
+            local devices (see docs/tensor-parallelism.md).
 
     Example:
 

@@ -319,10 +319,17 @@ def test_custom_loop_refuses_horovod_with_tensor_parallelism():
             "try:\n"
             "    smp.init({'tensor_parallel_degree': 2, 'horovod': True})\n"
             "except ValueError as e:\n"
+            "    print('ERROR', e)\n"
+            "try:\n"  # one process: its devices are no ranks for @smp.step
+            "    smp.init({'tensor_parallel_degree': 2})\n"
+            "except ValueError as e:\n"
             "    print('ERROR', e)\n")
     out = run_python(["-c", code]).stdout
     assert "horovod=True is not supported" in out, out
     assert "StepOutput.accumulate()" in out, out
+    assert ("with smp.init / @smp.step runs one tensor-parallel rank per "
+            "worker process, but this job has 1 process(es)") in out, out
+    assert "local_devices=2)` and model.fit" in out, out
 
 
 def _whole_weights(result):
@@ -507,7 +514,8 @@ def test_layouts_that_cannot_run_fail_early_on_every_rank():
                  "vocab-parallel loss with a whole-logits metric",
                  "compiled again with Keras' loss",
                  "vocab-parallel loss after a softmax",
-                 "a direct call outside the replicas"):
+                 "a direct call outside the replicas", "run eagerly",
+                 "a layer built by tracing its call"):
         assert f"ok: {what}" in proc.stdout, proc.stdout[-3000:]
     assert "errors ok" in proc.stdout
     proc = launch(4, [os.path.join(WORKERS, "tensor_errors.py"),

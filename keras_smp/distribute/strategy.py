@@ -165,6 +165,11 @@ class SMPStrategy(tf_private.CollectiveAllReduceStrategy):
         return super().experimental_local_results(value)
 
     def gather(self, value, axis):
+        if (getattr(self.extended, "_smp_local_tp", 1) > 1
+                and isinstance(value, tf.distribute.DistributedValues)
+                and not isinstance(value, tf.Variable)):
+            # Tensor-parallel ranks on local devices: one model's output.
+            return self.experimental_local_results(value)[0]
         # TensorFlow's collective all-gather has no bfloat16 kernel; Keras
         # gathers predictions with it (mixed_bfloat16 models output
         # bfloat16). float32 holds every bfloat16 value exactly.
@@ -371,7 +376,7 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
         copies = self._smp_local_tp
 
         def repeat(*element):
-            if not isinstance(dataset.element_spec, tuple):
+            if type(dataset.element_spec) is not tuple:  # noqa: E721
                 (element,) = element
             return tf.data.Dataset.from_tensors(element).repeat(copies)
 
@@ -408,9 +413,10 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         if self._smp_local_tp > 1:
-            own = [self._smp_own_values(v) for v, _ in value_destination_pairs]
-            if all(o is not None for o in own):
-                return own
+            # One by one: a value that is not per replica (the same tensor
+            # on every rank) must not send the others to a real sum.
+            return [self._reduce_to(reduce_op, v, d, options)
+                    for v, d in value_destination_pairs]
         return super()._batch_reduce_to(reduce_op, value_destination_pairs,
                                         options)
 

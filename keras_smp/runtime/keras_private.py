@@ -383,3 +383,18 @@ def in_symbolic_scope():
         in_symbolic_scope as symbolic)
 
     return symbolic()
+
+
+def initialize_within(variable, context):
+    """If Keras deferred making `variable`'s storage (a weight added in a
+    stateless scope: a layer built by tracing its `call`), makes it
+    inside `context()` when Keras does."""
+    if getattr(variable, "_value", None) is not None:
+        return
+    original = variable._deferred_initialize
+
+    def deferred_initialize():
+        with context():
+            return original()
+
+    object.__setattr__(variable, "_deferred_initialize", deferred_initialize)

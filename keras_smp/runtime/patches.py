@@ -337,13 +337,11 @@ def _replica_key():
     replica function): the local replicas of one process (tensor-parallel
     ranks on local devices) trace their steps in turns, switching at each
     merge_call, so the optimizer's step state is kept per replica."""
-    import tensorflow as tf
-
     from keras_smp.runtime import tf_private
 
     if not tf_private.in_strategy_replica():
         return None
-    return tf.distribute.get_replica_context()._replica_id_in_sync_group
+    return tf_private.replica_id()
 
 
 def _set_step(optimizer, name, value):

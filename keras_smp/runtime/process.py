@@ -233,6 +233,15 @@ def start(config=None, /, *, custom_loop=False, **kwargs):
             "`StepOutput.accumulate()`), or tensor_parallel_degree=1.")
     # A custom loop runs a process's stages on its devices: only the
     # tensor-parallel ranks (and replicas) are processes.
+    if custom_loop and tp > 1 and cluster.world_size % tp:
+        raise ValueError(
+            f"tensor_parallel_degree={tp} with smp.init / @smp.step runs one "
+            f"tensor-parallel rank per worker process, but this job has "
+            f"{cluster.world_size} process(es). Start a multiple of {tp} "
+            f"processes (`keras-smp launch -n {tp} -- python train.py`). "
+            "Ranks on the local devices of one process work with "
+            f"`SMPStrategy(tensor_parallel_degree={tp}, local_devices={tp})` "
+            "and model.fit.")
     local_tp = check_tensor_parallel(
         tp, 1 if custom_loop else p,
         None if custom_loop else config.local_devices, cluster.world_size)

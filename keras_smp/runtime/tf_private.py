@@ -73,6 +73,15 @@ def ordering_token(device):
         return resource_variable_ops.ResourceVariable(0.0)
 
 
+def replica_id():
+    """The running replica's id in its sync group, as a Python int where
+    TensorFlow has one (0 outside a replica context)."""
+    import tensorflow as tf
+
+    ctx = tf.distribute.get_replica_context()
+    return 0 if ctx is None else ctx._replica_id_in_sync_group
+
+
 def in_strategy_replica():
     """Whether a strategy's replica function is being run or traced now
     (not its cross-replica context, nor code outside any strategy)."""

@@ -65,6 +65,17 @@ class CheckpointManager:
                 "CheckpointManager expects a tf.train.Checkpoint, e.g. "
                 "tf.train.Checkpoint(model=model, optimizer=optimizer); "
                 f"received {type(checkpoint).__name__}.")
+        runtime = state.runtime()
+        local_tp = getattr(runtime, "local_tensor_parallel", 1) or 1
+        if local_tp > 1:
+            # A TensorFlow checkpoint saves one copy of a distributed
+            # variable: here the copies are different shards.
+            raise ValueError(
+                f"CheckpointManager with tensor_parallel_degree={local_tp} "
+                "over the local devices of one process would save only the "
+                "first device's shard of each split weight. Save with "
+                "Keras: `model.save_weights(path)` / "
+                "`keras.callbacks.ModelCheckpoint` (whole weights).")
         self.checkpoint = checkpoint
         topology = state.topology()
         self.root = str(directory)

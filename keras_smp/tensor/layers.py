@@ -150,25 +150,39 @@ class _TensorParallel:
             # seeds give the same values), made identical on every rank of
             # the stage, once, then the rank's slice: training starts where
             # single-device training does.
-            if "whole" not in made:
+            value = made.get("whole")
+            if value is None:
                 value = tf.convert_to_tensor(
                     init(full, dtype=dtype or variable_dtype))
-                made["whole"] = value if sync is None else sync(value)
+                value = value if sync is None else sync(value)
+                if tf.executing_eagerly():
+                    # Kept for the other ranks' copies (an unseeded
+                    # initializer draws anew each call); not a value
+                    # traced for shapes only in Keras' scratch graph.
+                    made["whole"] = value
             index = [slice(None)] * len(full)
             index[axis] = slice(rank * local[axis], (rank + 1) * local[axis])
-            return made["whole"][tuple(index)]
+            return value[tuple(index)]
 
         def sharded(shape, dtype=None):
             return shard_of(group.rank, dtype)
 
-        # Ranks that are local devices: each local replica's copy of the
-        # variable starts from its rank's shard.
-        shards = (placement.local_shards(shard_of) if group.local
-                  else contextlib.nullcontext())
-        with placement.consistent_initial_values(), shards:
+        @contextlib.contextmanager
+        def creating():
+            # Ranks that are local devices: each local replica's copy of
+            # the variable starts from its rank's shard.
+            shards = (placement.local_shards(shard_of) if group.local
+                      else contextlib.nullcontext())
+            with placement.consistent_initial_values(), shards:
+                yield
+
+        with creating():
             variable = super().add_weight(
                 shape=tuple(local), initializer=sharded, dtype=dtype,
                 name=name, **kwargs)
+        # Keras makes a weight added while it traces a layer's `call` for
+        # its build later, outside this scope: make it the same way then.
+        keras_private.initialize_within(variable, creating)
         object.__setattr__(variable, "_smp_tp_axis", axis)
         object.__setattr__(variable, "_smp_tp_group", group)
         _set(self, "_smp_group", group)
@@ -550,6 +564,14 @@ def _check_model(model):
     its step functions are made."""
     group = current_group_of(model)
     layers = keras_private.flatten_layers(model)
+    if group is not None and group.local and getattr(model, "run_eagerly",
+                                                     False):
+        raise ValueError(
+            "run_eagerly=True with tensor parallelism over the local "
+            "devices of one process: eagerly, TensorFlow runs the devices' "
+            "steps one after another, so a rank's collective would wait "
+            "for a rank that has not started. Compile with "
+            "run_eagerly=False (the default).")
     if group is not None:
         outside = [layer.name for layer in layers
                    if isinstance(layer, _TensorParallel) and layer.built
@@ -734,14 +756,14 @@ def tensor_parallel_layers(model):
 
 
 def _walk(model):
-    seen = set()
-    stack = list(model.layers)
-    while stack:
-        layer = stack.pop(0)
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        yield layer
-        if isinstance(layer, TensorParallelMultiHeadAttention):
-            continue
-        stack.extend(getattr(layer, "layers", []) or [])
+    """Every layer inside `model` (nested in custom layers too), but not
+    the projections inside a split attention (reported as its heads)."""
+    layers = [layer for layer in keras_private.flatten_layers(model)
+              if layer is not model]
+    inside_attention = {
+        id(sub) for layer in layers
+        if isinstance(layer, TensorParallelMultiHeadAttention)
+        for sub in keras_private.flatten_layers(layer) if sub is not layer}
+    for layer in layers:
+        if id(layer) not in inside_attention:
+            yield layer

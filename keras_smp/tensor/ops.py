@@ -200,7 +200,17 @@ class TensorGroup:
         """A local group's collective made outside a replica's step: only
         Keras' shape inference may do that (each rank is a local replica;
         there is no rank to meet here)."""
-        if not self.local or tf_private.in_strategy_replica():
+        if not self.local:
+            return False
+        if tf_private.in_strategy_replica():
+            if tf.executing_eagerly():
+                raise RuntimeError(
+                    "keras-smp: a tensor-parallel collective between the "
+                    "local devices of this process, run eagerly: TensorFlow "
+                    "then runs the devices' steps one after another, and "
+                    "a rank would wait for one that has not started. Run "
+                    "the step inside a `tf.function` (Keras does, unless "
+                    "run_eagerly=True).")
             return False
         from keras_smp.runtime import keras_private
 
@@ -211,7 +221,8 @@ class TensorGroup:
             "devices of this process was called outside the strategy's "
             "replicas (e.g. `model(x)` directly): each device holds one "
             "shard. Call it through Keras (`model.predict(x)`, "
-            "`model.evaluate`, `model.fit`) or `strategy.run(fn, ...)`.")
+            "`model.evaluate`, `model.fit`) or `strategy.run(fn, ...)` "
+            "inside a `tf.function`.")
 
     def sum(self, x):
         """Sum of `x` over the group (no gradient)."""

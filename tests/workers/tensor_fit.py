@@ -139,6 +139,8 @@ def check_local_shards(model):
     """Ranks on the local devices of one process: each device holds its
     own shard of every split weight and of its optimizer slots, 1/T of
     the whole, measured on the variables' device copies."""
+    from keras_smp.runtime.patches import whole_value
+
     devices = strategy.extended.worker_devices
     assert len(devices) == args.tp, devices
     # SMP's rank helpers: the degree, and each replica's rank in its step.
@@ -149,23 +151,36 @@ def check_local_shards(model):
     assert strategy.num_replicas_in_sync == 1  # one model, T ranks
     with strategy.scope():
         model.optimizer.build(model.trainable_variables)
-    split = [v for v in model.weights + model.optimizer.variables
+    split = [v for v in model.trainable_variables
              if getattr(v, "_smp_tp_axis", None) is not None]
-    assert len(split) > 20, len(split)
+    slots = [v for v in model.optimizer.variables
+             if getattr(v, "_smp_tp_axis", None) is not None]
+    # SGD with momentum: one momentum slot per split weight.
+    assert len(split) > 10 and len(slots) == len(split), (len(split),
+                                                          len(slots))
+    # The whole sizes, from a plain Keras model of the same architecture.
+    plain_shapes = {w.path: tuple(w.shape) for w in build_model().weights}
+    split_ids = {id(v) for v in split}
     per_device = {d: 0 for d in devices}
-    whole = 0
-    for v in split:
+    whole_bytes = 0
+    for v in split + slots:
         copies = strategy.experimental_local_results(v.value)
         assert [c.device for c in copies] == list(devices), (v.path, copies)
-        for c in copies:
+        whole = whole_value(v)
+        axis = v._smp_tp_axis
+        assert whole.shape[axis] == v.shape[axis] * args.tp, v.path
+        if id(v) in split_ids:
+            assert whole.shape == plain_shapes[v.path], (v.path, whole.shape)
+        for r, c in enumerate(copies):
+            assert tuple(c.shape) == tuple(v.shape), (v.path, c.shape)
+            np.testing.assert_array_equal(
+                c.numpy(), np.split(whole, args.tp, axis=axis)[r])
             per_device[c.device] += c.numpy().nbytes
-        whole += sum(c.numpy().nbytes for c in copies)
-        if v.path == "ff0a/kernel":  # different shards, not copies
-            assert not np.array_equal(copies[0].numpy(), copies[1].numpy())
-    assert set(per_device.values()) == {whole // args.tp}, (per_device,
-                                                             whole)
-    print(f"split weights and slots: {whole} bytes whole, "
-          f"{whole // args.tp} per device", flush=True)
+        whole_bytes += whole.nbytes
+    assert set(per_device.values()) == {whole_bytes // args.tp}, (
+        per_device, whole_bytes)
+    print(f"split weights and slots: {whole_bytes} bytes whole, "
+          f"{whole_bytes // args.tp} per device", flush=True)
 
 
 rank = strategy.topology.rank if strategy is not None else 0
