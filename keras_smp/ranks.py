@@ -67,11 +67,9 @@ def tp_rank():
     on the local devices of one process (`local_devices ==
     tensor_parallel_degree`): the rank of the replica whose step runs
     now, 0 outside the steps."""
-    local = _local_tp()
-    if local > 1:
-        from keras_smp.runtime import tf_private
-
-        return tf_private.local_replica_index(local)
+    replica_rank = state.replica_rank()
+    if replica_rank is not None:
+        return replica_rank()
     return state.topology().tp_rank
 
 

@@ -20,14 +20,18 @@ _lock = threading.Lock()
 _state = {}
 
 
-def install(config, cluster, topology, runtime=None):
+def install(config, cluster, topology, runtime=None, replica_rank=None):
     """Makes `config`, `cluster`, `topology` (and the started `runtime`)
-    the process-wide state."""
+    the process-wide state. `replica_rank`: with tensor-parallel ranks on
+    the local devices of this process, a function giving the rank of the
+    replica whose step runs now (`keras_smp.tp_rank()`)."""
     with _lock:
         _state.clear()
         _state.update(config=config, cluster=cluster, topology=topology)
         if runtime is not None:
             _state["runtime"] = runtime
+        if replica_rank is not None:
+            _state["replica_rank"] = replica_rank
 
 
 def reset():
@@ -68,3 +72,9 @@ def runtime():
     """Returns the started `keras_smp.runtime.Runtime`, or `None`."""
     with _lock:
         return _state.get("runtime")
+
+
+def replica_rank():
+    """The `replica_rank` function installed with the state, or `None`."""
+    with _lock:
+        return _state.get("replica_rank")

@@ -276,7 +276,8 @@ def start(config=None, /, *, custom_loop=False, **kwargs):
                       layout=layout, keys=process_keys(), started=True,
                       collectives=collectives,
                       local_tensor_parallel=tp if local_tp else 1)
-    state.install(config, cluster, topology, runtime)
+    state.install(config, cluster, topology, runtime, replica_rank=(
+        (lambda: tf_private.local_replica_index(tp)) if local_tp else None))
     return runtime
 
 
