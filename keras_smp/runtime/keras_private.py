@@ -398,3 +398,8 @@ def initialize_within(variable, context):
             return original()
 
     object.__setattr__(variable, "_deferred_initialize", deferred_initialize)
+
+
+def sublayers(layer):
+    """The layers `layer` holds directly (a custom layer's attributes)."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))

@@ -756,14 +756,18 @@ def tensor_parallel_layers(model):
 
 
 def _walk(model):
-    """Every layer inside `model` (nested in custom layers too), but not
-    the projections inside a split attention (reported as its heads)."""
-    layers = [layer for layer in keras_private.flatten_layers(model)
-              if layer is not model]
-    inside_attention = {
-        id(sub) for layer in layers
-        if isinstance(layer, TensorParallelMultiHeadAttention)
-        for sub in keras_private.flatten_layers(layer) if sub is not layer}
-    for layer in layers:
-        if id(layer) not in inside_attention:
-            yield layer
+    """Every layer inside `model`, in its order, nested ones (in models
+    and custom layers) after them; not the projections inside a split
+    attention (reported as its heads)."""
+    seen = set()
+    stack = list(model.layers)
+    while stack:
+        layer = stack.pop(0)
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        yield layer
+        if isinstance(layer, TensorParallelMultiHeadAttention):
+            continue
+        stack.extend(layer.layers if isinstance(layer, keras.Model)
+                     else keras_private.sublayers(layer))
