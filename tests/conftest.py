@@ -5,6 +5,8 @@ ops), so every test that trains runs its own Python processes; the pytest
 process itself never imports TensorFlow.
 """
 
+import fcntl
+import hashlib
 import os
 import subprocess
 import sys
@@ -123,13 +125,26 @@ def worker_tmpdir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """Single-device plain-Keras run, computed once per set of flags."""
+    """Single-device plain-Keras run, computed once per set of flags, for
+    the whole run: pytest-xdist's workers share one cache directory (this
+    run's, the parent of their temporary directories); the first to need a
+    set of flags computes it while the other waits on its lock file."""
     cache = {}
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # this run's directory, above the workers'
+    shared = base / "reference_cache"
+    shared.mkdir(exist_ok=True)
 
     def get(*flags):
         if flags not in cache:
-            out = tmp_path_factory.mktemp("reference")
-            run_python(fit_model(out, "--mode", "reference", *flags))
+            key = hashlib.sha1(repr(flags).encode()).hexdigest()[:16]
+            out = shared / key
+            with open(shared / f"{key}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not (out / "rank0.npz").exists():
+                    out.mkdir(exist_ok=True)
+                    run_python(fit_model(out, "--mode", "reference", *flags))
             cache[flags] = load(out)
         return cache[flags]
 

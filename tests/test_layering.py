@@ -46,7 +46,7 @@ LAYERS = {
         "keras_smp.runtime.process", "keras_smp.runtime.errors",
         "keras_smp.runtime.patches", "keras_smp.runtime.tf_private",
         "keras_smp.runtime.keras_private", "keras_smp.runtime.deferred",
-        "keras_smp.runtime.xla",
+        "keras_smp.runtime.xla", "keras_smp.runtime.shutdown",
     ],
     2: [
         "keras_smp.distribute", "keras_smp.distribute.allreduce",

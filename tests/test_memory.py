@@ -70,14 +70,14 @@ def _remove_cgroup(path):
 
 
 @pytest.mark.slow
-def test_four_stages_each_under_a_limit_the_whole_model_exceeds(tmp_path):
+def test_four_stages_each_under_a_limit_the_whole_model_exceeds(
+        tmp_path, memory_reference):
     # ... and checkpoint every epoch under it (sharded: each stage writes
     # its shard); plain Keras loads the checkpoint. At the end, the model is
     # saved as one .keras file under the limit too (streamed from the
     # stages: gathering it would exceed the limit), and loads whole.
-    ref_dir, out = tmp_path / "ref", tmp_path / "stages"
-    cgroup = _reference_then_limited(ref_dir, out, "stages", "--checkpoint",
-                                     "--keras-file")
+    ref_dir, out = memory_reference, tmp_path / "stages"
+    cgroup = _limited(out, "stages", "--checkpoint", "--keras-file")
 
     with open(ref_dir / "reference.json") as f:
         reference = json.load(f)
@@ -146,12 +146,20 @@ def test_four_stages_each_under_a_limit_the_whole_model_exceeds(tmp_path):
                                       err_msg=f".keras weight {key}")
 
 
-def _reference_then_limited(ref_dir, out, mode, *flags):
-    """Runs the reference (one process, no limit), then `mode` in 4
-    processes, each in a memory cgroup of LIMIT_MB when the machine has
-    one; returns the cgroup (None: unlimited, checked after the fact)."""
+@pytest.fixture(scope="module")
+def memory_reference(tmp_path_factory):
+    """The whole model trained by plain Keras in one process, no limit
+    (once for this file's tests: the same run, ~2.3 GB at its peak)."""
+    ref_dir = tmp_path_factory.mktemp("memory_reference")
     run_python([MEMORY_FIT, "--out", str(ref_dir), "--mode", "reference"],
                timeout=600)
+    return ref_dir
+
+
+def _limited(out, mode, *flags):
+    """Runs `mode` in 4 processes, each in a memory cgroup of LIMIT_MB when
+    the machine has one; returns the cgroup (None: unlimited, checked
+    after the fact)."""
     cgroup = _memory_cgroup_root()
     limit = ["--cgroup", cgroup, "--limit-mb", str(LIMIT_MB)] if cgroup else []
     if cgroup is None:
@@ -170,13 +178,13 @@ def _reference_then_limited(ref_dir, out, mode, *flags):
 
 @pytest.mark.slow
 def test_tensor_parallel_ranks_each_under_a_limit_the_whole_model_exceeds(
-        tmp_path):
+        tmp_path, memory_reference):
     # The same model with tensor parallelism (tp=4): each of 4 processes
     # holds a quarter of every weight and of Adam's slots (Dense pairs:
     # columns, then rows), under the same limit, and trains what one
     # device trains.
-    ref_dir, out = tmp_path / "ref", tmp_path / "tensor"
-    cgroup = _reference_then_limited(ref_dir, out, "tensor")
+    ref_dir, out = memory_reference, tmp_path / "tensor"
+    cgroup = _limited(out, "tensor")
     with open(ref_dir / "reference.json") as f:
         reference = json.load(f)
     assert reference["peak_mb"] > LIMIT_MB * 1.15, reference

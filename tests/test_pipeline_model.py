@@ -475,6 +475,14 @@ with warnings.catch_warnings(record=True) as caught:
     model.fit(x, x, batch_size=16, epochs=1, verbose=0)
 print("WARN", [str(w.message) for w in caught if "XLA" in str(w.message)])
 print("COMPILED", compiled.count[0])
+# What the compiled stage 0's backward returns: its weights' gradients,
+# not the batch's (TensorFlow differentiates a function call with respect
+# to every input it is given).
+from tensorflow.python.eager import context
+ctx = context.context()
+print("BACKWARD_OUTPUTS", sorted(
+    len(ctx.get_function_def(name).signature.output_arg)
+    for name in ctx.list_function_names() if "__backward_" in name))
 """
 
 
@@ -490,6 +498,9 @@ def test_a_stage_xla_cannot_compile_runs_uncompiled_with_a_warning():
     assert "stage 1 runs without XLA" in warned and "host_only" in warned, out
     assert "stage 0" not in warned, out
     assert int(out.split("COMPILED ")[1].split()[0]) > 0, out
+    # Stage 0's compiled backward returns the gradients of "fast"'s kernel
+    # and bias only: nothing differentiates the model's inputs.
+    assert out.split("BACKWARD_OUTPUTS ")[1].splitlines()[0] == "[2]", out
 
 
 def test_recomputation_keeps_dropout_and_batchnorm_training_unchanged():

@@ -181,3 +181,102 @@ def test_sigkill_mid_epoch_then_restart_resumes_exactly(
                              atol=1e-7, keys=("evaluate", "predict"))
     # ... whose weights equal single-device training's (fidelity bound).
     assert_same_training(load(tmp_path), reference("--epochs", "4"), keys=())
+
+
+EXIT_ORDER = os.path.join(WORKERS, "exit_order.py")
+
+
+def _records(stdout, tag):
+    return {r["rank"]: r for r in (
+        json.loads(l.split(f"{tag} ", 1)[1]) for l in stdout.splitlines()
+        if f"] {tag} " in l)}
+
+
+@pytest.mark.slow
+def test_ranks_still_talking_outlive_the_leaders_script(tmp_path):
+    # Rank 0 hosts TensorFlow's coordination service. Its script ends
+    # first; ranks 2 and 3 then gather and meet in their own pipeline
+    # group, which needs that service: rank 0's process stays until they
+    # are done (without keras-smp's exit order, rank 2 fails with
+    # "Failed to connect to remote host" in allgather).
+    out = launch(4, [EXIT_ORDER, "--late", "3"], timeout=200).stdout
+    ended, group = _records(out, "EXIT"), _records(out, "GROUP")
+    assert sorted(ended) == [0, 1, 2, 3], out
+    assert sorted(group) == [2, 3], out
+    for r in (2, 3):
+        assert group[r]["got"] == [2, 3], out
+        assert group[r]["started"] > ended[0]["ended"], out
+
+
+@pytest.mark.slow
+def test_a_failing_leader_does_not_wait_for_the_others_at_exit(tmp_path):
+    # Rank 0 fails when its script ends while rank 2 and 3 would talk for
+    # another 90 s: the leader must not wait for them (the launcher stops
+    # the job as soon as rank 0 exits). The job's own start takes ~20 s
+    # on 2 cores; waiting would take over 90 s.
+    start = time.monotonic()
+    proc = launch(4, [EXIT_ORDER, "--late", "90", "--fail-rank", "0"],
+                  timeout=200, check=False)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "rank 0 fails on purpose" in proc.stdout + proc.stderr
+    assert "worker 0" in proc.stdout + proc.stderr
+    assert elapsed < 80, (elapsed, proc.stdout[-3000:])
+
+
+class _FakeContext:
+    """The coordination service's key-value store, in memory."""
+
+    def __init__(self, store):
+        self.store, self.waited = store, []
+
+    def context(self):
+        return self
+
+    def async_wait(self):
+        pass
+
+    def set_config_key_value(self, key, value):
+        self.store[key] = value
+
+    def get_config_key_value(self, key, timeout_in_ms=0):
+        self.waited.append((key, timeout_in_ms))
+        if key not in self.store:
+            raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+        return self.store[key]
+
+
+@pytest.fixture
+def exit_state(monkeypatch):
+    from keras_smp.runtime import shutdown
+
+    monkeypatch.setitem(shutdown._state, "failed", False)
+    return shutdown
+
+
+def test_exit_order_leader_waits_for_every_other_rank(exit_state):
+    store = {}
+    for rank in (1, 2):
+        exit_state._at_exit(_FakeContext(store), rank, 4, 0, 30)
+    assert store == {"keras_smp/exit/1": "done", "keras_smp/exit/2": "done"}
+    leader = _FakeContext(store)
+    with pytest.warns(UserWarning, match=r"rank\(s\) \[3\] after waiting up "
+                      r"to 30 s \(collective_timeout_seconds\)"):
+        exit_state._at_exit(leader, 0, 4, 0, 30)
+    assert [k for k, _ in leader.waited] == [
+        f"keras_smp/exit/{r}" for r in (1, 2, 3)]
+    # One deadline for all ranks, not 30 s each.
+    assert all(0 < ms <= 30_000 for _, ms in leader.waited)
+
+
+def test_exit_order_failures_do_not_wait(exit_state):
+    exit_state._state["failed"] = True
+    store = {}
+    exit_state._at_exit(_FakeContext(store), 3, 4, 0, 30)
+    assert store == {"keras_smp/exit/3": "failed"}
+    leader = _FakeContext({})
+    exit_state._at_exit(leader, 0, 4, 0, 30)  # no warning, no wait
+    assert leader.waited == []
+    assert exit_state._failing_status(1) and exit_state._failing_status("x")
+    assert not exit_state._failing_status(0)
+    assert not exit_state._failing_status(None)

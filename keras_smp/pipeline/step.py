@@ -114,6 +114,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         fn = graph.stage_fn(s, training=training, recompute=(
             layer_names if training and not whole else None))
         if compiles:
+            if s == 0:
+                fn = _model_inputs_constant(fn)
             fn = xla.compiled(fn, f"stage {s}", graph.stage_layers(s))
         stages[s] = Stage(s, fn, stage_vars[s] if training else [],
                           devices[s])
@@ -179,6 +181,21 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                   transport.rows, has_loss, need_outputs, training,
                   variables, [grads.get(id(v)) for v in variables],
                   trackers, loss_fn)
+
+
+def _model_inputs_constant(fn):
+    """Stage 0's function with the model's inputs held constant inside it.
+
+    Nothing differentiates the batch itself, but TensorFlow differentiates
+    a call of a compiled function with respect to every input of the call:
+    the compiled backward would compute the first layer's input gradient
+    (one matmul per microbatch for a `Dense` layer) and throw it away.
+    """
+
+    def run(tensors):
+        return fn([tf.stop_gradient(t) for t in tensors])
+
+    return run
 
 
 def _specs(tensors, rows, split=1):

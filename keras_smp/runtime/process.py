@@ -8,7 +8,8 @@
 4. creates the local devices (GPUs, or `local_devices` logical CPUs),
 5. with several processes: starts TensorFlow's coordination service (with
    bounded waits) and its collective runtime (gRPC server, collective ops),
-   once per process,
+   once per process, and the orderly exit (`runtime.shutdown`: the
+   leader, which hosts the coordination service, leaves last),
 6. installs the Keras / TensorFlow patches (`runtime.patches`) and the
    process-wide state (`keras_smp.state`: rank helpers),
 
@@ -26,6 +27,7 @@ from keras_smp.config import SMPConfig
 from keras_smp.runtime import Runtime
 from keras_smp.runtime import errors
 from keras_smp.runtime import patches
+from keras_smp.runtime import shutdown
 from keras_smp.runtime import tf_private
 from keras_smp.runtime.keys import process_keys
 from keras_smp.runtime.layout import StageLayout
@@ -199,6 +201,7 @@ def start_collectives(cluster, config):
         raise RuntimeError(errors.startup_error(
             e, cluster, config.collective_timeout_seconds)) from e
     _started["cluster"] = key
+    shutdown.install(cluster, config.collective_timeout_seconds)
     return True
 
 

@@ -10,7 +10,8 @@ plain `tf.function` and its compute is compiled:
   microbatch is one XLA computation (`compiled(stage_fn)`), and so is its
   backward: TensorFlow differentiates a call of a compiled function with a
   compiled backward function that reads the forward's saved activations
-  (nothing is recomputed). Transfers, gradient accumulation and the
+  (nothing is recomputed; the first stage's backward computes no gradient
+  for the batch itself). Transfers, gradient accumulation and the
   optimizer run between them, as TensorFlow ops.
 - a plain Keras model under data parallelism: the model's forward
   (`model.call`) is compiled while Keras traces its step (`compiled_calls`),

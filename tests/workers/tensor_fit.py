@@ -267,9 +267,8 @@ out["evaluate"] = np.array([evaluation["loss"],
                             evaluation["sparse_categorical_accuracy"]])
 out["predict"] = np.asarray(predictions, dtype="float64")
 np.savez(os.path.join(args.out, f"rank{rank}.npz"), **out)
-if strategy is not None:
-    # The last collectives above ran per tensor-parallel group; task 0
-    # hosts TensorFlow's coordination service, so it must not exit while
-    # another group is still in its collectives (docs/troubleshooting.md).
-    keras_smp.barrier()
+# The last collectives above ran per tensor-parallel group, and task 0
+# hosts TensorFlow's coordination service: keras-smp keeps task 0's process
+# until the other groups are done (keras_smp.runtime.shutdown), with no
+# barrier here.
 print(f"rank {rank}: ok", flush=True)
