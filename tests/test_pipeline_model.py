@@ -482,7 +482,7 @@ from tensorflow.python.eager import context
 ctx = context.context()
 print("BACKWARD_OUTPUTS", sorted(
     len(ctx.get_function_def(name).signature.output_arg)
-    for name in ctx.list_function_names() if "__backward_" in name))
+    for name in ctx.list_function_names() if "__backward_run_" in name))
 """
 
 

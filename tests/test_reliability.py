@@ -194,18 +194,23 @@ def _records(stdout, tag):
 
 @pytest.mark.slow
 def test_ranks_still_talking_outlive_the_leaders_script(tmp_path):
-    # Rank 0 hosts TensorFlow's coordination service. Its script ends
-    # first; ranks 2 and 3 then gather and meet in their own pipeline
-    # group, which needs that service: rank 0's process stays until they
-    # are done (without keras-smp's exit order, rank 2 fails with
-    # "Failed to connect to remote host" in allgather).
-    out = launch(4, [EXIT_ORDER, "--late", "3"], timeout=200).stdout
+    # Rank 0 hosts TensorFlow's coordination service. Ranks 0 and 1 end
+    # their scripts first; 30 s later ranks 2 and 3 gather, meet and
+    # all-reduce in their own pipeline group, which needs that service and
+    # healthy peers. keras-smp's exit order keeps ranks 0 and 1 until then
+    # (without it rank 2 fails with "Failed to connect to remote host" in
+    # allgather; with rank 0 alone waiting, TensorFlow reports rank 1
+    # "stopped sending heartbeats" ~20 s after it left and aborts the
+    # all-reduce).
+    out = launch(4, [EXIT_ORDER, "--late", "30"], timeout=240).stdout
     ended, group = _records(out, "EXIT"), _records(out, "GROUP")
     assert sorted(ended) == [0, 1, 2, 3], out
     assert sorted(group) == [2, 3], out
     for r in (2, 3):
         assert group[r]["got"] == [2, 3], out
-        assert group[r]["started"] > ended[0]["ended"], out
+        assert group[r]["summed"] == 5.0, out
+        assert group[r]["started"] > ended[0]["ended"] + 25, out
+    assert "unhealthy" not in out, out
 
 
 @pytest.mark.slow
@@ -227,8 +232,8 @@ def test_a_failing_leader_does_not_wait_for_the_others_at_exit(tmp_path):
 class _FakeContext:
     """The coordination service's key-value store, in memory."""
 
-    def __init__(self, store):
-        self.store, self.waited = store, []
+    def __init__(self, store, blocks=False):
+        self.store, self.waited, self.blocks = store, [], blocks
 
     def context(self):
         return self
@@ -242,7 +247,10 @@ class _FakeContext:
     def get_config_key_value(self, key, timeout_in_ms=0):
         self.waited.append((key, timeout_in_ms))
         if key not in self.store:
-            raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+            if self.blocks:  # a timeout: the call took its whole time
+                time.sleep(timeout_in_ms / 1000)
+                raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+            raise RuntimeError(f"UNAVAILABLE: task lost: {key}")
         return self.store[key]
 
 
@@ -251,32 +259,61 @@ def exit_state(monkeypatch):
     from keras_smp.runtime import shutdown
 
     monkeypatch.setitem(shutdown._state, "failed", False)
+    monkeypatch.delattr(sys, "last_type", raising=False)
     return shutdown
 
 
-def test_exit_order_leader_waits_for_every_other_rank(exit_state):
-    store = {}
-    for rank in (1, 2):
-        exit_state._at_exit(_FakeContext(store), rank, 4, 0, 30)
-    assert store == {"keras_smp/exit/1": "done", "keras_smp/exit/2": "done"}
-    leader = _FakeContext(store)
-    with pytest.warns(UserWarning, match=r"rank\(s\) \[3\] after waiting up "
-                      r"to 30 s \(collective_timeout_seconds\)"):
-        exit_state._at_exit(leader, 0, 4, 0, 30)
-    assert [k for k, _ in leader.waited] == [
+def test_exit_order_every_rank_waits_for_every_other_rank(
+        exit_state, monkeypatch):
+    monkeypatch.setattr(exit_state, "_SLICE_SECONDS", 0.05)
+    store = {"keras_smp/exit/1": "done", "keras_smp/exit/2": "done"}
+    rank0 = _FakeContext(store, blocks=True)
+    with pytest.warns(UserWarning, match=r"rank 0 exits without word from "
+                      r"rank\(s\) \[3\] after waiting up to 0.3 s "
+                      r"\(collective_timeout_seconds\)"):
+        exit_state._at_exit(rank0, 0, 4, 0.3)
+    assert store["keras_smp/exit/0"] == "done"
+    assert [k for k, _ in rank0.waited[:3]] == [
         f"keras_smp/exit/{r}" for r in (1, 2, 3)]
-    # One deadline for all ranks, not 30 s each.
-    assert all(0 < ms <= 30_000 for _, ms in leader.waited)
+    # Waits of one slice at a time (Ctrl-C ends the wait).
+    assert all(0 < ms <= 50 for _, ms in rank0.waited)
+    # A service that is gone (an error at once, not a timeout): no wait.
+    gone = _FakeContext({})
+    exit_state._at_exit(gone, 0, 4, 30)
+    assert len(gone.waited) == 1
 
 
-def test_exit_order_failures_do_not_wait(exit_state):
-    exit_state._state["failed"] = True
+def test_exit_order_a_failed_rank_ends_the_wait(exit_state):
+    store = {"keras_smp/exit/0": "done", "keras_smp/exit/1": "failed"}
+    rank2 = _FakeContext(store, blocks=True)
+    exit_state._at_exit(rank2, 2, 4, 30)  # no wait for rank 3, no warning
+    assert [k for k, _ in rank2.waited] == [
+        "keras_smp/exit/0", "keras_smp/exit/1"]
+
+
+def test_exit_order_waits_in_slices_up_to_one_deadline(
+        exit_state, monkeypatch):
+    monkeypatch.setattr(exit_state, "_SLICE_SECONDS", 0.05)
+    rank0 = _FakeContext({}, blocks=True)
+    start = time.monotonic()
+    with pytest.warns(UserWarning, match=r"rank\(s\) \[1, 2\]"):
+        exit_state._at_exit(rank0, 0, 3, 0.3)
+    # One deadline for all ranks (0.3 s), not 0.3 s each; several slices.
+    assert time.monotonic() - start < 0.6
+    assert len(rank0.waited) >= 4, rank0.waited
+
+
+@pytest.mark.parametrize("how", ["status", "unhandled"])
+def test_exit_order_failures_do_not_wait(exit_state, monkeypatch, how):
+    if how == "status":
+        exit_state._state["failed"] = True  # sys.exit(1)
+    else:  # Python sets it for an unhandled exception
+        monkeypatch.setattr(sys, "last_type", RuntimeError, raising=False)
     store = {}
-    exit_state._at_exit(_FakeContext(store), 3, 4, 0, 30)
+    rank3 = _FakeContext(store)
+    exit_state._at_exit(rank3, 3, 4, 30)
     assert store == {"keras_smp/exit/3": "failed"}
-    leader = _FakeContext({})
-    exit_state._at_exit(leader, 0, 4, 0, 30)  # no warning, no wait
-    assert leader.waited == []
+    assert rank3.waited == []  # no wait
     assert exit_state._failing_status(1) and exit_state._failing_status("x")
     assert not exit_state._failing_status(0)
     assert not exit_state._failing_status(None)

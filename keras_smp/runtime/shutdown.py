@@ -1,4 +1,4 @@
-"""A job's orderly exit: the coordination leader leaves last.
+"""A job's orderly exit: every rank waits until every rank's script ended.
 
 TensorFlow's coordination service runs in one process of the job, the
 coordination leader (world rank 0: the chief, or worker 0). Every
@@ -9,22 +9,28 @@ ranks still in collectives it takes no part in (a tensor-parallel group's
 final ops) fail with "Failed to send RPC to coordination service. Either
 the leader task was preempted/died/restarted".
 
-`install(cluster, timeout_seconds)` (called by `process.start` once the
-distributed runtime runs) makes the exit orderly, with no barrier for the
-other ranks:
+Nor may a rank simply leave early: the service expects heartbeats from
+every task until the job ends, and reports a task that stopped sending
+them as crashed to every other rank (TensorFlow then aborts their
+collectives), about 20 s after it left.
 
-- every other rank, when its script ends, tells the leader it is done (one
-  key in the coordination service's store) and exits at once;
-- the leader, when its script ends, waits until every other rank said so,
-  at most `timeout_seconds` in all (`collective_timeout_seconds`), then
-  exits; a rank that does not answer in time gets a warning naming it.
+`install(cluster, timeout_seconds)` (called by `process.start` once the
+distributed runtime runs) makes the exit orderly: every rank, when its
+script ends, says so (one key in the coordination service's store) and
+waits until every other rank's script has ended, at most
+`timeout_seconds` in all (`collective_timeout_seconds`); then all exit
+together. A rank that does not answer in time gets a warning naming it.
 
 A rank that fails (an unhandled exception, `sys.exit` with a non-zero or
-non-int status) says so instead, and a failing leader does not wait: a
-failure still ends the process at once, so a launcher notices it as soon
-as before. A process killed by a signal runs no exit hook: the leader
-waits for it until the timeout, unless the launcher stops the job first
-(`keras-smp launch` stops every worker as soon as one fails).
+non-int status) says so instead and does not wait, and the ranks waiting
+stop waiting when one says so (or when the service is gone): a failure
+still ends the processes at once, so a launcher notices it as soon as
+before. (`raise SystemExit(1)` written out, or the `exit(1)` builtin, is
+not seen as a failure: a rank ending that way waits like one that
+succeeded.) Ctrl-C ends the wait. A process killed by a signal runs no
+exit hook: the others wait for it until the timeout, unless the launcher
+stops the job first (`keras-smp launch` stops every worker as soon as one
+fails).
 """
 
 import atexit
@@ -36,6 +42,8 @@ import warnings
 _PREFIX = "keras_smp/exit"
 _state = {"installed": False, "failed": False}
 _lock = threading.Lock()
+_SLICE_SECONDS = 1.0  # the wait at exit, in slices (Ctrl-C ends it)
+_TELL_SECONDS = 10.0  # the most a rank spends saying it is done
 
 
 def _mark_failed():
@@ -78,48 +86,76 @@ def install(cluster, timeout_seconds, context=None):
 
     sys.excepthook = excepthook
     sys.exit = exit_
-    # World rank 0 (the chief, else worker 0) hosts the service
-    # (`multi_worker_util.coordination_leader`).
     atexit.register(_at_exit, context, cluster.rank, cluster.world_size,
-                    0, timeout_seconds)
+                    timeout_seconds)
 
 
-def _at_exit(context, rank, world_size, leader, timeout_seconds):
+def _failing():
+    """Whether this process is ending in failure: an unhandled exception
+    (Python sets `sys.last_type` before any excepthook runs) or a failing
+    `sys.exit` status."""
+    return _state["failed"] or getattr(sys, "last_type", None) is not None
+
+
+def _bounded(fn, seconds):
+    """Runs `fn()` in a daemon thread for at most `seconds`: an exit RPC
+    to a leader that does not answer must not hold this process."""
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    thread.join(seconds)
+
+
+def _at_exit(context, rank, world_size, timeout_seconds):
     ctx = context.context()
-    if rank != leader:
-        status = "failed" if _state["failed"] else "done"
-        if status == "done":
-            try:
-                context.async_wait()  # this rank's last ops have run
-            except Exception:  # noqa: BLE001 (reported by the op itself)
-                pass
+    failing = _failing()
+    if not failing:
+        try:
+            context.async_wait()  # this rank's last ops have run
+        except Exception:  # noqa: BLE001 (reported by the op itself)
+            pass
+    status = "failed" if failing else "done"
+
+    def tell():
         try:
             ctx.set_config_key_value(f"{_PREFIX}/{rank}", status)
         except Exception:  # noqa: BLE001 (the leader may be gone)
             pass
-        return
-    if _state["failed"]:
+
+    _bounded(tell, _TELL_SECONDS)
+    if failing:
         return
     deadline = time.monotonic() + timeout_seconds
     missing = []
     for other in range(world_size):
-        if other == leader:
+        if other == rank:
             continue
-        left_ms = int((deadline - time.monotonic()) * 1000)
-        if left_ms <= 0:
-            missing.append(other)
-            continue
-        try:
-            ctx.get_config_key_value(f"{_PREFIX}/{other}",
-                                     timeout_in_ms=left_ms)
-        except Exception:  # noqa: BLE001 (timeout, or the rank was lost)
-            missing.append(other)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing.append(other)
+                break
+            # Short waits, so that Ctrl-C (KeyboardInterrupt, raised
+            # between them) still ends the wait.
+            wait = min(left, _SLICE_SECONDS)
+            began = time.monotonic()
+            try:
+                said = ctx.get_config_key_value(
+                    f"{_PREFIX}/{other}", timeout_in_ms=max(1, int(wait * 1000)))
+            except Exception:  # noqa: BLE001
+                if time.monotonic() - began < wait / 2:
+                    # Not a timeout: the service is gone or says the rank
+                    # is lost; the job is failing, stop waiting.
+                    return
+                continue
+            if said == "failed":
+                return  # the job is failing: exit now
+            break
     if missing:
         warnings.warn(
-            f"keras-smp: the coordination leader (rank {leader}) exits "
-            f"without word from rank(s) {missing} after waiting up to "
-            f"{timeout_seconds:g} s (collective_timeout_seconds): they were "
-            "lost or are still running, and their collectives will fail "
-            "once the coordination service is gone. End every rank's "
-            "script at the same point, or raise collective_timeout_seconds.",
-            stacklevel=1)
+            f"keras-smp: rank {rank} exits without word from rank(s) "
+            f"{missing} after waiting up to {timeout_seconds:g} s "
+            "(collective_timeout_seconds) for every rank's script to end: "
+            "they were lost or are still running, and their collectives "
+            "fail once rank 0's process (TensorFlow's coordination service) "
+            "is gone. End every rank's script at the same point, or raise "
+            "collective_timeout_seconds.", stacklevel=1)

@@ -2,10 +2,12 @@
 
 4 processes, `SMPStrategy(partitions=2)`: pipeline groups {0, 1} and
 {2, 3}. Ranks 0 and 1 end their script at once; ranks 2 and 3 wait
-`--late` seconds, then gather and meet in their own group (through the
-coordination service, which rank 0's process hosts). Each rank prints
+`--late` seconds (longer than TensorFlow takes to call a task that
+stopped sending heartbeats crashed), then talk in their own group. Each rank prints
 `EXIT {"rank", "ended"}` when its script ends and ranks 2 and 3 print
-`GROUP {"rank", "started", "got"}`. `--fail-rank R` makes rank R raise
+`GROUP {"rank", "started", "got", "summed"}` (an all-gather and a barrier
+through the coordination service, then a TensorFlow all-reduce of the
+group). `--fail-rank R` makes rank R raise
 when its script ends (after its group calls).
 """
 
@@ -28,8 +30,19 @@ if rank >= 2:
     started = time.time()
     got = smp.allgather(rank, smp.MP_GROUP)
     smp.mp_barrier()
+    # A TensorFlow collective of this group alone (what a tensor-parallel
+    # group's save_weights runs): TensorFlow aborts every collective once
+    # the coordination service reports a task crashed.
+    import tensorflow as tf
+
+    summed = tf.raw_ops.CollectiveReduceV2(
+        input=tf.constant([float(rank)]), group_size=2, group_key=1001,
+        instance_key=1, ordering_token=[], merge_op="Add", final_op="Id",
+        communication_hint="ring", timeout_seconds=args.timeout)
     print("GROUP " + json.dumps({"rank": rank, "started": started,
-                                 "got": got}), flush=True)
+                                 "got": got,
+                                 "summed": float(summed.numpy()[0])}),
+          flush=True)
 if rank == args.fail_rank:
     raise RuntimeError(f"rank {rank} fails on purpose")
 print("EXIT " + json.dumps({"rank": rank, "ended": time.time()}), flush=True)
