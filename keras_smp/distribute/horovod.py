@@ -16,11 +16,13 @@ Horovod's TensorFlow ops accept neither bfloat16 (all-reduce) nor unsigned
 32/64-bit integers (broadcast): those travel as float32 / int64, exactly.
 """
 
+import atexit
 import itertools
 
 import tensorflow as tf
 
 from keras_smp.distribute.allreduce import GradientAllReduce
+from keras_smp.runtime import shutdown
 
 # What Horovod 0.28's TensorFlow ops accept; other dtypes are cast.
 _ALLREDUCE_DTYPES = {tf.float16, tf.float32, tf.float64, tf.int32, tf.int64,
@@ -66,6 +68,12 @@ def init(topology, stage_groups=None, what="allreduce='horovod'"):
         sets = [hvd.ProcessSet(list(g)) for g in groups]
         hvd.init(process_sets=sets)
         _process_sets.update(zip(groups, sets))
+        # Horovod shuts itself down at exit (an atexit hook, which would
+        # run before keras-smp's wait for the other ranks): after it, so
+        # that the first rank to finish does not shut Horovod down under
+        # ranks still in all-reduces.
+        atexit.unregister(hvd.shutdown)
+        shutdown.after_wait(hvd.shutdown)
     if hvd.size() != topology.world_size or hvd.rank() != topology.rank:
         raise RuntimeError(
             f"{what}: Horovod sees rank {hvd.rank()} of "

@@ -8,8 +8,8 @@
 4. creates the local devices (GPUs, or `local_devices` logical CPUs),
 5. with several processes: starts TensorFlow's coordination service (with
    bounded waits) and its collective runtime (gRPC server, collective ops),
-   once per process, and the orderly exit (`runtime.shutdown`: the
-   leader, which hosts the coordination service, leaves last),
+   once per process, and the orderly exit (`runtime.shutdown`: every
+   rank waits at exit until every rank's script has ended),
 6. installs the Keras / TensorFlow patches (`runtime.patches`) and the
    process-wide state (`keras_smp.state`: rank helpers),
 

@@ -21,26 +21,32 @@ waits until every other rank's script has ended, at most
 `timeout_seconds` in all (`collective_timeout_seconds`); then all exit
 together. A rank that does not answer in time gets a warning naming it.
 
-A rank that fails (an unhandled exception, `sys.exit` with a non-zero or
-non-int status) says so instead and does not wait, and the ranks waiting
-stop waiting when one says so (or when the service is gone): a failure
+A rank that fails (an unhandled exception, `sys.exit`, `exit()` or
+`quit()` with a non-zero or non-int status) says so instead and does not
+wait, and the ranks waiting stop waiting within a second of one saying so (or when the service is gone): a failure
 still ends the processes at once, so a launcher notices it as soon as
-before. (`raise SystemExit(1)` written out, or the `exit(1)` builtin, is
-not seen as a failure: a rank ending that way waits like one that
-succeeded.) Ctrl-C ends the wait. A process killed by a signal runs no
+before. (`raise SystemExit(1)` written out is not seen as a failure: a rank
+ending that way waits like one that succeeded, and a peer stuck in a
+collective with it fails only at `collective_timeout_seconds`.) Ctrl-C ends the wait. A process killed by a signal runs no
 exit hook: the others wait for it until the timeout, unless the launcher
 stops the job first (`keras-smp launch` stops every worker as soon as one
 fails).
+
+Horovod's own exit hook (`hvd.shutdown`) runs after the wait
+(`after_wait`), so that late ranks' Horovod all-reduces still work.
 """
 
 import atexit
+import builtins
 import sys
 import threading
 import time
 import warnings
 
 _PREFIX = "keras_smp/exit"
+_FAILED = f"{_PREFIX}/failed"  # set by any rank that fails (its rank)
 _state = {"installed": False, "failed": False}
+_after = []  # run at exit after the wait (`after_wait`)
 _lock = threading.Lock()
 _SLICE_SECONDS = 1.0  # the wait at exit, in slices (Ctrl-C ends it)
 _TELL_SECONDS = 10.0  # the most a rank spends saying it is done
@@ -59,7 +65,9 @@ def install(cluster, timeout_seconds, context=None):
 
     Args:
         cluster: this job's `ClusterInfo`.
-        timeout_seconds: the most the leader waits at exit, in all.
+        timeout_seconds: the most this process waits at exit, in all (the
+            first `SMPStrategy`'s or `smp.init`'s
+            `collective_timeout_seconds`).
         context: TensorFlow's eager context module (tests pass a fake).
     """
     if cluster.world_size == 1:
@@ -86,8 +94,28 @@ def install(cluster, timeout_seconds, context=None):
 
     sys.excepthook = excepthook
     sys.exit = exit_
+    quitter = type(getattr(builtins, "exit", None))
+    if quitter.__module__ == "_sitebuiltins":  # the exit() / quit() builtins
+        previous_call = quitter.__call__
+
+        def call(self, code=None):
+            if _failing_status(code):
+                _mark_failed()
+            return previous_call(self, code)
+
+        quitter.__call__ = call
     atexit.register(_at_exit, context, cluster.rank, cluster.world_size,
                     timeout_seconds)
+
+
+def after_wait(fn):
+    """Runs `fn()` at exit after the wait for the other ranks (at once when
+    this process waits for none). For shut-downs that must not come
+    before other ranks are done, such as Horovod's (`hvd.shutdown`)."""
+    if _state["installed"]:
+        _after.append(fn)
+    else:
+        atexit.register(fn)
 
 
 def _failing():
@@ -99,13 +127,37 @@ def _failing():
 
 def _bounded(fn, seconds):
     """Runs `fn()` in a daemon thread for at most `seconds`: an exit RPC
-    to a leader that does not answer must not hold this process."""
+    to a rank 0 that does not answer must not hold this process."""
     thread = threading.Thread(target=fn, daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError:  # no new threads at exit (Python 3.12.0, 3.12.1)
+        fn()
+        return
     thread.join(seconds)
 
 
+def _someone_failed(ctx):
+    """Whether a rank said it fails (a look, not a wait)."""
+    try:
+        ctx.get_config_key_value(_FAILED, timeout_in_ms=1)
+        return True
+    except Exception:  # noqa: BLE001 (not set: a timeout)
+        return False
+
+
 def _at_exit(context, rank, world_size, timeout_seconds):
+    try:
+        _wait(context, rank, world_size, timeout_seconds)
+    finally:
+        for fn in _after:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 (exiting anyway)
+                pass
+
+
+def _wait(context, rank, world_size, timeout_seconds):
     ctx = context.context()
     failing = _failing()
     if not failing:
@@ -113,12 +165,14 @@ def _at_exit(context, rank, world_size, timeout_seconds):
             context.async_wait()  # this rank's last ops have run
         except Exception:  # noqa: BLE001 (reported by the op itself)
             pass
-    status = "failed" if failing else "done"
 
     def tell():
         try:
-            ctx.set_config_key_value(f"{_PREFIX}/{rank}", status)
-        except Exception:  # noqa: BLE001 (the leader may be gone)
+            if failing:
+                ctx.set_config_key_value(_FAILED, str(rank))
+            ctx.set_config_key_value(f"{_PREFIX}/{rank}",
+                                     "failed" if failing else "done")
+        except Exception:  # noqa: BLE001 (rank 0's process may be gone)
             pass
 
     _bounded(tell, _TELL_SECONDS)
@@ -134,8 +188,11 @@ def _at_exit(context, rank, world_size, timeout_seconds):
             if left <= 0:
                 missing.append(other)
                 break
+            if _someone_failed(ctx):
+                return  # the job is failing: exit now
             # Short waits, so that Ctrl-C (KeyboardInterrupt, raised
-            # between them) still ends the wait.
+            # between them) still ends the wait, and a failure of any
+            # rank is seen within one.
             wait = min(left, _SLICE_SECONDS)
             began = time.monotonic()
             try:
