@@ -9,10 +9,12 @@ its model from its own seed (`--seed-by-rank`), so matching the reference
 """
 
 import json
+import os
 
 import pytest
 
 from conftest import HVD_PYTHON
+from conftest import WORKERS
 from conftest import assert_same_training
 from conftest import fit_model
 from conftest import hvd_env_or_skip
@@ -94,3 +96,22 @@ def test_horovod_backend_without_horovod_rendezvous_is_named(tmp_path):
     out = proc.stdout + proc.stderr
     assert "Horovod sees rank 0 of 1, but keras-smp's cluster" in out, out[-3000:]
     assert "keras-smp launch --horovod" in out
+
+
+@pytest.mark.slow
+def test_late_process_set_all_reduces_outlive_the_other_ranks(tmp_path):
+    # Ranks 0 and 2 end their scripts first; ranks 1 and 3 then all-reduce
+    # over their Horovod process set. Horovod shuts itself down at exit:
+    # keras-smp runs that after its wait for every rank (before, the
+    # first rank to finish shut Horovod down and the late all-reduce
+    # failed with "Process set does not exist or has not been registered").
+    hvd_env_or_skip()
+    out = launch(4, [os.path.join(WORKERS, "hvd_exit_order.py"), "5"],
+                 python=HVD_PYTHON, launcher_args=("--horovod",),
+                 timeout=300).stdout
+    late = [json.loads(l.split("LATE ", 1)[1]) for l in out.splitlines()
+            if "] LATE " in l]
+    assert sorted(r["rank"] for r in late) == [1, 3], out
+    assert all(r["summed"] == 4.0 for r in late), out
+    assert sorted(int(l.rsplit(" ", 1)[1]) for l in out.splitlines()
+                  if "] EXIT " in l) == [0, 1, 2, 3], out
