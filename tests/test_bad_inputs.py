@@ -117,6 +117,16 @@ def test_bad_launcher_arguments_are_named(case, capsys):
 
 # TensorFlow side: case -> (exception type, regex on the message)
 TF_CASES = {
+    "wrap_a_model_with_its_own_train_step": (
+        "ValueError", r"DistributedModel\(OwnTrainStep\) wraps a model that "
+                      r"overrides `train_step`.*would be skipped.*"
+                      r"compile\(loss=.*@smp.step"),
+    "subclass_with_its_own_compute_loss": (
+        "ValueError", r"OwnLoss overrides `compute_loss`.*would be skipped"),
+    "optimizer_created_outside_the_scope": (
+        "ValueError", r"optimizer SGD of model '.*' was created outside the "
+                      r"SMPStrategy's scope.*with strategy.scope\(\): "
+                      r"model.compile\(optimizer=keras.optimizers.SGD"),
     "batch_not_divisible": (
         "ValueError", r"per-replica batch of 10 samples does not divide into "
                       r"microbatches=4.*multiple of"),

@@ -129,6 +129,7 @@ class DistributedModel(keras.Model):
                     "functional or Sequential model. Start a Sequential "
                     "model with keras.Input(shape), or pass "
                     "DistributedModel(inputs, outputs).")
+            _check_no_custom_steps(type(inner), keras.Model, wrapped=True)
             self.inner_model = inner
             self._smp_functional = functional
             # Keras maps dict losses and metrics to outputs by these names.
@@ -464,6 +465,9 @@ class DistributedModel(keras.Model):
         ```
         """
         self._smp_check_created_in_scope()
+        if type(self).train_step is DistributedModel.train_step:
+            _check_no_custom_steps(type(self), DistributedModel,
+                                   wrapped=False)
         super().compile(*args, jit_compile=xla.stage_by_stage(
             self, jit_compile), **kwargs)
         track_slots(self.optimizer)
@@ -950,6 +954,37 @@ class DistributedModel(keras.Model):
         ```
         """
         return executed_timeline(self, x, y, sample_weight, runs)
+
+
+# Keras' step hooks a DistributedModel runs its own pipelined versions
+# of. `compute_metrics` is kept on a DistributedModel subclass (its
+# `train_step` calls it with the whole batch's outputs).
+_WRAPPED_STEP_HOOKS = ("train_step", "test_step", "predict_step",
+                       "compute_loss", "compute_metrics")
+_SUBCLASS_STEP_HOOKS = ("compute_loss",)
+
+
+def _check_no_custom_steps(cls, base, wrapped):
+    """Raises if `cls` overrides a Keras step hook the pipeline would skip:
+    training would silently differ from the model's own."""
+    hooks = _WRAPPED_STEP_HOOKS if wrapped else _SUBCLASS_STEP_HOOKS
+    overridden = [h for h in hooks
+                  if getattr(cls, h, None) is not getattr(base, h, None)]
+    if not overridden:
+        return
+    names = ", ".join(f"`{h}`" for h in overridden)
+    what = (f"DistributedModel({cls.__name__}) wraps a model that overrides"
+            if wrapped else f"{cls.__name__} overrides")
+    raise ValueError(
+        f"{what} {names}: a DistributedModel computes the loss per "
+        "microbatch on the last stage with its own pipelined `train_step` "
+        "and `test_step`, so the override would be skipped and training "
+        "would differ from the model's own. Give the loss to `compile(loss="
+        "...)` (a Keras loss or a function of `y_true, y_pred`; "
+        "`loss_weights` and per-output dicts work), or write the step with "
+        "the SMP custom-loop API (`@smp.step`, docs/custom-loop.md), or "
+        "train the model unwrapped with data parallelism "
+        "(`SMPStrategy()` without `partitions`).")
 
 
 def _clear_batch_errors(fn):

@@ -403,3 +403,11 @@ def initialize_within(variable, context):
 def sublayers(layer):
     """The layers `layer` holds directly (a custom layer's attributes)."""
     return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def epoch_dataset_spec(epoch_iterator):
+    """The `element_spec` of the (distributed) dataset a Keras TensorFlow
+    `EpochIterator` feeds `fit`/`evaluate` from, or `None` where it holds
+    none (checked against `TFEpochIterator._distributed_dataset`)."""
+    dataset = getattr(epoch_iterator, "_distributed_dataset", None)
+    return getattr(dataset, "element_spec", None)

@@ -148,6 +148,114 @@ def _patch_make_functions(trainer):
         setattr(trainer, name, make)
 
 
+def _symbolic_batch(epoch_iterator):
+    """Shape-and-dtype stand-ins (`tf.TensorSpec`s) for a batch of the
+    dataset behind `epoch_iterator`, one replica's part, or `None` where
+    its spec does not give them (unknown rank, no dataset)."""
+    import tensorflow as tf
+
+    from keras_smp.runtime import keras_private
+
+    spec = keras_private.epoch_dataset_spec(epoch_iterator)
+    if spec is None:
+        return None
+    parts = tf.nest.map_structure(tf_private.first_replica_spec, spec)
+    for part in tf.nest.flatten(parts):
+        shape = getattr(part, "shape", None)
+        if (part is not None and not isinstance(part, tf.TensorSpec)) or (
+                shape is not None and shape.rank is None):
+            return None
+    return parts
+
+
+def _raise_if_optimizer_outside_scope(model, error):
+    """TensorFlow's "Mixing different tf.distribute.Strategy objects", when
+    the optimizer was created outside the model's strategy scope (Keras
+    creates its slots where the optimizer was created), as an error that
+    says so and how to fix it."""
+    from keras_smp.runtime import keras_private
+
+    optimizer = getattr(model, "optimizer", None)
+    if ("Mixing different tf.distribute.Strategy" not in str(error)
+            or optimizer is None or keras_private.optimizer_strategy(
+                optimizer) is model.distribute_strategy):
+        return
+    name = type(optimizer).__name__
+    raise ValueError(
+        f"The optimizer {name} of model '{model.name}' was created outside "
+        "the SMPStrategy's scope, so its slot variables cannot be placed "
+        "with the model's weights. Create it inside the scope: `with "
+        f"strategy.scope(): model.compile(optimizer=keras.optimizers."
+        f"{name}(...), ...)`.") from error
+
+
+def _patch_symbolic_build(trainer):
+    """Under an `SMPStrategy`, `fit`/`evaluate` build the model from the
+    dataset's spec instead of drawing a batch from a new iterator.
+
+    Keras (3.15, any `tf.distribute` strategy) takes `next()` of a fresh
+    iterator over the dataset to build the model symbolically, and drops
+    it. A Python generator or `PyDataset` loses that batch and what the
+    iterator prefetched (3 of 8 batches, measured), and a dataset
+    reshuffling each iteration (`shuffle()`, `PyDataset` with
+    `shuffle=True`) starts its first epoch on its second order: training
+    differs from the same model without the strategy. Building needs
+    only shapes and dtypes, which the spec holds.
+    """
+    original = trainer._maybe_symbolic_build
+    if getattr(original, "_smp_patched", False):
+        return
+
+    @functools.wraps(original)
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        if _runtime_of(getattr(self, "_distribute_strategy", None)) is None:
+            return original(self, iterator=iterator, data_batch=data_batch)
+        if iterator is not None and data_batch is None:
+            spec = _symbolic_batch(iterator)
+            if spec is not None:
+                iterator, data_batch = None, spec
+        try:
+            return original(self, iterator=iterator, data_batch=data_batch)
+        except RuntimeError as e:
+            _raise_if_optimizer_outside_scope(self, e)
+            raise
+
+    _maybe_symbolic_build._smp_patched = True
+    trainer._maybe_symbolic_build = _maybe_symbolic_build
+
+
+def _patch_predict_on_batch(trainer):
+    """Under an `SMPStrategy` with several replicas in one process,
+    `predict_on_batch(x)` splits `x` among them as `predict` does.
+
+    Keras hands the whole batch to every local replica and concatenates
+    their outputs: a model under it returned each row once per replica.
+    """
+    original = trainer.predict_on_batch
+    if getattr(original, "_smp_patched", False):
+        return
+
+    @functools.wraps(original)
+    def predict_on_batch(self, x):
+        strategy = getattr(self, "_distribute_strategy", None)
+        if (_runtime_of(strategy) is None
+                or len(strategy.extended.worker_devices) < 2):
+            return original(self, x)
+        import keras
+        import tensorflow as tf
+
+        self.make_predict_function()
+        dataset = tf.data.Dataset.from_tensors((x,))
+        batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
+        outputs = self.predict_function([batch])
+        return keras.tree.map_structure(
+            lambda t: t if isinstance(t, tf.RaggedTensor) else t.numpy(),
+            outputs)
+
+    predict_on_batch._smp_patched = True
+    trainer.predict_on_batch = predict_on_batch
+
+
 # -- files -----------------------------------------------------------------
 
 
@@ -752,6 +860,8 @@ def install():
         from keras_smp.runtime.keras_private import TensorFlowTrainer
 
         _patch_make_functions(TensorFlowTrainer)
+        _patch_symbolic_build(TensorFlowTrainer)
+        _patch_predict_on_batch(TensorFlowTrainer)
         _patch_files(keras)
         _patch_get_gradients(keras)
         _patch_optimizer(keras)

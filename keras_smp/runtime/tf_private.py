@@ -124,3 +124,12 @@ def trace_time_instance_keys(fn):
             launcher._prefer_unique_instance_key = previous
 
     return run
+
+
+def first_replica_spec(spec):
+    """The type spec of the first local replica's part of a distributed
+    dataset's `element_spec` component (itself when not per replica)."""
+    value_specs = getattr(spec, "_value_specs", None)
+    if isinstance(spec, distribute_values.PerReplicaSpec) and value_specs:
+        return value_specs[0]
+    return spec

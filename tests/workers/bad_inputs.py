@@ -118,6 +118,39 @@ def case_save_weights_max_shard_size():
     pipelined().save_weights("/tmp/unused.weights.json", max_shard_size=1)
 
 
+def case_optimizer_created_outside_the_scope():
+    # Its momentum slots are made under the default strategy.
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    with strategy.scope():
+        model = keras_smp.DistributedModel(keras.Sequential([
+            keras.Input((8,)), keras.layers.Dense(16),
+            keras.layers.Dense(2)]))
+        model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+class OwnTrainStep(keras.Model):
+    def train_step(self, data):
+        return {"loss": 0.0}
+
+
+def case_wrap_a_model_with_its_own_train_step():
+    inputs = keras.Input((8,))
+    keras_smp.DistributedModel(OwnTrainStep(
+        inputs, keras.layers.Dense(2)(keras.layers.Dense(4)(inputs))))
+
+
+class OwnLoss(BadIndex):
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                     training=True):
+        return super().compute_loss(x, y, y_pred, sample_weight, training)
+
+
+def case_subclass_with_its_own_compute_loss():
+    with strategy.scope():
+        OwnLoss().compile(optimizer="sgd", loss="mse")
+
+
 def case_wrap_a_non_model():
     keras_smp.DistributedModel("not a model")
 

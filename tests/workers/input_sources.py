@@ -1,0 +1,116 @@
+"""The input sources Keras users feed `fit` with, under an SMPStrategy,
+against the same model trained by plain Keras on one device (same seeds):
+NumPy arrays with `shuffle=True`, a tf.data dataset that reshuffles each
+epoch, a Python generator (one pass), a `PyDataset` (`shuffle=True`); then
+`predict_on_batch`. Each case trains twice from scratch (plain, then under
+the strategy) and reports the largest weight difference, the weights'
+magnitude and both optimizers' step counts.
+
+    input_sources.py MODE OUT
+
+MODE: `dp` (a plain model, `local_devices=2`: 2 data-parallel replicas),
+`pp_dp` (a `DistributedModel`, `partitions=2, local_devices=4`: 2
+pipelines of 2 stages in one process), `mp` (run under `keras-smp launch
+-n 2`: one stage per process). Writes OUT/rank{R}.json.
+
+Keras builds a model under a strategy by drawing a batch from a new
+iterator over the data and dropping it: a generator lost 3 of 8 batches,
+and reshuffling sources started on their second order.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras_smp  # noqa: E402
+
+MODE, OUT = sys.argv[1], sys.argv[2]
+CONFIGS = {"dp": dict(local_devices=2),
+           "pp_dp": dict(partitions=2, microbatches=2, local_devices=4),
+           "mp": dict(partitions=2, microbatches=2)}
+strategy = keras_smp.SMPStrategy(**CONFIGS[MODE])
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+BATCHES, ROWS = 8, 32
+rng = np.random.RandomState(0)
+X = rng.randn(BATCHES * ROWS, 8).astype("float32")
+Y = rng.randint(0, 3, size=BATCHES * ROWS)
+
+
+def build(distributed):
+    keras.utils.set_random_seed(1)
+
+    def layers():
+        return keras.Sequential([
+            keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
+
+    def compile_(model):
+        # Momentum carries each step's batch into every later step.
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
+                      keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True))
+        return model
+
+    if not distributed:
+        return compile_(layers())
+    with strategy.scope():
+        model = layers()
+        if MODE != "dp":
+            model = keras_smp.DistributedModel(model)
+        return compile_(model)
+
+
+def generator():
+    for i in range(BATCHES):
+        yield X[i * ROWS:(i + 1) * ROWS], Y[i * ROWS:(i + 1) * ROWS]
+
+
+class Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return BATCHES
+
+    def __getitem__(self, i):
+        return X[i * ROWS:(i + 1) * ROWS], Y[i * ROWS:(i + 1) * ROWS]
+
+
+SOURCES = {
+    "arrays": lambda m: m.fit(X, Y, batch_size=ROWS, epochs=2, verbose=0),
+    "tf.data": lambda m: m.fit(
+        tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(
+            len(X), seed=3).batch(ROWS, drop_remainder=True),
+        epochs=2, verbose=0),
+    "generator": lambda m: m.fit(generator(), epochs=1, verbose=0),
+    "PyDataset": lambda m: m.fit(Batches(), epochs=2, verbose=0),
+}
+
+report = {}
+for name, fit in SOURCES.items():
+    runs = []
+    for distributed in (False, True):
+        model = build(distributed)
+        fit(model)
+        runs.append((model.get_weights(), int(model.optimizer.iterations.numpy())))
+    (ref, ref_steps), (got, got_steps) = runs
+    report[name] = dict(
+        diff=max(float(np.max(np.abs(a - b))) for a, b in zip(ref, got)),
+        scale=max(float(np.max(np.abs(a))) for a in ref),
+        steps=[ref_steps, got_steps])
+
+predictions = []
+for distributed in (False, True):
+    model = build(distributed)
+    model.fit(X, Y, batch_size=ROWS, epochs=1, verbose=0, shuffle=False)
+    predictions.append(model.predict_on_batch(X[:ROWS]))
+report["predict_on_batch"] = dict(
+    shapes=[list(p.shape) for p in predictions],
+    diff=(float(np.max(np.abs(predictions[0] - predictions[1])))
+          if predictions[0].shape == predictions[1].shape else None),
+    scale=float(np.max(np.abs(predictions[0]))))
+
+with open(os.path.join(OUT, f"rank{strategy.topology.rank}.json"), "w") as f:
+    json.dump(report, f)
