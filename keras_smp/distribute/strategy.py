@@ -420,6 +420,14 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
         return super()._batch_reduce_to(reduce_op, value_destination_pairs,
                                         options)
 
+    def _use_merge_call(self):
+        # `placement.replica_updates`: Keras' conditional optimizer updates
+        # (gradient accumulation, EMA overwrites) on gradients already
+        # summed over the replicas.
+        if placement.updating_in_replicas():
+            return False
+        return super()._use_merge_call()
+
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         if self._smp_local_tp > 1:
             return value

@@ -28,6 +28,7 @@ from keras_smp.pipeline.graph import record_partitions
 from keras_smp.pipeline.partition import COST_METHODS
 from keras_smp.pipeline.profiling import executed_timeline
 from keras_smp.pipeline.residency import StageResidency
+from keras_smp.pipeline.residency import own_averages
 from keras_smp.pipeline.residency import track_slots
 from keras_smp.pipeline.schedule import get_schedule
 from keras_smp.pipeline.step import run_step
@@ -893,7 +894,8 @@ class DistributedModel(keras.Model):
             for v, g in zip(trainable, variable_gradients(reg, trainable)):
                 grads[id(v)] = accumulate(grads.get(id(v)), g)
         self._smp_track_loss(run, extra)
-        with self._smp_across_stages(reduce_sum):
+        with self._smp_across_stages(reduce_sum), own_averages(
+                self.optimizer):
             if trainable:
                 self.optimizer.apply_gradients(
                     [(grads.get(id(v)), v) for v in trainable])

@@ -41,6 +41,7 @@ def track_slots(optimizer):
     for target in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         if target is not None:
             _track(target, refs)
+    _own_finalize(optimizer)
 
 
 def _track(optimizer, refs):
@@ -62,6 +63,53 @@ def _track(optimizer, refs):
 
     object.__setattr__(optimizer, "add_variable_from_reference",
                        add_variable_from_reference)
+
+
+@contextlib.contextmanager
+def own_averages(optimizer):
+    """`use_ema` on this stage's weights only, for the body.
+
+    Keras updates (and, with `ema_overwrite_frequency` and at the end of
+    `fit`, copies back) the moving average of every weight the optimizer
+    was built for; another stage's weight and its average hold no storage
+    here (`track_slots`), so those pairs are left out. A no-op without EMA
+    or other stages' weights.
+    """
+    saved = []
+    for target in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        lists = None if target is None else keras_private.ema_lists(target)
+        if lists is None:
+            continue
+        variables, averages = lists
+        keep = [i for i, (v, a) in enumerate(zip(variables, averages))
+                if not is_local(v) and (a is None or not is_local(a))]
+        if len(keep) == len(variables):
+            continue
+        saved.append((target, variables, averages))
+        keras_private.set_ema_lists(target, [variables[i] for i in keep],
+                                    [averages[i] for i in keep])
+    try:
+        yield
+    finally:
+        for target, variables, averages in saved:
+            keras_private.set_ema_lists(target, variables, averages)
+
+
+def _own_finalize(optimizer):
+    """`finalize_variable_values` (Keras' last EMA copy at the end of
+    `fit`) on this stage's weights only."""
+    original = optimizer.finalize_variable_values
+
+    def finalize_variable_values(var_list):
+        with own_averages(optimizer):
+            lists = keras_private.ema_lists(optimizer)
+            if lists is not None:
+                own = {id(v) for v in lists[0]}
+                var_list = [v for v in var_list if id(v) in own]
+            return original(var_list)
+
+    object.__setattr__(optimizer, "finalize_variable_values",
+                       finalize_variable_values)
 
 
 def slot_references(optimizer):

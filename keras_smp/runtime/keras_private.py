@@ -411,3 +411,19 @@ def epoch_dataset_spec(epoch_iterator):
     none (checked against `TFEpochIterator._distributed_dataset`)."""
     dataset = getattr(epoch_iterator, "_distributed_dataset", None)
     return getattr(dataset, "element_spec", None)
+
+
+def ema_lists(optimizer):
+    """`(model variables, their moving averages)` of an optimizer with
+    `use_ema`, as its EMA updates zip them (`None` without EMA)."""
+    averages = getattr(optimizer, "_model_variables_moving_average", None)
+    if not getattr(optimizer, "use_ema", False) or averages is None:
+        return None
+    return list(optimizer._trainable_variables), list(averages)
+
+
+def set_ema_lists(optimizer, variables, averages):
+    """Sets what `ema_lists` returns (untracked: the same variables)."""
+    object.__setattr__(optimizer, "_trainable_variables", list(variables))
+    object.__setattr__(optimizer, "_model_variables_moving_average",
+                       list(averages))

@@ -225,11 +225,12 @@ def _patch_symbolic_build(trainer):
 
 
 def _patch_predict_on_batch(trainer):
-    """Under an `SMPStrategy` with several replicas in one process,
-    `predict_on_batch(x)` splits `x` among them as `predict` does.
+    """Under an `SMPStrategy` with several replicas, `predict_on_batch(x)`
+    splits `x` among them as `predict` does.
 
-    Keras hands the whole batch to every local replica and concatenates
-    their outputs: a model under it returned each row once per replica.
+    Keras hands the whole batch to every replica and concatenates their
+    outputs (gathered across processes): a model under it returned each
+    row once per replica.
     """
     original = trainer.predict_on_batch
     if getattr(original, "_smp_patched", False):
@@ -238,8 +239,9 @@ def _patch_predict_on_batch(trainer):
     @functools.wraps(original)
     def predict_on_batch(self, x):
         strategy = getattr(self, "_distribute_strategy", None)
-        if (_runtime_of(strategy) is None
-                or len(strategy.extended.worker_devices) < 2):
+        if _runtime_of(strategy) is None or (
+                strategy.num_replicas_in_sync < 2
+                and len(strategy.extended.worker_devices) < 2):
             return original(self, x)
         import keras
         import tensorflow as tf
@@ -551,6 +553,15 @@ def _patch_optimizer(keras):
     if keras_private.optimizer_step_wrapped():
         return
 
+    def conditional_updates(optimizer):
+        # Keras updates inside `tf.cond`: a `merge_call` there fails under
+        # any tf.distribute strategy ("`merge_call` called while defining
+        # a new graph"); keras-smp sums the gradients first and updates
+        # each replica's copies in its own context.
+        return bool(getattr(optimizer, "gradient_accumulation_steps", None)
+                    or (getattr(optimizer, "use_ema", False) and getattr(
+                        optimizer, "ema_overwrite_frequency", None)))
+
     def clips(optimizer):
         return any(getattr(optimizer, a, None)
                    for a in ("clipnorm", "global_clipnorm", "clipvalue"))
@@ -588,7 +599,8 @@ def _patch_optimizer(keras):
                 finally:
                     for o in optimizers:
                         _set_step(o, "tp_summed", False)
-            if not (_smp_optimizer(self) and clips(self)):
+            conditional = _smp_optimizer(self) and conditional_updates(self)
+            if not (_smp_optimizer(self) and (clips(self) or conditional)):
                 return apply_gradients(self, grads, trainable_variables)
             if (self.global_clipnorm and self.gradient_accumulation_steps
                     and _stage_state(self)[0] is not None):
@@ -617,7 +629,9 @@ def _patch_optimizer(keras):
                 getattr(v, "_smp_tp_axis", None) is not None
                 for v in trainable_variables))
             try:
-                return apply_gradients(self, grads, trainable_variables)
+                with (placement.replica_updates() if conditional
+                      else contextlib.nullcontext()):
+                    return apply_gradients(self, grads, trainable_variables)
             finally:
                 _set_step(self, "synced", False)
                 _set_step(self, "clip_ids", None)

@@ -94,3 +94,21 @@ def local_shards(shard_of):
 def local_shard_initializer():
     """The `shard_of` function `local_shards` set, or `None`."""
     return getattr(_state, "shards", None)
+
+
+@contextlib.contextmanager
+def replica_updates():
+    """Variable updates inside run in each replica's own context, on its
+    own copy, without a `merge_call` (TensorFlow's path for XLA on GPUs).
+
+    Keras' optimizer updates inside `tf.cond` (gradient accumulation, EMA
+    overwrites) cannot `merge_call`; the gradients must be the same on
+    every replica already (summed before), so every copy gets the same
+    update."""
+    with _setting("replica_updates", True):
+        yield
+
+
+def updating_in_replicas():
+    """Whether `replica_updates` is active (in this replica's thread)."""
+    return bool(getattr(_state, "replica_updates", False))

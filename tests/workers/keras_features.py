@@ -1,21 +1,31 @@
-"""The input sources Keras users feed `fit` with, under an SMPStrategy,
-against the same model trained by plain Keras on one device (same seeds):
-NumPy arrays with `shuffle=True`, a tf.data dataset that reshuffles each
-epoch, a Python generator (one pass), a `PyDataset` (`shuffle=True`); then
-`predict_on_batch`. Each case trains twice from scratch (plain, then under
-the strategy) and reports the largest weight difference, the weights'
-magnitude and both optimizers' step counts.
+"""Keras features under an SMPStrategy, against the same model trained by
+plain Keras on one device (same seeds):
 
-    input_sources.py MODE OUT
+- the input sources users feed `fit` with: NumPy arrays with
+  `shuffle=True`, a tf.data dataset that reshuffles each epoch, a Python
+  generator (one pass), a `PyDataset` (`shuffle=True`);
+- optimizer options whose updates Keras makes inside `tf.cond`:
+  `gradient_accumulation_steps` (with and without `clipnorm` and
+  `weight_decay`), `use_ema` with `ema_overwrite_frequency`;
+- `predict_on_batch`.
+
+Each case trains twice from scratch (plain, then under the strategy) and
+reports the largest weight difference, the weights' magnitude and both
+optimizers' step counts.
+
+    keras_features.py MODE OUT
 
 MODE: `dp` (a plain model, `local_devices=2`: 2 data-parallel replicas),
 `pp_dp` (a `DistributedModel`, `partitions=2, local_devices=4`: 2
-pipelines of 2 stages in one process), `mp` (run under `keras-smp launch
--n 2`: one stage per process). Writes OUT/rank{R}.json.
+pipelines of 2 stages in one process); under `keras-smp launch -n 2`:
+`mp` (one stage per process), `mp_dp` (a plain model, 2 data-parallel
+processes). Writes OUT/rank{R}.json.
 
-Keras builds a model under a strategy by drawing a batch from a new
-iterator over the data and dropping it: a generator lost 3 of 8 batches,
-and reshuffling sources started on their second order.
+Before keras-smp handled them: Keras builds a model under a strategy by
+drawing a batch from a new iterator over the data and dropping it (a
+generator lost 3 of 8 batches, reshuffling sources started on their
+second order), and the conditional optimizer updates failed ("`merge_call`
+called while defining a new graph").
 """
 
 import json
@@ -28,7 +38,8 @@ import keras_smp  # noqa: E402
 MODE, OUT = sys.argv[1], sys.argv[2]
 CONFIGS = {"dp": dict(local_devices=2),
            "pp_dp": dict(partitions=2, microbatches=2, local_devices=4),
-           "mp": dict(partitions=2, microbatches=2)}
+           "mp": dict(partitions=2, microbatches=2),
+           "mp_dp": dict()}
 strategy = keras_smp.SMPStrategy(**CONFIGS[MODE])
 
 import keras  # noqa: E402
@@ -41,7 +52,11 @@ X = rng.randn(BATCHES * ROWS, 8).astype("float32")
 Y = rng.randint(0, 3, size=BATCHES * ROWS)
 
 
-def build(distributed):
+def momentum_sgd():
+    return keras.optimizers.SGD(0.1, momentum=0.9)
+
+
+def build(distributed, optimizer=momentum_sgd):
     keras.utils.set_random_seed(1)
 
     def layers():
@@ -51,7 +66,7 @@ def build(distributed):
 
     def compile_(model):
         # Momentum carries each step's batch into every later step.
-        model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
+        model.compile(optimizer(),
                       keras.losses.SparseCategoricalCrossentropy(
                           from_logits=True))
         return model
@@ -60,7 +75,7 @@ def build(distributed):
         return compile_(layers())
     with strategy.scope():
         model = layers()
-        if MODE != "dp":
+        if MODE not in ("dp", "mp_dp"):
             model = keras_smp.DistributedModel(model)
         return compile_(model)
 
@@ -88,16 +103,31 @@ SOURCES = {
     "PyDataset": lambda m: m.fit(Batches(), epochs=2, verbose=0),
 }
 
+OPTIMIZERS = {
+    "gradient_accumulation": lambda: keras.optimizers.SGD(
+        0.1, momentum=0.9, gradient_accumulation_steps=2),
+    "gradient_accumulation_clipnorm_weight_decay": lambda: (
+        keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=0.01,
+                             clipnorm=0.5, gradient_accumulation_steps=2)),
+    "ema_overwrite": lambda: keras.optimizers.SGD(
+        0.1, momentum=0.9, use_ema=True, ema_overwrite_frequency=3),
+}
+CASES = {name: (momentum_sgd, fit) for name, fit in SOURCES.items()}
+CASES.update({name: (optimizer, SOURCES["arrays"])
+              for name, optimizer in OPTIMIZERS.items()})
+
 report = {}
-for name, fit in SOURCES.items():
+for name, (optimizer, fit) in CASES.items():
     runs = []
     for distributed in (False, True):
-        model = build(distributed)
+        model = build(distributed, optimizer)
+        start = model.get_weights()
         fit(model)
         runs.append((model.get_weights(), int(model.optimizer.iterations.numpy())))
     (ref, ref_steps), (got, got_steps) = runs
     report[name] = dict(
         diff=max(float(np.max(np.abs(a - b))) for a, b in zip(ref, got)),
+        moved=max(float(np.max(np.abs(a - b))) for a, b in zip(start, got)),
         scale=max(float(np.max(np.abs(a))) for a in ref),
         steps=[ref_steps, got_steps])
 
