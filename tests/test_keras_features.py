@@ -36,7 +36,8 @@ from conftest import run_python
 WORKER = os.path.join(WORKERS, "keras_features.py")
 CASES = ("arrays", "tf.data", "generator", "PyDataset",
          "gradient_accumulation",
-         "gradient_accumulation_clipnorm_weight_decay", "ema_overwrite")
+         "gradient_accumulation_clipnorm_weight_decay",
+         "gradient_accumulation_global_clipnorm", "ema_overwrite")
 
 
 def _check(report):

@@ -66,6 +66,12 @@ class DistributedModel(keras.Model):
     the layers, in topological order, into contiguous stages balancing
     `partition_cost`; `model.partition_summary()` shows the plan.
 
+    The pipeline runs its own `train_step` and `test_step`, computing the
+    compiled loss per microbatch on the last stage: a wrapped model that
+    overrides a step hook (`train_step`, `compute_loss`, ...), or a
+    subclass overriding `compute_loss`, is refused with a `ValueError`
+    rather than trained without it.
+
     Args:
         partition_cost: "parameters" (default with `optimize="memory"`),
             "flops" (default with `optimize="speed"`) or "uniform".

@@ -602,14 +602,6 @@ def _patch_optimizer(keras):
             conditional = _smp_optimizer(self) and conditional_updates(self)
             if not (_smp_optimizer(self) and (clips(self) or conditional)):
                 return apply_gradients(self, grads, trainable_variables)
-            if (self.global_clipnorm and self.gradient_accumulation_steps
-                    and _stage_state(self)[0] is not None):
-                raise NotImplementedError(
-                    "global_clipnorm with gradient_accumulation_steps="
-                    f"{self.gradient_accumulation_steps} is not supported "
-                    "with one pipeline stage per process (the norm would "
-                    "cover this stage only). Use clipnorm, or run the "
-                    "pipeline in one process (local_devices=partitions).")
             context = tf.distribute.get_replica_context()
             grads = list(grads)
             if context is not None and context.num_replicas_in_sync > 1:

@@ -109,6 +109,9 @@ OPTIMIZERS = {
     "gradient_accumulation_clipnorm_weight_decay": lambda: (
         keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=0.01,
                              clipnorm=0.5, gradient_accumulation_steps=2)),
+    "gradient_accumulation_global_clipnorm": lambda: (
+        keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=0.2,
+                             gradient_accumulation_steps=2)),
     "ema_overwrite": lambda: keras.optimizers.SGD(
         0.1, momentum=0.9, use_ema=True, ema_overwrite_frequency=3),
 }
