@@ -37,7 +37,9 @@ WORKER = os.path.join(WORKERS, "keras_features.py")
 CASES = ("arrays", "tf.data", "generator", "PyDataset",
          "gradient_accumulation",
          "gradient_accumulation_clipnorm_weight_decay",
-         "gradient_accumulation_global_clipnorm", "ema_overwrite")
+         "gradient_accumulation_global_clipnorm", "ema_overwrite",
+         "frozen_stage_accumulation_global_clipnorm",
+         "loss_scale_ema_frozen_stage_accumulation")
 
 
 def _check(report):
@@ -47,9 +49,11 @@ def _check(report):
         bound = (RTOL + ATOL) * max(1.0, row["scale"])
         assert row["diff"] <= bound, (name, row)
         assert row["moved"] > 100 * bound, (name, row)  # it trained
-    row = report["predict_on_batch"]
-    assert row["shapes"][0] == row["shapes"][1], row
-    assert row["diff"] <= (RTOL + ATOL) * max(1.0, row["scale"]), row
+    for name in ("predict_on_batch", "predict_on_batch_two_inputs"):
+        row = report[name]
+        assert row["shapes"][0] == row["shapes"][1], (name, row)
+        assert row["diff"] <= (RTOL + ATOL) * max(1.0, row["scale"]), (
+            name, row)
 
 
 @pytest.mark.parametrize("mode", ["dp", "pp_dp"])

@@ -472,7 +472,8 @@ class DistributedModel(keras.Model):
         ```
         """
         self._smp_check_created_in_scope()
-        if type(self).train_step is DistributedModel.train_step:
+        if (type(self).train_step is DistributedModel.train_step
+                or type(self).test_step is DistributedModel.test_step):
             _check_no_custom_steps(type(self), DistributedModel,
                                    wrapped=False)
         super().compile(*args, jit_compile=xla.stage_by_stage(
@@ -984,15 +985,17 @@ def _check_no_custom_steps(cls, base, wrapped):
     what = (f"DistributedModel({cls.__name__}) wraps a model that overrides"
             if wrapped else f"{cls.__name__} overrides")
     raise ValueError(
-        f"{what} {names}: a DistributedModel computes the loss per "
-        "microbatch on the last stage with its own pipelined `train_step` "
-        "and `test_step`, so the override would be skipped and training "
-        "would differ from the model's own. Give the loss to `compile(loss="
-        "...)` (a Keras loss or a function of `y_true, y_pred`; "
-        "`loss_weights` and per-output dicts work), or write the step with "
-        "the SMP custom-loop API (`@smp.step`, docs/custom-loop.md), or "
-        "train the model unwrapped with data parallelism "
-        "(`SMPStrategy()` without `partitions`).")
+        f"{what} {names}: a DistributedModel runs its own pipelined "
+        "`train_step`, `test_step` and `predict_step` (the compiled loss "
+        "per microbatch on the last stage), so the override would be "
+        "skipped and the model would train or predict differently from "
+        "its own. Give the loss to `compile(loss=...)` (a Keras loss or a "
+        "function of `y_true, y_pred`; `loss_weights` and per-output "
+        "dicts work; override `compute_metrics` on a DistributedModel "
+        "subclass for custom metrics), or write the step with the SMP "
+        "custom-loop API (`@smp.step`, docs/custom-loop.md), or train "
+        "the model unwrapped with data parallelism (`SMPStrategy()` "
+        "without `partitions`).")
 
 
 def _clear_batch_errors(fn):

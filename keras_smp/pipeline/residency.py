@@ -102,10 +102,15 @@ def _own_finalize(optimizer):
 
     def finalize_variable_values(var_list):
         with own_averages(optimizer):
-            lists = keras_private.ema_lists(optimizer)
-            if lists is not None:
-                own = {id(v) for v in lists[0]}
-                var_list = [v for v in var_list if id(v) in own]
+            # A LossScaleOptimizer hands `var_list` to its inner one.
+            for target in (optimizer,
+                           getattr(optimizer, "inner_optimizer", None)):
+                lists = (None if target is None
+                         else keras_private.ema_lists(target))
+                if lists is not None:
+                    own = {id(v) for v in lists[0]}
+                    var_list = [v for v in var_list if id(v) in own]
+                    break
             return original(var_list)
 
     object.__setattr__(optimizer, "finalize_variable_values",

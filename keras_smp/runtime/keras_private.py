@@ -427,3 +427,21 @@ def set_ema_lists(optimizer, variables, averages):
     object.__setattr__(optimizer, "_trainable_variables", list(variables))
     object.__setattr__(optimizer, "_model_variables_moving_average",
                        list(averages))
+
+
+def step_counter(optimizer):
+    """The variable counting every `apply` of an optimizer (its
+    `iterations` is this divided by `gradient_accumulation_steps` when
+    that is set, a tensor that cannot be assigned)."""
+    return optimizer._iterations
+
+
+def outputs_to_numpy(outputs):
+    """Keras' conversion of `predict_on_batch` outputs (NumPy arrays,
+    ragged tensors kept)."""
+    import keras
+
+    from keras.src.backend.tensorflow.trainer import (
+        convert_to_np_if_not_ragged)
+
+    return keras.tree.map_structure(convert_to_np_if_not_ragged, outputs)

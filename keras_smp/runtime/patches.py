@@ -175,11 +175,14 @@ def _raise_if_optimizer_outside_scope(model, error):
     says so and how to fix it."""
     from keras_smp.runtime import keras_private
 
-    optimizer = getattr(model, "optimizer", None)
-    if ("Mixing different tf.distribute.Strategy" not in str(error)
-            or optimizer is None or keras_private.optimizer_strategy(
-                optimizer) is model.distribute_strategy):
+    outside = [o for o in (getattr(model, "optimizer", None), getattr(
+        getattr(model, "optimizer", None), "inner_optimizer", None))
+        if o is not None and keras_private.optimizer_strategy(o)
+        is not model.distribute_strategy]
+    if "Mixing different tf.distribute.Strategy" not in str(error) or (
+            not outside):
         return
+    optimizer = outside[-1]  # a LossScaleOptimizer's inner one, if that
     name = type(optimizer).__name__
     raise ValueError(
         f"The optimizer {name} of model '{model.name}' was created outside "
@@ -246,13 +249,15 @@ def _patch_predict_on_batch(trainer):
         import keras
         import tensorflow as tf
 
+        from keras_smp.runtime import keras_private
+
         self.make_predict_function()
-        dataset = tf.data.Dataset.from_tensors((x,))
+        # tf.data reads a list as one tensor: inputs given as a list (a
+        # multi-input model) become a tuple, as in `predict`.
+        dataset = tf.data.Dataset.from_tensors(
+            (keras.tree.lists_to_tuples(x),))
         batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
-        outputs = self.predict_function([batch])
-        return keras.tree.map_structure(
-            lambda t: t if isinstance(t, tf.RaggedTensor) else t.numpy(),
-            outputs)
+        return keras_private.outputs_to_numpy(self.predict_function([batch]))
 
     predict_on_batch._smp_patched = True
     trainer.predict_on_batch = predict_on_batch
@@ -495,21 +500,30 @@ def step_without_gradients(optimizer):
 
     scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     inner = optimizer.inner_optimizer if scaled else optimizer
+    counter = keras_private.step_counter(inner)
+    accumulate = getattr(inner, "gradient_accumulation_steps", None)
 
     def clip_sum():
-        if getattr(inner, "global_clipnorm", None):
+        if not getattr(inner, "global_clipnorm", None):
+            return
+        if not accumulate:
             _stage_sum(inner, tf.zeros([]))
+            return
+        # The training stages clip (and sum the norm) on update steps only.
+        def norm_share():
+            _stage_sum(inner, tf.zeros([]))
+            return tf.constant(True)
+
+        tf.cond(tf.equal((counter + 1) % accumulate, 0), norm_share,
+                lambda: tf.constant(False))
 
     if not scaled:
         clip_sum()
-        inner.iterations.assign_add(1)
+        counter.assign_add(1)
         return
     if not optimizer.built:
         optimizer.build([])
     finite = tf.equal(_stage_sum(optimizer, tf.zeros([])), 0.0)
-    # Outside the cond: `iterations` (aggregated "only first replica")
-    # cannot be assigned in a replica context inside control flow.
-    inner.iterations.assign_add(tf.cast(finite, inner.iterations.dtype))
 
     def on_finite():
         clip_sum()
@@ -521,6 +535,11 @@ def step_without_gradients(optimizer):
         return tf.constant(False)
 
     tf.cond(finite, on_finite, on_non_finite)
+    # After the cond (the clip reads the count before this step), outside
+    # it: the counter (aggregated "only first replica") cannot be assigned
+    # in a replica context inside control flow.
+    counter.assign_add(tf.cast(finite, counter.dtype))
+
 
 
 def _tensor_group(optimizer):

@@ -56,13 +56,24 @@ def momentum_sgd():
     return keras.optimizers.SGD(0.1, momentum=0.9)
 
 
-def build(distributed, optimizer=momentum_sgd):
+def build(distributed, optimizer=momentum_sgd, frozen=False,
+          two_inputs=False):
     keras.utils.set_random_seed(1)
 
     def layers():
-        return keras.Sequential([
-            keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
-            keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
+        # The pipelines split at d2: stage 0 holds d1 (all of it frozen,
+        # with `frozen`: a stage with nothing to train).
+        first = keras.layers.Dense(16, activation="tanh", name="d1",
+                                   trainable=not frozen)
+        if two_inputs:
+            a, b = keras.Input((5,)), keras.Input((3,))
+            h = first(keras.layers.Concatenate()([a, b]))
+            inputs = [a, b]
+        else:
+            inputs = keras.Input((8,))
+            h = first(inputs)
+        h = keras.layers.Dense(16, activation="tanh", name="d2")(h)
+        return keras.Model(inputs, keras.layers.Dense(3, name="d3")(h))
 
     def compile_(model):
         # Momentum carries each step's batch into every later step.
@@ -76,7 +87,7 @@ def build(distributed, optimizer=momentum_sgd):
     with strategy.scope():
         model = layers()
         if MODE not in ("dp", "mp_dp"):
-            model = keras_smp.DistributedModel(model)
+            model = keras_smp.DistributedModel(model, split_points=["d2"])
         return compile_(model)
 
 
@@ -115,15 +126,29 @@ OPTIMIZERS = {
     "ema_overwrite": lambda: keras.optimizers.SGD(
         0.1, momentum=0.9, use_ema=True, ema_overwrite_frequency=3),
 }
-CASES = {name: (momentum_sgd, fit) for name, fit in SOURCES.items()}
-CASES.update({name: (optimizer, SOURCES["arrays"])
+# A first stage with nothing to train (fine-tuning) still takes part in
+# the clip's norm, and in the loss-scale decision, on the right steps.
+FROZEN = {
+    "frozen_stage_accumulation_global_clipnorm": lambda: (
+        keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=0.2,
+                             gradient_accumulation_steps=2)),
+    "loss_scale_ema_frozen_stage_accumulation": lambda: (
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(
+            0.1, momentum=0.9, global_clipnorm=0.2,
+            gradient_accumulation_steps=2, use_ema=True,
+            ema_overwrite_frequency=3))),
+}
+CASES = {name: (momentum_sgd, fit, False) for name, fit in SOURCES.items()}
+CASES.update({name: (optimizer, SOURCES["arrays"], False)
               for name, optimizer in OPTIMIZERS.items()})
+CASES.update({name: (optimizer, SOURCES["arrays"], True)
+              for name, optimizer in FROZEN.items()})
 
 report = {}
-for name, (optimizer, fit) in CASES.items():
+for name, (optimizer, fit, frozen) in CASES.items():
     runs = []
     for distributed in (False, True):
-        model = build(distributed, optimizer)
+        model = build(distributed, optimizer, frozen)
         start = model.get_weights()
         fit(model)
         runs.append((model.get_weights(), int(model.optimizer.iterations.numpy())))
@@ -134,16 +159,21 @@ for name, (optimizer, fit) in CASES.items():
         scale=max(float(np.max(np.abs(a))) for a in ref),
         steps=[ref_steps, got_steps])
 
-predictions = []
-for distributed in (False, True):
-    model = build(distributed)
-    model.fit(X, Y, batch_size=ROWS, epochs=1, verbose=0, shuffle=False)
-    predictions.append(model.predict_on_batch(X[:ROWS]))
-report["predict_on_batch"] = dict(
-    shapes=[list(p.shape) for p in predictions],
-    diff=(float(np.max(np.abs(predictions[0] - predictions[1])))
-          if predictions[0].shape == predictions[1].shape else None),
-    scale=float(np.max(np.abs(predictions[0]))))
+for name, two_inputs in (("predict_on_batch", False),
+                         ("predict_on_batch_two_inputs", True)):
+    # Two inputs given as a list (tf.data reads a list as one tensor).
+    x = [X[:, :5], X[:, 5:]] if two_inputs else X
+    predictions = []
+    for distributed in (False, True):
+        model = build(distributed, two_inputs=two_inputs)
+        model.fit(x, Y, batch_size=ROWS, epochs=1, verbose=0, shuffle=False)
+        batch = [part[:ROWS] for part in x] if two_inputs else x[:ROWS]
+        predictions.append(model.predict_on_batch(batch))
+    report[name] = dict(
+        shapes=[list(p.shape) for p in predictions],
+        diff=(float(np.max(np.abs(predictions[0] - predictions[1])))
+              if predictions[0].shape == predictions[1].shape else None),
+        scale=float(np.max(np.abs(predictions[0]))))
 
 with open(os.path.join(OUT, f"rank{strategy.topology.rank}.json"), "w") as f:
     json.dump(report, f)
