@@ -13,13 +13,20 @@ one device (tests/workers/keras_features.py):
   `ema_overwrite_frequency`: Keras updates inside `tf.cond`, where a
   `merge_call` fails; keras-smp sums the gradients first and updates each
   replica in its own context.
+- callbacks: `EarlyStopping(restore_best_weights=True)`, `SwapEMAWeights`
+  (which with one stage per process failed: it swapped the other stages'
+  weights too), `ModelCheckpoint(save_best_only=True)` into a `.keras`
+  file loaded by plain Keras; `validation_freq`. Their `History`s (every
+  key, every epoch) must match too.
 - `predict_on_batch`, which with 2 local replicas returned every row twice.
 
 Bounds: the suite's float32 bounds (conftest): weights within
 `RTOL |ref| + ATOL * max|ref|`, predictions the same; the same batches in
 the same order differ only by the order of summation across replicas and
 microbatches (observed: <= 1.2e-7 on weights of magnitude 0.6, 3e-7 on
-predictions of magnitude 1.4). The step counts must be equal exactly.
+predictions of magnitude 1.4). `History` values (losses, accuracies,
+`val_*`) get the same bound scaled by their largest value. The step counts,
+epoch counts and `History` keys must be equal exactly.
 """
 
 import json
@@ -39,7 +46,9 @@ CASES = ("arrays", "tf.data", "generator", "PyDataset",
          "gradient_accumulation_clipnorm_weight_decay",
          "gradient_accumulation_global_clipnorm", "ema_overwrite",
          "frozen_stage_accumulation_global_clipnorm",
-         "loss_scale_ema_frozen_stage_accumulation")
+         "loss_scale_ema_frozen_stage_accumulation",
+         "early_stopping_restore_best_weights", "swap_ema_weights",
+         "model_checkpoint_best_keras", "validation_freq")
 
 
 def _check(report):
@@ -49,6 +58,12 @@ def _check(report):
         bound = (RTOL + ATOL) * max(1.0, row["scale"])
         assert row["diff"] <= bound, (name, row)
         assert row["moved"] > 100 * bound, (name, row)  # it trained
+        assert row["history_keys"][0] == row["history_keys"][1], (name, row)
+        assert row["epochs"][0] == row["epochs"][1], (name, row)
+        assert row["history_diff"] is not None and row["history_diff"] <= (
+            RTOL + ATOL) * max(1.0, row["history_scale"]), (name, row)
+    # EarlyStopping stopped after 2 of 4 epochs (so restoring mattered).
+    assert report["early_stopping_restore_best_weights"]["epochs"] == [2, 2]
     for name in ("predict_on_batch", "predict_on_batch_two_inputs"):
         row = report[name]
         assert row["shapes"][0] == row["shapes"][1], (name, row)

@@ -426,6 +426,12 @@ class DistributedModel(keras.Model):
                 self._smp_runtime().topology.world_size)
         return self._smp_resident
 
+    def _smp_ema_scope(self):
+        """The context in which Keras callbacks swap or copy the moving
+        averages of `use_ema` (`SwapEMAWeights`): this stage's weights
+        only."""
+        return own_averages(self.optimizer)
+
     def _smp_shaped(self):
         residency = self._smp_residency()
         return residency.shaped() if residency else contextlib.nullcontext()

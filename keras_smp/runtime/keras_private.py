@@ -329,6 +329,26 @@ def wrap_save_model(wrapper):
     _saving_lib.save_model = save_model
 
 
+def wrap_ema_swaps(wrapper):
+    """Replaces `keras.callbacks.SwapEMAWeights._apply_to_ema_optimizers`
+    (through which the callback swaps the weights with their moving
+    averages, and copies them at the end of `fit`) by
+    `wrapper(original, callback, tf_fn, backend_fn)`."""
+    import keras
+
+    cls = keras.callbacks.SwapEMAWeights
+    original = cls._apply_to_ema_optimizers
+    if getattr(original, "_smp_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def _apply_to_ema_optimizers(self, tf_fn, backend_fn):
+        return wrapper(original, self, tf_fn, backend_fn)
+
+    _apply_to_ema_optimizers._smp_wrapped = True
+    cls._apply_to_ema_optimizers = _apply_to_ema_optimizers
+
+
 def is_remote_path(path):
     """Whether Keras treats `path` as remote (`gs://`, `hf://`, ...)."""
     from keras.src.utils import file_utils

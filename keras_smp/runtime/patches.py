@@ -330,12 +330,23 @@ def _keras_file_writer(original, model, filepath, *args, **kwargs):
     return hook(original, filepath, *args, **kwargs)
 
 
+def _swap_own_averages(original, callback, tf_fn, backend_fn):
+    """`SwapEMAWeights` on the weights this process holds: with one stage
+    per process the optimizer's lists also name the other stages' weights
+    (no storage here), which the callback would swap too (it failed with
+    an `AssertionError` in TensorFlow's `_update`)."""
+    scope = getattr(callback.model, "_smp_ema_scope", None)
+    with scope() if scope is not None else contextlib.nullcontext():
+        return original(callback, tf_fn, backend_fn)
+
+
 def _patch_files(keras):
     keras.Model.save = _redirect_save(keras.Model.save)
     keras.Model.save_weights = _redirect_save(keras.Model.save_weights)
     from keras_smp.runtime import keras_private
 
     keras_private.wrap_save_model(_keras_file_writer)
+    keras_private.wrap_ema_swaps(_swap_own_averages)
 
     backup = keras.callbacks.BackupAndRestore
     save_model = backup._save_model

@@ -7,11 +7,15 @@ plain Keras on one device (same seeds):
 - optimizer options whose updates Keras makes inside `tf.cond`:
   `gradient_accumulation_steps` (with and without `clipnorm` and
   `weight_decay`), `use_ema` with `ema_overwrite_frequency`;
+- callbacks that touch the weights: `EarlyStopping` with
+  `restore_best_weights`, `SwapEMAWeights` (evaluating and finishing with
+  the moving averages), `ModelCheckpoint` with `save_best_only` into a
+  `.keras` file that plain Keras loads; `validation_freq`;
 - `predict_on_batch`.
 
 Each case trains twice from scratch (plain, then under the strategy) and
-reports the largest weight difference, the weights' magnitude and both
-optimizers' step counts.
+reports the largest weight difference, the weights' magnitude, both
+optimizers' step counts and both `History`s (every key, every epoch).
 
     keras_features.py MODE OUT
 
@@ -25,7 +29,9 @@ Before keras-smp handled them: Keras builds a model under a strategy by
 drawing a batch from a new iterator over the data and dropping it (a
 generator lost 3 of 8 batches, reshuffling sources started on their
 second order), and the conditional optimizer updates failed ("`merge_call`
-called while defining a new graph").
+called while defining a new graph"); with one stage per process
+`SwapEMAWeights` failed (an `AssertionError` in TensorFlow's `_update`:
+it swapped the other stages' weights too).
 """
 
 import json
@@ -50,6 +56,9 @@ BATCHES, ROWS = 8, 32
 rng = np.random.RandomState(0)
 X = rng.randn(BATCHES * ROWS, 8).astype("float32")
 Y = rng.randint(0, 3, size=BATCHES * ROWS)
+XV = rng.randn(2 * ROWS, 8).astype("float32")
+YV = rng.randint(0, 3, size=2 * ROWS)
+RANK = strategy.topology.rank
 
 
 def momentum_sgd():
@@ -138,7 +147,43 @@ FROZEN = {
             gradient_accumulation_steps=2, use_ema=True,
             ema_overwrite_frequency=3))),
 }
+
+
+def checkpoint_path(model):
+    # Every process of a job saves into one file; the plain references of
+    # the two processes into their own.
+    folder = (os.path.join(OUT, f"plain{RANK}")
+              if not isinstance(model.distribute_strategy,
+                                keras_smp.SMPStrategy) else OUT)
+    return os.path.join(folder, "best.keras")
+
+
+def fit_with(*callbacks, epochs=4, **kwargs):
+    return lambda m: m.fit(X, Y, batch_size=ROWS, epochs=epochs, verbose=0,
+                           validation_data=(XV, YV),
+                           callbacks=[c(m) for c in callbacks], **kwargs)
+
+
+CALLBACKS = {
+    # min_delta=10: only the first epoch counts as an improvement, so
+    # training stops after the second and restores the first's weights.
+    "early_stopping_restore_best_weights": (momentum_sgd, fit_with(
+        lambda m: keras.callbacks.EarlyStopping(
+            "val_loss", patience=1, min_delta=10,
+            restore_best_weights=True))),
+    # Validation (and the end of fit) on the moving averages.
+    "swap_ema_weights": (
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9, use_ema=True),
+        fit_with(lambda m: keras.callbacks.SwapEMAWeights(
+            swap_on_epoch=True), epochs=2)),
+    "model_checkpoint_best_keras": (momentum_sgd, fit_with(
+        lambda m: keras.callbacks.ModelCheckpoint(
+            checkpoint_path(m), monitor="val_loss", save_best_only=True))),
+    "validation_freq": (momentum_sgd, fit_with(epochs=3, validation_freq=2)),
+}
 CASES = {name: (momentum_sgd, fit, False) for name, fit in SOURCES.items()}
+CASES.update({name: (optimizer, fit, False)
+              for name, (optimizer, fit) in CALLBACKS.items()})
 CASES.update({name: (optimizer, SOURCES["arrays"], False)
               for name, optimizer in OPTIMIZERS.items()})
 CASES.update({name: (optimizer, SOURCES["arrays"], True)
@@ -150,14 +195,27 @@ for name, (optimizer, fit, frozen) in CASES.items():
     for distributed in (False, True):
         model = build(distributed, optimizer, frozen)
         start = model.get_weights()
-        fit(model)
-        runs.append((model.get_weights(), int(model.optimizer.iterations.numpy())))
-    (ref, ref_steps), (got, got_steps) = runs
+        history = fit(model).history
+        weights = model.get_weights()
+        if name == "model_checkpoint_best_keras":  # what plain Keras loads
+            weights = keras.models.load_model(
+                checkpoint_path(model)).get_weights()
+        runs.append((weights, int(model.optimizer.iterations.numpy()),
+                     history))
+    (ref, ref_steps, ref_history), (got, got_steps, got_history) = runs
     report[name] = dict(
         diff=max(float(np.max(np.abs(a - b))) for a, b in zip(ref, got)),
         moved=max(float(np.max(np.abs(a - b))) for a, b in zip(start, got)),
         scale=max(float(np.max(np.abs(a))) for a in ref),
-        steps=[ref_steps, got_steps])
+        steps=[ref_steps, got_steps],
+        history_keys=[sorted(ref_history), sorted(got_history)],
+        epochs=[len(ref_history["loss"]), len(got_history["loss"])],
+        history_diff=max(
+            (float(np.max(np.abs(np.subtract(ref_history[k], got_history[k]))))
+             for k in ref_history if k in got_history
+             and len(ref_history[k]) == len(got_history[k])), default=None),
+        history_scale=max(float(np.max(np.abs(v)))
+                          for v in ref_history.values()))
 
 for name, two_inputs in (("predict_on_batch", False),
                          ("predict_on_batch_two_inputs", True)):
