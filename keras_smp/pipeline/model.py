@@ -686,31 +686,75 @@ class DistributedModel(keras.Model):
         np.testing.assert_allclose(served, expected, rtol=1e-6)
         ```
         """
+        self._smp_export("save_model", str(save_path), verbose=False)
+
+    def export(self, filepath, format="tf_saved_model", verbose=None,
+               input_signature=None, **kwargs):
+        """Keras' `export`: the whole, unpipelined model as an inference
+        artifact (any format Keras exports; `"tf_saved_model"` by
+        default), loadable anywhere without keras-smp.
+
+        Every process must call it; rank 0 writes `filepath`, the others
+        wait. `input_signature` defaults to the model's inputs with any
+        batch size (Keras would need the model called directly first; a
+        `DistributedModel` trains through its pipeline). With one stage
+        per process nothing is gathered into every process: the stages
+        write their weights into shards, from which rank 0 alone builds
+        the plain model and exports it (`save_model`, SMP's name, does
+        the same).
+
+        Example:
+
+        ```python
+        import tempfile
+        import keras, numpy as np, tensorflow as tf
+        import keras_smp
+        model = keras_smp.DistributedModel(keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(2)]))
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0)
+        path = tempfile.mkdtemp()
+        model.export(path, verbose=False)
+        loaded = tf.saved_model.load(path)
+        served = loaded.serve(np.ones((3, 4), "float32"))
+        np.testing.assert_allclose(
+            served, model.predict(np.ones((3, 4)), verbose=0), rtol=1e-6)
+        ```
+        """
+        self._smp_export("export", filepath, format=format, verbose=verbose,
+                         input_signature=input_signature, **kwargs)
+
+    def _smp_export(self, what, filepath, format="tf_saved_model",
+                    verbose=None, input_signature=None, **kwargs):
         if not self.built or not self.variables:
             raise ValueError(
-                "save_model: the model has no weights yet. Train it (fit, "
+                f"{what}: the model has no weights yet. Train it (fit, "
                 "or one @smp.step) or call it on data before saving.")
         if current_group_of(self) is not None:
             raise ValueError(
-                "save_model: the model has tensor-parallel layers, whose "
-                "forward pass needs every tensor-parallel rank; a "
-                "SavedModel is exported by one process. Save whole weights "
-                "with `model.save_weights(path)` (every rank calls it), "
-                "load them into the same model built without "
+                f"{what}: the model has tensor-parallel layers, whose "
+                "forward pass needs every tensor-parallel rank; an "
+                "inference artifact is exported by one process. Save whole "
+                "weights with `model.save_weights(path)` (every rank calls "
+                "it), load them into the same model built without "
                 "`keras_smp.tensor_parallelism()` (plain Keras layers) and "
                 "export that: `plain.export(dir)`.")
-        spec = keras.tree.map_structure(
-            lambda t: tf.TensorSpec((None,) + tuple(t.shape[1:]), t.dtype),
-            self.staged_graph.inputs_struct)
+        if input_signature is None:
+            input_signature = [keras.tree.map_structure(
+                lambda t: tf.TensorSpec((None,) + tuple(t.shape[1:]),
+                                        t.dtype),
+                self.staged_graph.inputs_struct)]
+        filepath = str(filepath)
         if (self._smp_residency() is not None and self._smp_functional
-                is not None and not keras_private.is_remote_path(
-                    str(save_path))):
-            shards.save_saved_model(self, str(save_path), [spec])
+                is not None and not keras_private.is_remote_path(filepath)):
+            shards.export_from_shards(self, filepath, input_signature,
+                                      format=format, verbose=verbose,
+                                      **kwargs)
             return
         with self._smp_gathered():
             if (self._smp_runtime() or runtime.current()).topology.rank == 0:
-                self.export(str(save_path), format="tf_saved_model",
-                            verbose=False, input_signature=[spec])
+                super().export(filepath, format=format, verbose=verbose,
+                               input_signature=input_signature, **kwargs)
         comms.barrier()
 
     def set_weights(self, weights):

@@ -142,6 +142,19 @@ def set_local(variable, value):
         variable._initialize(value)
 
 
+def _unheld_read(variable):
+    def numpy():
+        raise ValueError(
+            f"Weight {variable.path!r} belongs to another pipeline stage: "
+            "with one stage per process this process holds no copy of it "
+            "(reading it would give an empty array, e.g. from its layer's "
+            "`get_weights()`). Read whole weights with `model.get_weights()` "
+            "(a collective: every process calls it; it gathers every "
+            "stage's), or read it in the process that runs its stage "
+            "(`model.partition_summary()` names the stages' layers).")
+    return numpy
+
+
 class StageResidency:
     """The weights one stage process holds, for a `DistributedModel`.
 
@@ -181,11 +194,13 @@ class StageResidency:
         return out
 
     def release(self):
-        """Frees this process's copies of other stages' variables."""
+        """Frees this process's copies of other stages' variables; reading
+        one (`numpy()`, so a layer's `get_weights()`) raises a clear error
+        instead of returning an empty array."""
         for v in self.foreign():
-            if v._value is not None and v._value.shape.num_elements() == 0:
-                continue
-            set_local(v, tf.zeros([0], v.dtype))
+            if v._value is None or v._value.shape.num_elements() != 0:
+                set_local(v, tf.zeros([0], v.dtype))
+            object.__setattr__(v, "numpy", _unheld_read(v))
 
     def materialize(self):
         """Creates this stage's deferred weights; marks the others foreign.
@@ -321,6 +336,7 @@ class StageResidency:
                     elif id(v) in foreign:
                         set_local(v, links.recv(v.shape, v.dtype, key, size,
                                                 base + index))
+                        vars(v).pop("numpy", None)  # readable until release
                     else:  # tied: this stage holds its own trained copy
                         links.recv(v.shape, v.dtype, key, size, base + index)
                     index += 1

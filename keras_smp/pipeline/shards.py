@@ -266,9 +266,11 @@ def save_keras(model, filepath):
                "any, is unchanged)")
 
 
-def save_saved_model(model, save_path, input_signature):
+def export_from_shards(model, save_path, input_signature,
+                       format="tf_saved_model", verbose=None, **kwargs):
     """Exports `model` (a `DistributedModel`) as an unpartitioned
-    SavedModel, without gathering it into every process.
+    inference artifact (Keras' `export`, any `format`; a SavedModel by
+    default), without gathering it into every process.
 
     Each stage writes its weights (not its optimizer state) into a shard
     in a temporary folder beside `save_path`; rank 0 alone builds the
@@ -282,8 +284,8 @@ def save_saved_model(model, save_path, input_signature):
         keras_file = os.path.join(staging, "plain.keras")
         _assemble_keras(index, keras_file, model)
         plain = keras.models.load_model(keras_file, compile=False)
-        plain.export(save_path, format="tf_saved_model", verbose=False,
-                     input_signature=input_signature)
+        plain.export(save_path, format=format, verbose=verbose,
+                     input_signature=input_signature, **kwargs)
 
     return _from_shards(model, save_path, export, own_layout=False,
                         with_optimizer=False,

@@ -11,7 +11,9 @@ plain Keras on one device (same seeds):
   `restore_best_weights`, `SwapEMAWeights` (evaluating and finishing with
   the moving averages), `ModelCheckpoint` with `save_best_only` into a
   `.keras` file that plain Keras loads; `validation_freq`;
-- `predict_on_batch`.
+- `predict_on_batch`; `export` (served outputs);
+- with one stage per process, reading another stage's layer's weights is a
+  clear error (it returned empty arrays).
 
 Each case trains twice from scratch (plain, then under the strategy) and
 reports the largest weight difference, the weights' magnitude, both
@@ -232,6 +234,39 @@ for name, two_inputs in (("predict_on_batch", False),
         diff=(float(np.max(np.abs(predictions[0] - predictions[1])))
               if predictions[0].shape == predictions[1].shape else None),
         scale=float(np.max(np.abs(predictions[0]))))
+
+# `export` (an inference SavedModel): the served outputs of the model
+# trained under the strategy (every process calls it; rank 0 writes),
+# against plain Keras'. A `DistributedModel` is never called directly, so
+# Keras alone refused ("The model provided has never called").
+served = []
+for distributed in (False, True):
+    model = build(distributed)
+    model.fit(X, Y, batch_size=ROWS, epochs=1, verbose=0, shuffle=False)
+    path = os.path.join(OUT, "export" if distributed else f"export{RANK}")
+    model.export(path, verbose=False)
+    loaded = tf.saved_model.load(path)  # referenced while serving
+    served.append(loaded.serve(X[:ROWS]).numpy())
+report["export"] = dict(
+    diff=float(np.max(np.abs(served[0] - served[1]))),
+    scale=float(np.max(np.abs(served[0]))))
+
+if MODE == "mp":
+    # Another stage's layer holds no weights in this process: reading them
+    # is a clear error (it returned empty arrays), this stage's are read.
+    model = build(True)
+    model.fit(X, Y, batch_size=ROWS, epochs=1, verbose=0)
+    layers = {"d1": 0, "d2": 1, "d3": 1}
+    read = {}
+    for name, stage in layers.items():
+        try:
+            read[name] = [list(w.shape) for w in
+                          model.inner_model.get_layer(name).get_weights()]
+        except ValueError as e:
+            read[name] = str(e)
+    report["other_stage_layer"] = dict(
+        read=read, own=[n for n, s in layers.items() if s == RANK],
+        whole=[list(w.shape) for w in model.get_weights()])
 
 with open(os.path.join(OUT, f"rank{strategy.topology.rank}.json"), "w") as f:
     json.dump(report, f)
