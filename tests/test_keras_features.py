@@ -56,6 +56,8 @@ CASES = ("arrays", "tf.data", "generator", "PyDataset",
 
 
 def _check(report):
+    assert re.search(r"no_such_format", report["export_failure"] or ""), (
+        report["export_failure"])
     for name in CASES:
         row = report[name]
         assert row["steps"][0] == row["steps"][1], (name, row)
@@ -99,9 +101,14 @@ def test_keras_features_across_processes(mode, tmp_path):
             assert [list(w) for w in row["whole"]] == [
                 [8, 16], [16], [16, 16], [16], [16, 3], [3]], row
             for name, read in row["read"].items():
+                # get_weights(), then NumPy conversion after a gather
+                after = row["after"][name]
                 if name in row["own"]:
                     assert isinstance(read, list) and len(read) == 2, row
+                    assert isinstance(after, list) and after, row
                 else:
+                    assert re.search(rf"Weight '{name}/kernel' belongs to "
+                                     "another pipeline stage", after), row
                     assert re.search(
                         rf"Weight '{name}/kernel' belongs to another pipeline "
                         r"stage.*model\.get_weights\(\)", read), row

@@ -751,11 +751,22 @@ class DistributedModel(keras.Model):
                                       format=format, verbose=verbose,
                                       **kwargs)
             return
+        error = None
         with self._smp_gathered():
             if (self._smp_runtime() or runtime.current()).topology.rank == 0:
-                super().export(filepath, format=format, verbose=verbose,
-                               input_signature=input_signature, **kwargs)
-        comms.barrier()
+                try:
+                    super().export(filepath, format=format, verbose=verbose,
+                                   input_signature=input_signature, **kwargs)
+                except Exception as e:  # pylint: disable=broad-except
+                    error = e
+        # Rank 0's outcome, on every process (the others would wait).
+        message = comms.broadcast(
+            None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        if message is not None:
+            raise RuntimeError(f"{what} of {filepath!r} failed on rank 0: "
+                               f"{message}")
 
     def set_weights(self, weights):
         with self._smp_shaped():

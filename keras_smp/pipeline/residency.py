@@ -142,19 +142,6 @@ def set_local(variable, value):
         variable._initialize(value)
 
 
-def _unheld_read(variable):
-    def numpy():
-        raise ValueError(
-            f"Weight {variable.path!r} belongs to another pipeline stage: "
-            "with one stage per process this process holds no copy of it "
-            "(reading it would give an empty array, e.g. from its layer's "
-            "`get_weights()`). Read whole weights with `model.get_weights()` "
-            "(a collective: every process calls it; it gathers every "
-            "stage's), or read it in the process that runs its stage "
-            "(`model.partition_summary()` names the stages' layers).")
-    return numpy
-
-
 class StageResidency:
     """The weights one stage process holds, for a `DistributedModel`.
 
@@ -195,12 +182,13 @@ class StageResidency:
 
     def release(self):
         """Frees this process's copies of other stages' variables; reading
-        one (`numpy()`, so a layer's `get_weights()`) raises a clear error
-        instead of returning an empty array."""
+        one (`numpy()`, a layer's `get_weights()`, NumPy conversion) then
+        raises a clear error instead of giving an empty array
+        (`runtime.patches`)."""
         for v in self.foreign():
             if v._value is None or v._value.shape.num_elements() != 0:
                 set_local(v, tf.zeros([0], v.dtype))
-            object.__setattr__(v, "numpy", _unheld_read(v))
+            v._smp_unheld = True
 
     def materialize(self):
         """Creates this stage's deferred weights; marks the others foreign.
@@ -336,7 +324,7 @@ class StageResidency:
                     elif id(v) in foreign:
                         set_local(v, links.recv(v.shape, v.dtype, key, size,
                                                 base + index))
-                        vars(v).pop("numpy", None)  # readable until release
+                        v._smp_unheld = False  # readable until release
                     else:  # tied: this stage holds its own trained copy
                         links.recv(v.shape, v.dtype, key, size, base + index)
                     index += 1

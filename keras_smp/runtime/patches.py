@@ -299,6 +299,25 @@ def _redirect_save(method):
     return wrapper
 
 
+def _redirect_export(method):
+    """`Model.export` on a non-chief worker writes into scratch (every
+    process of a data-parallel job may call it; rank 0's is the file)."""
+    @functools.wraps(method)
+    def wrapper(self, filepath, *args, **kwargs):
+        if _non_chief_runtime(self) is None:
+            return method(self, filepath, *args, **kwargs)
+        scratch = tempfile.mkdtemp(prefix="keras_smp_scratch_")
+        try:
+            target = os.path.join(scratch, os.path.basename(
+                os.path.normpath(str(filepath))))
+            return method(self, target, *args, **kwargs)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    wrapper._smp_patched = True
+    return wrapper
+
+
 def _atomic(method, model, filepath, *args, **kwargs):
     """Saves to a temporary name in the same folder, then renames.
 
@@ -343,6 +362,7 @@ def _swap_own_averages(original, callback, tf_fn, backend_fn):
 def _patch_files(keras):
     keras.Model.save = _redirect_save(keras.Model.save)
     keras.Model.save_weights = _redirect_save(keras.Model.save_weights)
+    keras.Model.export = _redirect_export(keras.Model.export)
     from keras_smp.runtime import keras_private
 
     keras_private.wrap_save_model(_keras_file_writer)
@@ -886,6 +906,39 @@ def _patch_add_weight(keras):
     keras_private.wrap_variable_direct_assign(wrap_assign)
 
 
+def _patch_unheld_reads(keras):
+    """Reading a weight this process holds no copy of (another pipeline
+    stage's, with one stage per process: `pipeline.residency` marks it
+    `_smp_unheld`) raises an error naming it, instead of giving an empty
+    array: `numpy()` (a layer's `get_weights()`) and NumPy conversion."""
+    cls = keras.Variable
+    numpy, array = cls.numpy, cls.__array__
+
+    def check(variable):
+        if getattr(variable, "_smp_unheld", False):
+            raise ValueError(
+                f"Weight {variable.path!r} belongs to another pipeline "
+                "stage: with one stage per process this process holds no "
+                "copy of it (reading it would give an empty array, e.g. "
+                "from its layer's `get_weights()`). Read whole weights with "
+                "`model.get_weights()` (a collective: every process calls "
+                "it; it gathers every stage's), or read it in the process "
+                "that runs its stage (`model.partition_summary()` names the "
+                "stages' layers).")
+
+    @functools.wraps(numpy)
+    def _numpy(self):
+        check(self)
+        return numpy(self)
+
+    @functools.wraps(array)
+    def _array(self, *args, **kwargs):
+        check(self)
+        return array(self, *args, **kwargs)
+
+    cls.numpy, cls.__array__ = _numpy, _array
+
+
 def install():
     """Installs every patch (idempotent, thread-safe)."""
     with _lock:
@@ -904,6 +957,7 @@ def install():
         _patch_add_weight(keras)
         install_layer_hook()
         _patch_split_weights(keras)
+        _patch_unheld_reads(keras)
         _installed.append(True)
 
 

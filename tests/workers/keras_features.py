@@ -200,6 +200,8 @@ for name, (optimizer, fit, frozen) in CASES.items():
         history = fit(model).history
         weights = model.get_weights()
         if name == "model_checkpoint_best_keras":  # what plain Keras loads
+            if distributed:
+                keras_smp.barrier()  # rank 0's last save is complete
             weights = keras.models.load_model(
                 checkpoint_path(model)).get_weights()
         runs.append((weights, int(model.optimizer.iterations.numpy()),
@@ -245,11 +247,20 @@ for distributed in (False, True):
     model.fit(X, Y, batch_size=ROWS, epochs=1, verbose=0, shuffle=False)
     path = os.path.join(OUT, "export" if distributed else f"export{RANK}")
     model.export(path, verbose=False)
+    if distributed:
+        keras_smp.barrier()  # rank 0 wrote it (the others into scratch)
     loaded = tf.saved_model.load(path)  # referenced while serving
     served.append(loaded.serve(X[:ROWS]).numpy())
 report["export"] = dict(
     diff=float(np.max(np.abs(served[0] - served[1]))),
     scale=float(np.max(np.abs(served[0]))))
+# An export that fails (here: on rank 0, where Keras checks the format)
+# fails on every process instead of leaving the others waiting.
+try:
+    model.export(os.path.join(OUT, "bad_export"), format="no_such_format")
+    report["export_failure"] = None
+except Exception as e:  # noqa: BLE001 - recorded for the test
+    report["export_failure"] = f"{type(e).__name__}: {e}"
 
 if MODE == "mp":
     # Another stage's layer holds no weights in this process: reading them
@@ -264,9 +275,17 @@ if MODE == "mp":
                           model.inner_model.get_layer(name).get_weights()]
         except ValueError as e:
             read[name] = str(e)
+    whole = [list(w.shape) for w in model.get_weights()]
+    after = {}  # the gathered copies are released again
+    for name in layers:
+        try:
+            after[name] = np.asarray(model.inner_model.get_layer(name).kernel)
+            after[name] = list(after[name].shape)
+        except ValueError as e:
+            after[name] = str(e)
     report["other_stage_layer"] = dict(
-        read=read, own=[n for n, s in layers.items() if s == RANK],
-        whole=[list(w.shape) for w in model.get_weights()])
+        read=read, after=after, whole=whole,
+        own=[n for n, s in layers.items() if s == RANK])
 
 with open(os.path.join(OUT, f"rank{strategy.topology.rank}.json"), "w") as f:
     json.dump(report, f)
