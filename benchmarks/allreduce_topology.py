@@ -300,6 +300,7 @@ def report(hosts, args):
     print(f"2 emulated hosts x {WORKERS_PER_HOST} workers, link "
           f"{hosts.shaping} each way; all-reduce of {mb:g} MB float32 per "
           f"worker, median of {args.reps} after a warm-up")
+    print(f"network namespaces: {' '.join(hosts.namespaces)} (removed on exit)")
     tput = link_throughput(hosts)
     print(f"TCP throughput through the link: {tput:.0f} Mbit/s "
           f"(nominal {args.rate_mbit})")
