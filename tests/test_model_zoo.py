@@ -5,7 +5,8 @@ embedding/output projection, a BERT-style classifier, an LSTM/GRU text
 model, CNNs with BatchNormalization, a ResNet-style skip across stages, a
 dict-input two-output model with loss weights, per-output and weighted
 metrics and sample weights, mixed_bfloat16 and mixed_float16 models, frozen
-layers, Dropout, L2 regularizers, a LossScaleOptimizer that skips steps,
+layers, Dropout, L2 regularizers, activity regularizers and a layer's
+add_loss() on both stages, a LossScaleOptimizer that skips steps,
 clipnorm / global_clipnorm / clipvalue, class_weight with
 steps_per_execution=2, validation_split, LR callbacks and initial_epoch) is
 trained 2 epochs with validation data, evaluated and run through predict

@@ -7,7 +7,9 @@ and reports the largest deviation from `|got - ref| <= atol + 1e-5 |ref|`
 as the `atol` that would be needed. Models: an MLP and a small CNN
 (Sequential, automatic partitioning), a functional model whose skip
 connection crosses stage boundaries and with sample weights, and the same
-skip model subclassed with manual `partition()` scopes.
+skip model subclassed with manual `partition()` scopes, and the skip model
+with losses added in `call` on every stage ("penalized": L1 and L2
+activity regularizers, a custom layer's `add_loss()`).
 
 Bounds. SGD: rtol 1e-5, atol 1e-6 (float32 rounding of the same sums in
 another order). Adam (lr 1e-3): atol 1e-5 on weights. Adam divides by
@@ -62,20 +64,27 @@ GROUPS = {
     "cnn": (_cases("cnn", (2, 4), BOTH, (2, 8), "sgd")
             + _cases("cnn", (2, 4), BOTH, (8,), "adam")),
     "skip": (_cases("skip", (2, 4), BOTH, (1, 4), "sgd")
-             + _cases("skip", (2, 4), BOTH, (2,), "adam")),
+             + _cases("skip", (2, 4), BOTH, (2,), "adam")
+             # Losses added in `call` (activity regularizers, a layer's
+             # add_loss) on every stage.
+             + _cases("penalized", (2, 4), BOTH, (4,), "sgd")
+             + _cases("penalized", (2,), ("1f1b",), (2,), "adam")),
     "manual": (_cases("manual", (2, 4), BOTH, (1, 4), "sgd")
                + _cases("manual", (4,), ("1f1b",), (8,), "adam")),
     # 4 logical CPUs = 2 pipeline replicas x 2 stages (per-replica batch 16).
     "dp_x_pp": (_cases("mlp", (2,), BOTH, (2, 8), "sgd", devices=4)
                 + _cases("skip", (2,), BOTH, (1, 4), "sgd", devices=4)
-                + _cases("cnn", (2,), ("1f1b",), (4,), "adam", devices=4)),
+                + _cases("cnn", (2,), ("1f1b",), (4,), "adam", devices=4)
+                + _cases("penalized", (2,), ("1f1b",), (2,), "sgd",
+                         devices=4)),
     # Activation checkpointing: every stage (or only stage 1) recomputes its
     # forward in its backward; the same bounds.
     "recompute": [dict(c, recompute=r) for c, r in zip(
         _cases("mlp", (2,), BOTH, (4,), "sgd")
         + _cases("cnn", (2,), ("gpipe",), (8,), "adam")
-        + _cases("skip", (4,), ("1f1b",), (4,), "sgd"),
-        (True, [1], True, True))]
+        + _cases("skip", (4,), ("1f1b",), (4,), "sgd")
+        + _cases("penalized", (2,), ("1f1b",), (4,), "sgd"),
+        (True, [1], True, True, True))]
     # Per layer (`set_activation_checkpointing`, by index in `model.layers`;
     # the functional "skip" model lists its InputLayer first):
     # layers of one stage, of both, and with stage 1 recomputed whole.
@@ -94,7 +103,8 @@ GROUPS = {
             _cases("mlp", (2,), BOTH, (4,), "sgd")
             + _cases("cnn", (2,), ("1f1b",), (8,), "adam")
             + _cases("skip", (4,), ("gpipe",), (4,), "sgd")
-            + _cases("mlp", (2,), ("1f1b",), (2,), "sgd", devices=4)]
+            + _cases("mlp", (2,), ("1f1b",), (2,), "sgd", devices=4)
+            + _cases("penalized", (2,), ("1f1b",), (4,), "sgd")]
     # ... with layers recomputed inside compiled stages.
     + [dict(c, xla=True, recompute_layers=[1, 3])
        for c in _cases("mlp", (2,), ("1f1b",), (4,), "adam")],
@@ -109,6 +119,7 @@ GROUPS = {
               # ZB-H1: W deferred by the stage index (into the drain).
               + _cases("mlp", (2, 4), ("zb_h1",), (4, 8), "adam")
               + _cases("skip", (4,), ("zb_h1",), (8,), "sgd")
+              + _cases("penalized", (2,), ("zb_h1",), (4,), "sgd")
               + _cases("cnn", (2,), ("zb_h1",), (4,), "sgd", devices=4))
     # Stages that cannot split (a recomputed stage, XLA-compiled stages)
     # run their whole backward in I, with a warning: the same results.
@@ -131,6 +142,8 @@ GROUPS = {
                 + _cases("cnn", (2,), ("interleaved_1f1b", "zb_v"), (4,),
                          "sgd")
                 + _cases("skip", (2,), ("zb_v",), (2,), "sgd")
+                + _cases("penalized", (2,), ("interleaved_1f1b", "zb_v"),
+                         (4,), "adam")
                 + [dict(c, virtual_stages=3) for c in _cases(
                     "skip", (2,), ("interleaved_1f1b",), (4,), "sgd")]
                 + _cases("manual", (2,), ("interleaved_1f1b", "zb_v"), (2,),
@@ -177,6 +190,9 @@ def test_pipelined_training_matches_single_device(group):
         # Guard: training really moved the weights (so equality means
         # something) and every stage got layers.
         assert row["moved"] > 1e-3, (label, row)
+        # ... and the losses layers add in `call` count.
+        if row["model"] == "penalized":
+            assert row["added"] > 1e-3, (label, row)
         virtual = row.get("virtual_stages") or (
             2 if row["pipeline"] in ("interleaved_1f1b", "zb_v") else 1)
         assert len(row["stage_layers"]) == row["partitions"] * virtual, row
@@ -285,6 +301,9 @@ ERROR_CASES = {
         "keras_smp.DistributedModel(model)", "partitions=2"]),
     "unknown_split_point": ("ValueError", ["no_such_layer"]),
     "devices_not_divisible": ("ValueError", ["partitions=3", "4 local"]),
+    # A layer recomputed on its own cannot carry a loss it adds in `call`.
+    "recomputed_layer_adding_a_loss": ("NotImplementedError", [
+        "layer 'penalized' adds a loss", "activation_checkpointing=True"]),
     # Stages on devices of one process: weights made outside the scope are
     # not on their stages' devices (once an AssertionError in the update).
     "layers_built_outside_the_scope": ("ValueError", [

@@ -261,13 +261,6 @@ class DistributedModel(keras.Model):
             stages_name=stages if config.virtual_stages > 1 else None)
 
     def _smp_set_graph(self, graph):
-        for node in graph.nodes:
-            layer = node.operation
-            if getattr(layer, "activity_regularizer", None) is not None:
-                raise NotImplementedError(
-                    f"Layer '{layer.name}' has an activity_regularizer; "
-                    "activity regularization is not supported in pipelined "
-                    "models yet. Add the penalty to the loss instead.")
         self._smp_graph = graph
         self._smp_place_variables()
         if self._smp_multi_process():
@@ -873,29 +866,38 @@ class DistributedModel(keras.Model):
         return (keras_private.compiled_metrics(self) is not None
                 or type(self).compute_metrics is not keras.Model.compute_metrics)
 
-    def _smp_extra_losses(self, reduce_sum=None):
-        """Weight-regularization losses: `(logged, differentiated)`.
+    def _smp_extra_losses(self, reduce_sum=None, added=None):
+        """Losses beyond the compiled one: `(logged, differentiated)`.
 
-        In one process both are every layer's regularization losses. With
-        one stage per process (`reduce_sum` given) each process
-        differentiates the losses of its own stage's weights and logs
-        their sum over the stages (a tied weight's by its first stage).
-        Losses added with `add_loss()` in `call` are refused.
+        `differentiated`: weight-regularization losses, differentiated
+        here (the losses layers add in `call`, `added`, were differentiated
+        by their stages' backwards). In one process both are every layer's
+        regularization losses, and `logged` also has `added`. With one stage
+        per process (`reduce_sum` given) each process differentiates the
+        losses of its own stage's weights and logs the sum over the stages
+        of those (a tied weight's by its first stage) and of `added`.
         """
-        if keras_private.own_losses(self):
-            raise NotImplementedError(
-                "Losses added with `add_loss()` inside `call` are not "
-                "supported in pipelined models yet; add them to the "
-                "compiled loss instead.")
         aggregate = keras_private.aggregate_additional_loss
         if reduce_sum is None:
             losses = [aggregate(self, loss) for loss in
                       keras_private.regularization_losses(self)]
-            return losses, losses
-        if not any(getattr(v, "regularizer", None) is not None
-                   for v in self.trainable_weights):
+            return losses + ([added] if added is not None else []), losses
+        graph = self.staged_graph
+        adds = keras_private.may_add_losses(
+            layer for s in range(graph.num_stages)
+            for layer in graph.stage_layers(s))
+        if added is not None and not adds:
+            raise NotImplementedError(
+                "A layer added a loss (add_loss()) from code outside its "
+                "class's methods; with one stage per process every stage "
+                "must know that losses are added, to sum them in the "
+                "logged loss. Call add_loss() in the layer's own call (or "
+                "a method of its class).")
+        regularized = any(getattr(v, "regularizer", None) is not None
+                          for v in self.trainable_weights)
+        if not regularized and not adds:
             return [], []
-        graph, links = self.staged_graph, self._smp_links()
+        links = self._smp_links()
         home = links.home_ranks(graph)
         local = [(v, aggregate(self, v.regularizer(v)))
                  for v in links.held_weights(graph)
@@ -903,6 +905,8 @@ class DistributedModel(keras.Model):
         # A tied weight's copies each take its regularizer's gradient (so
         # they stay equal); its loss is logged once, by its first stage.
         logged = [loss for v, loss in local if home[id(v)] == links.rank]
+        if added is not None:
+            logged.append(added)
         total = reduce_sum(tf.add_n(logged) if logged else tf.zeros([]))
         return [total], [loss for _, loss in local]
 
@@ -950,7 +954,7 @@ class DistributedModel(keras.Model):
         run = run_step(self, data, training=True,
                        need_outputs=self._smp_needs_outputs())
         reduce_sum = self._smp_stage_reducer()
-        extra, differentiated = self._smp_extra_losses(reduce_sum)
+        extra, differentiated = self._smp_extra_losses(reduce_sum, run.added)
         grads = dict(run.grads)
         trainable = self.trainable_weights
         if self._smp_multi_process():  # this process trains its stage only
@@ -979,8 +983,8 @@ class DistributedModel(keras.Model):
         run = run_step(self, data, training=False,
                        need_outputs=self._smp_needs_outputs())
         if run.losses[0] is not None:
-            self._smp_track_loss(
-                run, self._smp_extra_losses(self._smp_stage_reducer())[0])
+            self._smp_track_loss(run, self._smp_extra_losses(
+                self._smp_stage_reducer(), run.added)[0])
         return self.compute_metrics(run.x, run.y, run.y_pred,
                                     sample_weight=run.sample_weight)
 

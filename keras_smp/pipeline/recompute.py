@@ -54,17 +54,19 @@ def snapshot(state):
             [tf.identity(v.value) for v in state])
 
 
-def rerun(state, snap, fn, what, fix):
+def rerun(state, snap, fn, what, fix, collect_losses=False):
     """Runs `fn()` again as it ran when `snap` was taken (see the module).
 
     `what` names the recomputed part in errors ("stage 1", "layer
     'block_2'"); `fix` says how to stop recomputing it. Returns `fn()`'s
     result (`run_stateless` also returns the state updates).
+    `collect_losses`: layers' `add_loss()` losses are kept for `fn` to
+    collect (`keras_private.added_losses`); otherwise Keras drops them.
     """
-    return run_stateless(state, snap, fn, what, fix)[0]
+    return run_stateless(state, snap, fn, what, fix, collect_losses)[0]
 
 
-def run_stateless(state, snap, fn, what, fix):
+def run_stateless(state, snap, fn, what, fix, collect_losses=False):
     """`(fn(), updates)`: `fn()` run as `rerun` runs it, and
     `[(variable, new value)]` of the state it assigned (not applied)."""
     seeds, seeds_value, values = snap
@@ -73,7 +75,8 @@ def run_stateless(state, snap, fn, what, fix):
         mapping.append((seeds, seeds_value))
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
-    with keras.StatelessScope(state_mapping=mapping) as scope:
+    with keras.StatelessScope(state_mapping=mapping,
+                              collect_losses=collect_losses) as scope:
         out = fn()
     now = keras_private.global_seed_state()
     stateful = sorted({op.type for op in graph.get_operations()[first:]
@@ -191,11 +194,24 @@ def checkpointed(call, layer):
         stage = tensor.current_stage()
         split = tensor.logits_kept_split()
 
+        def refuse_losses(out):
+            # Inside the recomputation's scope: the losses of its calls.
+            if keras_private.added_losses(
+                    keras_private.flatten_layers(layer)):
+                raise NotImplementedError(
+                    f"activation_checkpointing: layer {layer.name!r} adds a "
+                    "loss (an activity_regularizer or add_loss() in its "
+                    "call, or in a layer inside it), which a layer "
+                    "recomputed on its own cannot carry yet. Recompute its "
+                    "whole stage instead (activation_checkpointing=True, "
+                    f"or the stage's index), or {fix}.")
+            return out
+
         @tf.custom_gradient
         def forward(*tensors):
             a, k = rebuild(tensors)
-            out, made = run_stateless(state, snap, lambda: call(*a, **k),
-                                      what, fix)
+            out, made = run_stateless(state, snap, lambda: refuse_losses(
+                call(*a, **k)), what, fix, collect_losses=True)
             updates.extend(made)
             out_structure.append(out)
             outs = tree.flatten(out)

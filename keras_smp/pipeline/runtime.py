@@ -66,6 +66,12 @@ class Stage:
             last stage.
         snapshot: `() -> object`, called before each forward (with
             `replay`).
+        adds_loss: `fn` returns `(outputs, added)` (and `replay`
+            `(finished, added)`): `added` is a scalar loss the stage adds
+            to the step's loss for this microbatch (Keras' `add_loss()`,
+            activity regularizers; weighted for the step), or `None`. Its
+            gradient joins the stage's backward: its weights' gradients,
+            and its inputs' (to the previous stage).
     """
 
     index: int
@@ -74,6 +80,7 @@ class Stage:
     device: str | None = None
     replay: object = None
     snapshot: object = None
+    adds_loss: bool = False
 
 
 @dataclasses.dataclass
@@ -244,6 +251,7 @@ class _Builder:
         self.losses, self.outputs = [None] * m, [None] * m
         self.stage_in, self.stage_out = {}, {}
         self.snapshots = {}
+        self.added = {}
         self.received = {}
         self.grad_in = {}
         self.grads = {s: [None] * len(st.variables) for s, st in stages.items()}
@@ -356,8 +364,15 @@ class _Builder:
             graph = tf.compat.v1.get_default_graph()
             first_op = (len(graph.get_operations()) if s in self.splits
                         else None)
-            out = _as_list(stage.fn(ins))
+            out = stage.fn(ins)
+            added = None
+            if stage.adds_loss:
+                out, added = out
+            out = _as_list(out)
             done = list(out)
+            if added is not None:
+                self.added[(s, mb)] = added
+                done.append(added)
             if s == self.p - 1:
                 self.outputs[mb] = out
                 if self.loss_fn is not None:
@@ -387,6 +402,7 @@ class _Builder:
             deps = [start]
         ins = [] if s == 0 else self.stage_in[(s, mb)]
         stage = self.stages[s]
+        added = self.added.pop((s, mb), None)
         with tf.control_dependencies(deps):
             if stage.replay is not None:
                 # Recompute the forward now (its ops wait for `deps`), and
@@ -399,8 +415,16 @@ class _Builder:
                     return [self.loss_fn(out, mb)] if last else out
 
                 ys = stage.replay(ins, self.snapshots.pop((s, mb)), finish)
+                if stage.adds_loss:  # the recomputation's added loss
+                    ys, added = ys
                 if s == 0:
                     ins = []
+            if added is not None:
+                # The stage's own loss term: its gradient (1) joins the
+                # one received for its outputs.
+                ys = list(ys) + [added]
+                if seed is not None:
+                    seed = seed + [tf.ones_like(added)]
             meetings = None
             if a.kind == "I":
                 ops = self.forward_ops.pop((s, mb), None)

@@ -41,6 +41,9 @@ class StepRun:
             process when something uses them), or `None`.
         losses: per microbatch, its weighted loss (not scaled by a loss-
             scale optimizer: what Keras logs), or `None`s.
+        added: the losses the stages held here added (`add_loss()`,
+            activity regularizers), summed over their microbatches as
+            Keras logs them, or `None` (none added).
         grads: `{id(variable): gradient summed over microbatches}` for the
             variables trained here (empty when not training).
         variables: those variables, in stage order.
@@ -53,6 +56,7 @@ class StepRun:
     losses: list
     grads: dict
     variables: list
+    added: object = None
 
 
 def run_step(model, data, training, need_loss=True, need_outputs=True,
@@ -108,6 +112,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     layer_names = graph.checkpointed_names(checkpointing)
     compiles = xla.wanted(model)
     stages = {}
+    added = []  # the forwards' added losses, as logged
     for s in held:
         whole = training and (checkpointing is True
                               or s in (checkpointing or ()))
@@ -117,10 +122,13 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             if s == 0:
                 fn = _model_inputs_constant(fn)
             fn = xla.compiled(fn, f"stage {s}", graph.stage_layers(s))
-        stages[s] = Stage(s, fn, stage_vars[s] if training else [],
-                          devices[s])
+        stages[s] = Stage(s, _adding_losses(model, graph, s, fn, training,
+                                            m, added),
+                          stage_vars[s] if training else [],
+                          devices[s], adds_loss=True)
         if whole:
-            stages[s].snapshot, stages[s].replay = _replay(graph, s)
+            stages[s].snapshot, stages[s].replay = _replay(model, graph, s,
+                                                           m)
     if links is None:
         transport = LocalTransport()
     else:
@@ -176,11 +184,54 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                 [microbatch.merge([o[i] for o in result.outputs])
                  for i in range(len(graph.outputs))])
         losses = _logged(loss_fn, result.losses)
-        return StepRun(x, y, sample_weight, y_pred, losses, grads, variables)
-    return _share(model, links, result, x, y, sample_weight, batch,
-                  transport.rows, has_loss, need_outputs, training,
-                  variables, [grads.get(id(v)) for v in variables],
-                  trackers, loss_fn)
+        return StepRun(x, y, sample_weight, y_pred, losses, grads, variables,
+                       _total(added))
+    run = _share(model, links, result, x, y, sample_weight, batch,
+                 transport.rows, has_loss, need_outputs, training,
+                 variables, [grads.get(id(v)) for v in variables],
+                 trackers, loss_fn)
+    run.added = _total(added)
+    return run
+
+
+def _total(added):
+    return tf.add_n(added) if added else None
+
+
+def _adding_losses(model, graph, stage, fn, training, m, logged=None):
+    """Stage `stage`'s function returning `(outputs, added)`: `added` is
+    the sum of the losses its layers add while it runs (`add_loss()`,
+    activity regularizers; `None` if none), each as Keras adds it to the
+    model's loss (`_aggregate_additional_loss`), weighted 1/m per
+    microbatch (Keras' losses of a batch are means over it: an activity
+    regularizer divides by the batch size) and scaled by a loss-scale
+    optimizer when training. Each forward's unscaled term is appended to
+    `logged`.
+
+    The layers run in one Keras call context, as in the model's own
+    `call`: their losses accumulate over the stage's layers, a layer
+    called twice included.
+    """
+    calls = [node.operation for node in graph.stage_nodes(stage)]
+    layers = graph.stage_layers(stage)
+
+    def run(tensors):
+        with keras_private.call_context(model, training):
+            keras_private.clear_added_losses(calls)
+            out = fn(tensors)
+            losses = keras_private.added_losses(layers)
+        if not losses:
+            return out, None
+        total = tf.add_n([
+            tf.cast(keras_private.aggregate_additional_loss(model, loss),
+                    tf.float32) for loss in losses]) * (1.0 / m)
+        if logged is not None:
+            logged.append(total)
+        if training and model.optimizer is not None:
+            total = model.optimizer.scale_loss(total)
+        return out, total
+
+    return run
 
 
 def _model_inputs_constant(fn):
@@ -347,25 +398,33 @@ def loss_weight(compiled_losses, m, sample_weight):
         "reductions.")
 
 
-def _replay(graph, stage):
+def _replay(model, graph, stage, m):
     """`(snapshot, replay)` of a stage, for activation checkpointing.
 
     The recomputation sees the stage's non-trainable variables (random
     seeds, moving statistics) as read before the microbatch's forward
     (`keras_smp.pipeline.recompute`). Trainable weights are read as they
-    are (the optimizer changes them only after the step).
+    are (the optimizer changes them only after the step). It returns
+    `(finished outputs, added loss)` (see `_adding_losses`; the forward
+    logged the loss).
     """
-    fn = graph.stage_fn(stage, training=True)
+    fn = _adding_losses(model, graph, stage,
+                        graph.stage_fn(stage, training=True), True, m)
     state = recompute.state_of(node.operation
                                for node in graph.stage_nodes(stage))
 
     def snapshot():
         return recompute.snapshot(state)
 
+    def again(inputs, finish):
+        out, added = fn(inputs)
+        return finish(out), added
+
     def replay(inputs, snap, finish):
         return recompute.rerun(
-            state, snap, lambda: finish(fn(inputs)), f"stage {stage}",
-            f"turn activation_checkpointing off for stage {stage}")
+            state, snap, lambda: again(inputs, finish), f"stage {stage}",
+            f"turn activation_checkpointing off for stage {stage}",
+            collect_losses=True)
 
     return snapshot, replay
 

@@ -127,10 +127,85 @@ def flatten_layers(model):
     return list(model._flatten_layers())
 
 
-def own_losses(model):
-    """Losses added with `add_loss()` inside `call`, of every layer."""
-    return [loss for layer in model._flatten_layers()
-            for loss in layer._get_own_losses()]
+@contextlib.contextmanager
+def call_context(entry, training=None):
+    """Layers called in the body run as inside `entry`'s own call: in one
+    Keras call context, so their `add_loss()` losses accumulate (a layer
+    called alone is its call's entry and clears its previous losses) and
+    they inherit `training`, as inside a functional model's `call`. An
+    enclosing call context is kept as it is."""
+    from keras.src.layers.layer import CallContext
+
+    before = global_state.get_global_attribute("current_call_ctx")
+    if before is not None:
+        yield
+        return
+    context = CallContext(entry_layer=entry)
+    if training is not None:
+        context.set_value("training", training)
+    global_state.set_global_attribute("current_call_ctx", context)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("current_call_ctx", None)
+
+
+def clear_added_losses(layers):
+    """Forgets the `add_loss()` losses of `layers` (their last call's);
+    operations that are not layers (`keras.ops` nodes) have none."""
+    for layer in layers:
+        if hasattr(layer, "_clear_losses"):
+            layer._clear_losses()
+
+
+def added_losses(layers):
+    """Losses `layers` added with `add_loss()` (activity regularizers
+    included) since `clear_added_losses`, each once; inside a Keras
+    `StatelessScope(collect_losses=True)`, those of its calls."""
+    out, seen = [], set()
+    for layer in layers:
+        if not hasattr(layer, "_get_own_losses"):
+            continue
+        for loss in layer._get_own_losses():
+            if id(loss) not in seen:
+                seen.add(id(loss))
+                out.append(loss)
+    return out
+
+
+def may_add_losses(layers):
+    """Whether any of `layers` may add a loss when called: an activity
+    regularizer, or a class outside Keras whose methods call `add_loss`
+    (read from their code, not run). The same answer on every stage
+    process, which all hold every layer."""
+    for layer in layers:
+        if getattr(layer, "activity_regularizer", None) is not None:
+            return True
+        if calls_add_loss(type(layer)):
+            return True
+    return False
+
+
+def calls_add_loss(cls):
+    """Whether a method of `cls` or of a base class outside Keras and
+    TensorFlow calls `add_loss` (a name in its code)."""
+    for base in cls.__mro__:
+        if base.__module__.split(".")[0] in (
+                "keras", "tensorflow", "keras_smp", "builtins"):
+            continue
+        for attr in vars(base).values():
+            fn = getattr(attr, "__func__", attr)
+            code = getattr(fn, "__code__", None)
+            if code is not None and _names_add_loss(code):
+                return True
+    return False
+
+
+def _names_add_loss(code):
+    if "add_loss" in code.co_names:
+        return True
+    return any(_names_add_loss(c) for c in code.co_consts
+               if hasattr(c, "co_names"))
 
 
 def aggregate_additional_loss(model, loss):

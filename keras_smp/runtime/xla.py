@@ -94,7 +94,7 @@ def compiled(fn, name, layers=()):
             "jit_compile=False to silence this.", stacklevel=3)
         return fn
     state = layer_state(layers)
-    if not state:
+    if not state and not keras_private.may_add_losses(layers):
         return tf.function(fn, jit_compile=True, autograph=False)
     return _with_state_outside(fn, state, layers[0])
 

@@ -6,7 +6,7 @@ the same model, same initial weights and data, trained by plain Keras on
 one device with the same global batch.
 
 Usage: pipeline_fit.py CASE [CASE ...], CASE = JSON object with keys
-model (mlp|cnn|skip|manual), partitions, microbatches, pipeline,
+model (mlp|cnn|skip|manual|penalized), partitions, microbatches, pipeline,
 optimizer (sgd|adam), devices (logical CPUs, default = partitions),
 virtual_stages (model stages per rank, for interleaved_1f1b),
 recompute (activation_checkpointing), xla (compile both models with
@@ -75,6 +75,32 @@ def skip():
     return keras.Model(inputs, keras.layers.Dense(3, name="out")(merged))
 
 
+class Penalty(keras.layers.Layer):
+    """The identity, adding 0.01 x the mean square of its input as a loss
+    (a custom layer's `add_loss()` in `call`)."""
+
+    def call(self, x):
+        self.add_loss(0.01 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+def penalized():
+    """The skip model with losses added in `call` on every stage: activity
+    regularizers (L1, L2; on the last layer too) and a custom layer's."""
+    reg = keras.regularizers
+    inputs = keras.Input((8,))
+    h1 = keras.layers.Dense(16, activation="tanh", name="d1",
+                            activity_regularizer=reg.L1(1e-2))(inputs)
+    h2 = Penalty(name="penalty")(
+        keras.layers.Dense(16, activation="tanh", name="d2")(h1))
+    h3 = keras.layers.Dense(16, activation="tanh", name="d3",
+                            activity_regularizer=reg.L2(1e-2))(h2)
+    h4 = keras.layers.Dense(16, activation="tanh", name="d4")(h3)
+    merged = keras.layers.Add(name="skip_add")([h1, h4])
+    return keras.Model(inputs, keras.layers.Dense(
+        3, name="out", activity_regularizer=reg.L2(1e-3))(merged))
+
+
 class Manual(keras.Model):
     """Subclassed skip model; partition scopes when pipelined."""
 
@@ -110,7 +136,8 @@ def build(case, pipelined):
                  else Manual())
         model(np.zeros((1, 8), "float32"))  # builds (pipelined: traces)
     else:
-        model = {"mlp": mlp, "cnn": cnn, "skip": skip}[kind]()
+        model = {"mlp": mlp, "cnn": cnn, "skip": skip,
+                 "penalized": penalized}[kind]()
         if pipelined:
             if case.get("recompute_layers"):  # by layer index
                 keras_smp.set_activation_checkpointing(
@@ -129,14 +156,19 @@ def build(case, pipelined):
 def run(case, pipelined):
     model = build(case, pipelined)
     x = X_IMG if case["model"] == "cnn" else X_FLAT
-    sw = SW if case["model"] in ("skip", "manual") else None
+    sw = SW if case["model"] in ("skip", "manual", "penalized") else None
     data = (x, Y) if sw is None else (x, Y, sw)
     ds = tf.data.Dataset.from_tensor_slices(data).batch(GLOBAL_BATCH)
     initial = [w.numpy() for w in model.weights if "seed" not in w.path]
     hist = model.fit(ds, epochs=1, verbose=0)
     ev = model.evaluate(ds, verbose=0, return_dict=True)
     pred = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
+    added = 0.0
+    if not pipelined:  # the losses layers add in call (guard: they count)
+        model(x[:GLOBAL_BATCH], training=True)
+        added = sum(float(l) for l in model.losses)
     return model, {
+        "added": added,
         "weights": [w.numpy() for w in model.weights if "seed" not in w.path],
         "loss": np.array(hist.history["loss"]),
         "evaluate": np.array([ev["loss"], ev["sparse_categorical_accuracy"]]),
@@ -187,6 +219,7 @@ for case in CASES:
     graph = model.staged_graph
     row = dict(case)
     row.update(
+        added=ref["added"],
         weights=max(diff(a, b) for a, b in zip(got["weights"], ref["weights"])),
         loss=diff(got["loss"], ref["loss"]),
         evaluate=diff(got["evaluate"], ref["evaluate"]),

@@ -11,17 +11,17 @@ _original = _step_lib._replay
 _rerun = _recompute_lib.rerun
 
 
-def _counting_rerun(state, snap, fn, what, fix):
+def _counting_rerun(state, snap, fn, what, fix, **kwargs):
     if what.startswith("layer "):
         layer_count[0] += 1
-    return _rerun(state, snap, fn, what, fix)
+    return _rerun(state, snap, fn, what, fix, **kwargs)
 
 
 _recompute_lib.rerun = _counting_rerun
 
 
-def _counting(graph, stage):
-    snapshot, replay = _original(graph, stage)
+def _counting(*args):
+    snapshot, replay = _original(*args)
 
     def counted(*args):
         count[0] += 1

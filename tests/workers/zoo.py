@@ -226,15 +226,30 @@ def _mlp(rng, frozen=False):
     return model, (x, _classes(x, 3, rng), None)
 
 
+@keras.saving.register_keras_serializable(package="zoo")
+class Penalty(layers.Layer):
+    """The identity, adding 0.01 x the mean square of its input as a loss
+    (a custom layer's `add_loss()` in `call`)."""
+
+    def call(self, x):
+        self.add_loss(0.01 * ops.mean(ops.square(x)))
+        return x
+
+
 def regularized(rng):
     # L2 weight regularizers on layers of both stages (counted once in the
     # loss, differentiated on the stage holding the weight); clipvalue.
+    # Losses added in `call` on both stages: activity regularizers (L1,
+    # L2) and a custom layer's add_loss (each stage differentiates its
+    # own; the logged loss sums them).
     reg = keras.regularizers.L2(1e-2)
     model = keras.Sequential([
         keras.Input((8,)),
-        layers.Dense(32, activation="tanh", kernel_regularizer=reg),
-        layers.Dense(16, activation="tanh"),
-        layers.Dense(3, kernel_regularizer=reg, bias_regularizer=reg)])
+        layers.Dense(32, activation="tanh", kernel_regularizer=reg,
+                     activity_regularizer=keras.regularizers.L1(1e-3)),
+        layers.Dense(16, activation="tanh"), Penalty(name="penalty"),
+        layers.Dense(3, kernel_regularizer=reg, bias_regularizer=reg,
+                     activity_regularizer=keras.regularizers.L2(1e-3))])
     x = _flat(rng)
     return (model, _classifier_compile(
         keras.optimizers.SGD(0.1, clipvalue=0.01)),
