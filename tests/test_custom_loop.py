@@ -9,10 +9,13 @@ from conftest import WORKERS
 from conftest import run_python
 
 
-@pytest.mark.parametrize("grads", ["get_gradients", "tape"])
+@pytest.mark.parametrize("grads", ["get_gradients", "tape",
+                                   "tape_added_losses"])
 def test_step_training_matches_full_batch_training(grads):
     # partitions=2, microbatches=4: gradients accumulated over microbatches
-    # inside @smp.step equal the whole batch's, with SGD + momentum.
+    # inside @smp.step equal the whole batch's, with SGD + momentum; with
+    # activity regularizers on both stages, `model.losses` inside the step
+    # holds the microbatch's (each a mean over its rows).
     out = run_python([f"{WORKERS}/custom_loop_fit.py", grads]).stdout
     r = json.loads(out.split("RESULT ", 1)[1])
     assert r["stages"] == 2 and r["microbatches"] == 4

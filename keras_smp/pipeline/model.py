@@ -374,16 +374,25 @@ class DistributedModel(keras.Model):
         return result
 
     def _smp_call_staged(self, inputs, training):
-        """Forward pass stage by stage, each on its device (`@smp.step`)."""
+        """Forward pass stage by stage, each on its device (`@smp.step`).
+
+        The layers run in one Keras call context, as in `model(x)`:
+        afterwards `model.losses` holds the losses they added in this call
+        (activity regularizers, `add_loss()`), a layer called twice
+        included, and the weight regularizers'.
+        """
         graph = self.staged_graph
         devices = self._smp_devices()
         tensors = self._smp_flat_inputs(inputs)
         rank_of = self.schedule.rank_of
-        for s in range(graph.num_stages):  # model stages
-            # Tensor-parallel collectives: the group of the stage's device.
-            with tf.device(devices[s]), tf.name_scope(f"stage{s}"), \
-                    tensor.stage(rank_of(s)):
-                tensors = graph.stage_fn(s, training=training)(tensors)
+        with keras_private.call_context(self, training):
+            keras_private.clear_added_losses([self])
+            for s in range(graph.num_stages):  # model stages
+                # Tensor-parallel collectives: the group of the stage's
+                # device.
+                with tf.device(devices[s]), tf.name_scope(f"stage{s}"), \
+                        tensor.stage(rank_of(s)):
+                    tensors = graph.stage_fn(s, training=training)(tensors)
         return graph.pack_outputs(tensors)
 
     def call(self, inputs, training=None):

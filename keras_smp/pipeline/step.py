@@ -224,7 +224,7 @@ def _adding_losses(model, graph, stage, fn, training, m, logged=None):
             return out, None
         total = tf.add_n([
             tf.cast(keras_private.aggregate_additional_loss(model, loss),
-                    tf.float32) for loss in losses]) * (1.0 / m)
+                    keras.config.floatx()) for loss in losses]) * (1.0 / m)
         if logged is not None:
             logged.append(total)
         if training and model.optimizer is not None:

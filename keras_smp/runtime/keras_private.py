@@ -195,6 +195,13 @@ def calls_add_loss(cls):
             continue
         for attr in vars(base).values():
             fn = getattr(attr, "__func__", attr)
+            # Through decorators (functools.wraps, tf.function).
+            for _ in range(8):
+                inner = (getattr(fn, "__wrapped__", None)
+                         or getattr(fn, "python_function", None))
+                if inner is None:
+                    break
+                fn = inner
             code = getattr(fn, "__code__", None)
             if code is not None and _names_add_loss(code):
                 return True

@@ -96,7 +96,10 @@ def compiled(fn, name, layers=()):
     state = layer_state(layers)
     if not state and not keras_private.may_add_losses(layers):
         return tf.function(fn, jit_compile=True, autograph=False)
-    return _with_state_outside(fn, state, layers[0])
+    # Losses are added to a layer of `fn` (a `keras.ops` node has none).
+    owner = next((layer for layer in layers if hasattr(layer, "add_loss")),
+                 None)
+    return _with_state_outside(fn, state, owner)
 
 
 def layer_state(layers):
@@ -154,7 +157,7 @@ def _with_state_outside(fn, state, owner):
         out, updates, losses = compiled_for[key](args, kwargs, values)
         for i, value in sorted(updates.items()):
             variables[i].assign(value)
-        for loss in losses:
+        for loss in losses:  # only layers add losses: `owner` exists
             owner.add_loss(loss)
         return out
 

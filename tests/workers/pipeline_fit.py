@@ -6,7 +6,7 @@ the same model, same initial weights and data, trained by plain Keras on
 one device with the same global batch.
 
 Usage: pipeline_fit.py CASE [CASE ...], CASE = JSON object with keys
-model (mlp|cnn|skip|manual|penalized), partitions, microbatches, pipeline,
+model (mlp|cnn|skip|manual|penalized|penalized_ops), partitions, microbatches, pipeline,
 optimizer (sgd|adam), devices (logical CPUs, default = partitions),
 virtual_stages (model stages per rank, for interleaved_1f1b),
 recompute (activation_checkpointing), xla (compile both models with
@@ -101,6 +101,18 @@ def penalized():
         3, name="out", activity_regularizer=reg.L2(1e-3))(merged))
 
 
+def penalized_ops():
+    """Activity regularizers; with 2 stages the second starts with a
+    `keras.ops` node (not a layer), then a regularized layer."""
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="tanh", name="d1",
+                           activity_regularizer="l2")(inputs)
+    h = keras.ops.tanh(keras.layers.Dense(16, name="d2")(h) * 0.5)
+    h = keras.layers.Dense(16, activation="tanh", name="d3",
+                           activity_regularizer="l1")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="out")(h))
+
+
 class Manual(keras.Model):
     """Subclassed skip model; partition scopes when pipelined."""
 
@@ -137,7 +149,8 @@ def build(case, pipelined):
         model(np.zeros((1, 8), "float32"))  # builds (pipelined: traces)
     else:
         model = {"mlp": mlp, "cnn": cnn, "skip": skip,
-                 "penalized": penalized}[kind]()
+                 "penalized": penalized,
+                 "penalized_ops": penalized_ops}[kind]()
         if pipelined:
             if case.get("recompute_layers"):  # by layer index
                 keras_smp.set_activation_checkpointing(
