@@ -93,6 +93,10 @@ GROUPS = {
               + _cases("cnn", (2,), ("gpipe",), (4,), "sgd")
               + _cases("skip", (2,), ("1f1b",), (2,), "sgd"),
               ([0, 1, 3], [0, 1], [1]), (False, False, [1]))]
+    # Layers adding losses in `call` (d1's and d3's activity regularizers,
+    # the Penalty layer's add_loss), each recomputed on its own.
+    + [dict(c, recompute_layers=[1, 3, 4]) for c in
+       _cases("penalized", (2,), ("1f1b",), (4,), "sgd")]
     # The last layer ("out", stage 1) marked while stage 1 is recomputed
     # whole: the stage's replay only (no layer recomputation inside it).
     + [dict(c, recompute_layers=[6], recompute=[1], marks_in_whole_stage=True)
@@ -109,7 +113,9 @@ GROUPS = {
             + _cases("penalized_ops", (2,), ("1f1b",), (2,), "sgd")]
     # ... with layers recomputed inside compiled stages.
     + [dict(c, xla=True, recompute_layers=[1, 3])
-       for c in _cases("mlp", (2,), ("1f1b",), (4,), "adam")],
+       for c in _cases("mlp", (2,), ("1f1b",), (4,), "adam")]
+    + [dict(c, xla=True, recompute_layers=[1, 3, 4])
+       for c in _cases("penalized", (2,), ("1f1b",), (4,), "adam")],
     # 1F1B with split backwards (I: input gradients, W: weight gradients
     # later, from what I saved): every model, 2 and 4 stages, replicas.
     "split": (_cases("mlp", (2, 4), ("1f1b_split",), (1, 4, 8), "sgd")
@@ -303,9 +309,6 @@ ERROR_CASES = {
         "keras_smp.DistributedModel(model)", "partitions=2"]),
     "unknown_split_point": ("ValueError", ["no_such_layer"]),
     "devices_not_divisible": ("ValueError", ["partitions=3", "4 local"]),
-    # A layer recomputed on its own cannot carry a loss it adds in `call`.
-    "recomputed_layer_adding_a_loss": ("NotImplementedError", [
-        "layer 'penalized' adds a loss", "activation_checkpointing=True"]),
     # Stages on devices of one process: weights made outside the scope are
     # not on their stages' devices (once an AssertionError in the update).
     "layers_built_outside_the_scope": ("ValueError", [

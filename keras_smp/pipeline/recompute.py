@@ -151,7 +151,9 @@ def checkpointed(call, layer):
     are the inputs differentiated; other arguments are held as they are. The
     forward itself runs statelessly inside the custom gradient (a
     strategy's variable updates cannot run there) and its state updates
-    are assigned right after it.
+    are assigned right after it. Losses the layer adds (`add_loss()`, an
+    activity regularizer) are outputs of the custom gradient too, added
+    to the layer after it: their gradients come from the recomputation.
     """
     state = state_of([layer])
     what = f"layer {layer.name!r}"
@@ -194,27 +196,26 @@ def checkpointed(call, layer):
         stage = tensor.current_stage()
         split = tensor.logits_kept_split()
 
-        def refuse_losses(out):
-            # Inside the recomputation's scope: the losses of its calls.
-            if keras_private.added_losses(
-                    keras_private.flatten_layers(layer)):
-                raise NotImplementedError(
-                    f"activation_checkpointing: layer {layer.name!r} adds a "
-                    "loss (an activity_regularizer or add_loss() in its "
-                    "call, or in a layer inside it), which a layer "
-                    "recomputed on its own cannot carry yet. Recompute its "
-                    "whole stage instead (activation_checkpointing=True, "
-                    f"or the stage's index), or {fix}.")
-            return out
+        def with_losses(out):
+            # Inside the (re)computation's scope: the losses this call of
+            # the layer (and of layers inside it) added.
+            return out, keras_private.added_losses(
+                keras_private.flatten_layers(layer))
+
+        counts = []
 
         @tf.custom_gradient
         def forward(*tensors):
             a, k = rebuild(tensors)
-            out, made = run_stateless(state, snap, lambda: refuse_losses(
-                call(*a, **k)), what, fix, collect_losses=True)
+            (out, losses), made = run_stateless(
+                state, snap, lambda: with_losses(call(*a, **k)), what, fix,
+                collect_losses=True)
             updates.extend(made)
             out_structure.append(out)
-            outs = tree.flatten(out)
+            counts.append(len(losses))
+            # The added losses are outputs too: their gradients come from
+            # the recomputation, with the outputs'.
+            outs = tree.flatten(out) + list(losses)
 
             def backward(*dys, variables=None):
                 variables = list(variables or [])
@@ -226,13 +227,15 @@ def checkpointed(call, layer):
                         else contextlib.nullcontext()):
                     tape.watch(list(tensors))
                     a2, k2 = rebuild(tensors)
-                    again = rerun(state, snap, lambda: call(*a2, **k2),
-                                  what, fix)
+                    again, again_losses = rerun(
+                        state, snap, lambda: with_losses(call(*a2, **k2)),
+                        what, fix, collect_losses=True)
                 for t, mask in zip(tensors, now):
                     keras_private.set_keras_mask(t, mask)
                 # Only floating outputs carry gradients.
-                pairs = [(y, dy) for y, dy in zip(tree.flatten(again), dys)
-                         if y.dtype.is_floating]
+                pairs = [(y, dy) for y, dy in zip(
+                    tree.flatten(again) + list(again_losses), dys)
+                    if y.dtype.is_floating]
                 grads = tape.gradient(
                     [y for y, _ in pairs], list(tensors) + variables,
                     output_gradients=[
@@ -243,11 +246,14 @@ def checkpointed(call, layer):
 
             return outs, backward
 
-        outs = forward(*unique)
+        outs = list(forward(*unique))
         for v, value in updates:
             v.assign(value)
+        if counts[0]:  # the layer's losses, as its own call adds them
+            outs, losses = outs[:-counts[0]], outs[-counts[0]:]
+            for loss in losses:
+                layer.add_loss(loss)
         inner = tree.flatten(out_structure[0])
-        outs = list(outs)
         for t, o in zip(inner, outs):
             mask = keras_private.keras_mask(t)
             if mask is not None:  # the layer's output mask, kept

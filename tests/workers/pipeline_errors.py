@@ -122,16 +122,6 @@ def layers_built_outside_the_scope():
         fit(keras_smp.DistributedModel(model))
 
 
-def recomputed_layer_adding_a_loss():
-    with keras_smp.SMPStrategy(
-            partitions=2, activation_checkpointing=["penalized"]).scope():
-        fit(keras_smp.DistributedModel(keras.Sequential([
-            keras.Input((8,)),
-            keras.layers.Dense(8, activation="tanh", name="penalized",
-                               activity_regularizer="l2"),
-            keras.layers.Dense(2)])))
-
-
 def devices_not_divisible():
     keras_smp.SMPStrategy(partitions=3, local_devices=4)
 
