@@ -2,11 +2,12 @@
 
 Each zoo entry (tests/workers/zoo.py: a small transformer LM with a tied
 embedding/output projection, a BERT-style classifier, an LSTM/GRU text
-model, CNNs with BatchNormalization, a ResNet-style skip across stages, a
+model on padded, masked sequences, CNNs with BatchNormalization, a ResNet-style skip across stages, a
 dict-input two-output model with loss weights, per-output and weighted
 metrics and sample weights, mixed_bfloat16 and mixed_float16 models, frozen
 layers, Dropout, L2 regularizers, activity regularizers and a layer's
-add_loss() on both stages, a LossScaleOptimizer that skips steps,
+add_loss() on both stages, weight constraints, a learning-rate schedule, a
+LossScaleOptimizer that skips steps,
 clipnorm / global_clipnorm / clipvalue, class_weight with
 steps_per_execution=2, validation_split, LR callbacks and initial_epoch) is
 trained 2 epochs with validation data, evaluated and run through predict

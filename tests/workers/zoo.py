@@ -117,14 +117,18 @@ def bert_classifier(rng):
 
 
 def rnn_text(rng):
+    # Padded sequences: the embedding's mask (mask_zero) crosses the stage
+    # boundary with the LSTM's outputs.
     model = keras.Sequential([
         keras.Input((SEQ,), dtype="int32"),
-        layers.Embedding(VOCAB, WIDTH),
+        layers.Embedding(VOCAB, WIDTH, mask_zero=True),
         layers.LSTM(WIDTH, return_sequences=True),
         layers.GRU(WIDTH),
         layers.Dense(1, activation="sigmoid"),
     ])
     x = _tokens(rng)
+    for i in range(len(x)):
+        x[i, SEQ - 1 - i % 4:] = 0  # 1 to 4 padding tokens
     y = (x.sum(axis=1) > x.sum(axis=1).mean()).astype("float32")[:, None]
     compile_args = dict(
         optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
@@ -241,18 +245,24 @@ def regularized(rng):
     # loss, differentiated on the stage holding the weight); clipvalue.
     # Losses added in `call` on both stages: activity regularizers (L1,
     # L2) and a custom layer's add_loss (each stage differentiates its
-    # own; the logged loss sums them).
+    # own; the logged loss sums them). Weight constraints (applied by each
+    # stage's optimizer to its weights) and a learning-rate schedule.
     reg = keras.regularizers.L2(1e-2)
     model = keras.Sequential([
         keras.Input((8,)),
         layers.Dense(32, activation="tanh", kernel_regularizer=reg,
-                     activity_regularizer=keras.regularizers.L1(1e-3)),
-        layers.Dense(16, activation="tanh"), Penalty(name="penalty"),
+                     activity_regularizer=keras.regularizers.L1(1e-3),
+                     kernel_constraint=keras.constraints.MaxNorm(0.5)),
+        layers.Dense(16, activation="tanh",
+                     kernel_constraint=keras.constraints.NonNeg()),
+        Penalty(name="penalty"),
         layers.Dense(3, kernel_regularizer=reg, bias_regularizer=reg,
-                     activity_regularizer=keras.regularizers.L2(1e-3))])
+                     activity_regularizer=keras.regularizers.L2(1e-3),
+                     bias_constraint=keras.constraints.UnitNorm(axis=0))])
     x = _flat(rng)
-    return (model, _classifier_compile(
-        keras.optimizers.SGD(0.1, clipvalue=0.01)),
+    return (model, _classifier_compile(keras.optimizers.SGD(
+        keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5),
+        clipvalue=0.01)),
         (x, _classes(x, 3, rng), None), {})
 
 
