@@ -18,6 +18,8 @@ one device (tests/workers/keras_features.py):
   weights too), `ModelCheckpoint(save_best_only=True)` into a `.keras`
   file loaded by plain Keras; `validation_freq`. Their `History`s (every
   key, every epoch) must match too.
+- a model compiled without a loss (an autoencoder: its loss is what its
+  layers add in `call`), which a pipeline refused ("No loss to compute");
 - `predict_on_batch`, which with 2 local replicas returned every row twice;
   `export` of a `DistributedModel` (Keras refused: "never called").
 - With one stage per process, another stage's layer's `get_weights()` is a
@@ -52,7 +54,8 @@ CASES = ("arrays", "tf.data", "generator", "PyDataset",
          "frozen_stage_accumulation_global_clipnorm",
          "loss_scale_ema_frozen_stage_accumulation",
          "early_stopping_restore_best_weights", "swap_ema_weights",
-         "model_checkpoint_best_keras", "validation_freq")
+         "model_checkpoint_best_keras", "validation_freq",
+         "added_loss_only")
 
 
 def _check(report):

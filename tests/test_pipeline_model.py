@@ -9,7 +9,8 @@ as the `atol` that would be needed. Models: an MLP and a small CNN
 connection crosses stage boundaries and with sample weights, and the same
 skip model subclassed with manual `partition()` scopes, and the skip model
 with losses added in `call` on every stage ("penalized": L1 and L2
-activity regularizers, a custom layer's `add_loss()`).
+activity regularizers, a custom layer's `add_loss()`), and an autoencoder
+compiled without a loss (its loss is what its layers add).
 
 Bounds. SGD: rtol 1e-5, atol 1e-6 (float32 rounding of the same sums in
 another order). Adam (lr 1e-3): atol 1e-5 on weights. Adam divides by
@@ -68,7 +69,9 @@ GROUPS = {
              # Losses added in `call` (activity regularizers, a layer's
              # add_loss) on every stage.
              + _cases("penalized", (2, 4), BOTH, (4,), "sgd")
-             + _cases("penalized", (2,), ("1f1b",), (2,), "adam")),
+             + _cases("penalized", (2,), ("1f1b",), (2,), "adam")
+             # Compiled without a loss: the loss is what layers add.
+             + _cases("autoencoder", (2,), BOTH, (4,), "adam")),
     "manual": (_cases("manual", (2, 4), BOTH, (1, 4), "sgd")
                + _cases("manual", (4,), ("1f1b",), (8,), "adam")),
     # 4 logical CPUs = 2 pipeline replicas x 2 stages (per-replica batch 16).
@@ -128,6 +131,8 @@ GROUPS = {
               + _cases("mlp", (2, 4), ("zb_h1",), (4, 8), "adam")
               + _cases("skip", (4,), ("zb_h1",), (8,), "sgd")
               + _cases("penalized", (2,), ("zb_h1",), (4,), "sgd")
+              + _cases("autoencoder", (2,), ("zb_h1",), (2,), "sgd",
+                       devices=4)
               + _cases("cnn", (2,), ("zb_h1",), (4,), "sgd", devices=4))
     # Stages that cannot split (a recomputed stage, XLA-compiled stages)
     # run their whole backward in I, with a warning: the same results.
@@ -199,7 +204,8 @@ def test_pipelined_training_matches_single_device(group):
         # something) and every stage got layers.
         assert row["moved"] > 1e-3, (label, row)
         # ... and the losses layers add in `call` count.
-        if row["model"].startswith("penalized"):
+        if row["model"].startswith("penalized") or (
+                row["model"] == "autoencoder"):
             assert row["added"] > 1e-3, (label, row)
         virtual = row.get("virtual_stages") or (
             2 if row["pipeline"] in ("interleaved_1f1b", "zb_v") else 1)

@@ -892,9 +892,7 @@ class DistributedModel(keras.Model):
                       keras_private.regularization_losses(self)]
             return losses + ([added] if added is not None else []), losses
         graph = self.staged_graph
-        adds = keras_private.may_add_losses(
-            layer for s in range(graph.num_stages)
-            for layer in graph.stage_layers(s))
+        adds = self._smp_adds_losses()
         if added is not None and not adds:
             raise NotImplementedError(
                 "A layer added a loss (add_loss()) from code outside its "
@@ -918,6 +916,20 @@ class DistributedModel(keras.Model):
             logged.append(added)
         total = reduce_sum(tf.add_n(logged) if logged else tf.zeros([]))
         return [total], [loss for _, loss in local]
+
+    def _smp_adds_losses(self):
+        """Whether layers of the model may add losses in `call` (the same
+        answer on every stage process)."""
+        graph = self.staged_graph
+        return keras_private.may_add_losses(
+            layer for s in range(graph.num_stages)
+            for layer in graph.stage_layers(s))
+
+    def _smp_added_loss_only(self):
+        """Whether the model's loss is only what its layers add: compiled
+        without a loss, as Keras allows for such models."""
+        return (keras_private.compiled_loss(self) is None
+                and self._smp_adds_losses())
 
     def _smp_track_loss(self, run, extra):
         """Updates Keras' loss tracker with the step's total loss."""
@@ -991,7 +1003,7 @@ class DistributedModel(keras.Model):
     def test_step(self, data):
         run = run_step(self, data, training=False,
                        need_outputs=self._smp_needs_outputs())
-        if run.losses[0] is not None:
+        if run.losses[0] is not None or self._smp_added_loss_only():
             self._smp_track_loss(run, self._smp_extra_losses(
                 self._smp_stage_reducer(), run.added)[0])
         return self.compute_metrics(run.x, run.y, run.y_pred,

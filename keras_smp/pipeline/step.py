@@ -91,14 +91,18 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                                         for t in flat_x])]
         ys = microbatch.split(y, m)
         sws = microbatch.split(sample_weight, m)
-    has_loss = (need_loss and y is not None
-                and keras_private.compiled_loss(model) is not None)
-    if training and not has_loss:
+    compiled = keras_private.compiled_loss(model) is not None
+    has_loss = need_loss and y is not None and compiled
+    if training and not has_loss and not model._smp_added_loss_only():
         raise ValueError(
             "No loss to compute. Provide `y` and a `loss` argument in "
-            "`compile()`.")
+            "`compile()`, or add losses in layers' `call` (`add_loss()`).")
     loss_fn = (_loss_fn(model, ys, sws, sample_weight, m, training)
                if has_loss else None)
+    if training and loss_fn is None:
+        # The loss is what the layers add (compile() without a loss, as
+        # Keras allows): the last stage's own part of it is what it adds.
+        loss_fn = _no_loss
     graph = model.staged_graph
     p = graph.num_stages  # model stages (p x v with virtual stages)
     schedule = model.schedule
@@ -143,7 +147,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         if not links.holds(p - 1):
             loss_fn = None  # only the last stage computes the loss
     trackers = []
-    if links is not None and loss_fn is not None:
+    if links is not None and has_loss:
         # The compiled loss (last stage only) also updates per-output loss
         # metrics ("cls_loss"): their state before the step, to share the
         # step's change with the other stages (see `_share`).
@@ -190,8 +194,23 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                  transport.rows, has_loss, need_outputs, training,
                  variables, [grads.get(id(v)) for v in variables],
                  trackers, loss_fn)
-    run.added = _total(added)
+    total = _total(added)
+    if total is None and model._smp_added_loss_only():
+        total = tf.zeros([], keras.config.floatx())  # this stage adds none
+    if total is not None:
+        # After the whole step: when the loss is only what layers add, an
+        # evaluation step shares nothing else, and TensorFlow would prune
+        # this rank's sends (the peer would wait forever).
+        total = _after([result.done], total)
+    run.added = total
     return run
+
+
+def _no_loss(out, mb):
+    """The last stage's loss when the model's loss is only what its layers
+    add (their terms join each stage's backward)."""
+    del out, mb
+    return tf.zeros([], keras.config.floatx())
 
 
 def _total(added):

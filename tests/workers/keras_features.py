@@ -12,6 +12,8 @@ plain Keras on one device (same seeds):
   the moving averages), `ModelCheckpoint` with `save_best_only` into a
   `.keras` file that plain Keras loads; `validation_freq`;
 - `predict_on_batch`; `export` (served outputs);
+- a model compiled without a loss, whose loss is what its layers add in
+  `call` (an autoencoder's reconstruction error, an activity regularizer);
 - with one stage per process, reading another stage's layer's weights is a
   clear error (it returned empty arrays).
 
@@ -53,6 +55,7 @@ strategy = keras_smp.SMPStrategy(**CONFIGS[MODE])
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from added_losses import Reconstruction  # noqa: E402
 
 BATCHES, ROWS = 8, 32
 rng = np.random.RandomState(0)
@@ -68,10 +71,22 @@ def momentum_sgd():
 
 
 def build(distributed, optimizer=momentum_sgd, frozen=False,
-          two_inputs=False):
+          two_inputs=False, loss_only=False):
     keras.utils.set_random_seed(1)
 
+    def autoencoder():
+        # Its loss is what its layers add: the reconstruction error and
+        # an activity regularizer on the code (stage 0).
+        inputs = keras.Input((8,))
+        code = keras.layers.Dense(4, activation="tanh", name="d1",
+                                  activity_regularizer="l2")(inputs)
+        h = keras.layers.Dense(16, activation="tanh", name="d2")(code)
+        h = keras.layers.Dense(8, name="d3")(h)
+        return keras.Model(inputs, Reconstruction()([inputs, h]))
+
     def layers():
+        if loss_only:
+            return autoencoder()
         # The pipelines split at d2: stage 0 holds d1 (all of it frozen,
         # with `frozen`: a stage with nothing to train).
         first = keras.layers.Dense(16, activation="tanh", name="d1",
@@ -87,6 +102,9 @@ def build(distributed, optimizer=momentum_sgd, frozen=False,
         return keras.Model(inputs, keras.layers.Dense(3, name="d3")(h))
 
     def compile_(model):
+        if loss_only:  # compiled without a loss, as Keras allows
+            model.compile(optimizer())
+            return model
         # Momentum carries each step's batch into every later step.
         model.compile(optimizer(),
                       keras.losses.SparseCategoricalCrossentropy(
@@ -183,7 +201,13 @@ CALLBACKS = {
             checkpoint_path(m), monitor="val_loss", save_best_only=True))),
     "validation_freq": (momentum_sgd, fit_with(epochs=3, validation_freq=2)),
 }
+# A model compiled without a loss: its loss is what its layers add.
+LOSS_ONLY = {"added_loss_only": lambda m: m.fit(
+    X, batch_size=ROWS, epochs=2, verbose=0, validation_data=(XV,))}
+
 CASES = {name: (momentum_sgd, fit, False) for name, fit in SOURCES.items()}
+CASES.update({name: (momentum_sgd, fit, False)
+              for name, fit in LOSS_ONLY.items()})
 CASES.update({name: (optimizer, fit, False)
               for name, (optimizer, fit) in CALLBACKS.items()})
 CASES.update({name: (optimizer, SOURCES["arrays"], False)
@@ -195,7 +219,8 @@ report = {}
 for name, (optimizer, fit, frozen) in CASES.items():
     runs = []
     for distributed in (False, True):
-        model = build(distributed, optimizer, frozen)
+        model = build(distributed, optimizer, frozen,
+                      loss_only=name in LOSS_ONLY)
         start = model.get_weights()
         history = fit(model).history
         weights = model.get_weights()

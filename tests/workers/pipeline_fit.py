@@ -6,7 +6,8 @@ the same model, same initial weights and data, trained by plain Keras on
 one device with the same global batch.
 
 Usage: pipeline_fit.py CASE [CASE ...], CASE = JSON object with keys
-model (mlp|cnn|skip|manual|penalized|penalized_ops), partitions, microbatches, pipeline,
+model (mlp|cnn|skip|manual|penalized|penalized_ops|autoencoder:
+compiled without a loss), partitions, microbatches, pipeline,
 optimizer (sgd|adam), devices (logical CPUs, default = partitions),
 virtual_stages (model stages per rank, for interleaved_1f1b),
 recompute (activation_checkpointing), xla (compile both models with
@@ -33,6 +34,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_smp  # noqa: E402
+from added_losses import Penalty  # noqa: E402
+from added_losses import Reconstruction  # noqa: E402
 
 GLOBAL_BATCH, STEPS = 32, 3
 rng = np.random.RandomState(0)
@@ -75,15 +78,6 @@ def skip():
     return keras.Model(inputs, keras.layers.Dense(3, name="out")(merged))
 
 
-class Penalty(keras.layers.Layer):
-    """The identity, adding 0.01 x the mean square of its input as a loss
-    (a custom layer's `add_loss()` in `call`)."""
-
-    def call(self, x):
-        self.add_loss(0.01 * keras.ops.mean(keras.ops.square(x)))
-        return x
-
-
 def penalized():
     """The skip model with losses added in `call` on every stage: activity
     regularizers (L1, L2; on the last layer too) and a custom layer's."""
@@ -111,6 +105,17 @@ def penalized_ops():
     h = keras.layers.Dense(16, activation="tanh", name="d3",
                            activity_regularizer="l1")(h)
     return keras.Model(inputs, keras.layers.Dense(3, name="out")(h))
+
+
+def autoencoder():
+    """Compiled without a loss: its loss is what its layers add (an
+    activity regularizer on the code, the reconstruction error)."""
+    inputs = keras.Input((8,))
+    code = keras.layers.Dense(4, activation="tanh", name="enc",
+                              activity_regularizer="l2")(inputs)
+    h = keras.layers.Dense(16, activation="tanh", name="dec1")(code)
+    h = keras.layers.Dense(8, name="dec2")(h)
+    return keras.Model(inputs, Reconstruction(name="recon")([inputs, h]))
 
 
 class Manual(keras.Model):
@@ -150,7 +155,8 @@ def build(case, pipelined):
     else:
         model = {"mlp": mlp, "cnn": cnn, "skip": skip,
                  "penalized": penalized,
-                 "penalized_ops": penalized_ops}[kind]()
+                 "penalized_ops": penalized_ops,
+                 "autoencoder": autoencoder}[kind]()
         if pipelined:
             if case.get("recompute_layers"):  # by layer index
                 keras_smp.set_activation_checkpointing(
@@ -159,6 +165,9 @@ def build(case, pipelined):
     opt = (keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
            if case["optimizer"] == "sgd"
            else keras.optimizers.Adam(learning_rate=1e-3))
+    if kind == "autoencoder":  # no compiled loss, no labels
+        model.compile(optimizer=opt, jit_compile=case.get("xla", False))
+        return model
     model.compile(
         optimizer=opt, jit_compile=case.get("xla", False),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -171,6 +180,8 @@ def run(case, pipelined):
     x = X_IMG if case["model"] == "cnn" else X_FLAT
     sw = SW if case["model"] in ("skip", "manual", "penalized") else None
     data = (x, Y) if sw is None else (x, Y, sw)
+    if case["model"] == "autoencoder":
+        data = (x,)
     ds = tf.data.Dataset.from_tensor_slices(data).batch(GLOBAL_BATCH)
     initial = [w.numpy() for w in model.weights if "seed" not in w.path]
     hist = model.fit(ds, epochs=1, verbose=0)
@@ -184,7 +195,8 @@ def run(case, pipelined):
         "added": added,
         "weights": [w.numpy() for w in model.weights if "seed" not in w.path],
         "loss": np.array(hist.history["loss"]),
-        "evaluate": np.array([ev["loss"], ev["sparse_categorical_accuracy"]]),
+        "evaluate": np.array([ev["loss"],
+                              ev.get("sparse_categorical_accuracy", 0.0)]),
         "predict": pred,
         "moved": max(float(np.abs(w.numpy() - w0).max()) for w, w0 in zip(
             [w for w in model.weights if "seed" not in w.path], initial)),

@@ -12,6 +12,8 @@ import numpy as np
 from keras import layers
 from keras import ops
 
+from added_losses import Penalty
+
 BATCH = 16          # global batch (multiple of microbatches x replicas)
 SAMPLES = 64        # 4 steps per epoch
 EPOCHS = 2
@@ -228,16 +230,6 @@ def _mlp(rng, frozen=False):
     model = keras.Sequential([keras.Input((8,))] + dense)
     x = _flat(rng)
     return model, (x, _classes(x, 3, rng), None)
-
-
-@keras.saving.register_keras_serializable(package="zoo")
-class Penalty(layers.Layer):
-    """The identity, adding 0.01 x the mean square of its input as a loss
-    (a custom layer's `add_loss()` in `call`)."""
-
-    def call(self, x):
-        self.add_loss(0.01 * ops.mean(ops.square(x)))
-        return x
 
 
 def regularized(rng):
