@@ -71,7 +71,9 @@ GROUPS = {
              + _cases("penalized", (2, 4), BOTH, (4,), "sgd")
              + _cases("penalized", (2,), ("1f1b",), (2,), "adam")
              # Compiled without a loss: the loss is what layers add.
-             + _cases("autoencoder", (2,), BOTH, (4,), "adam")),
+             + _cases("autoencoder", (2,), BOTH, (4,), "adam")
+             # ... stage 1 of 4 adds none
+             + _cases("autoencoder", (4,), ("1f1b",), (4,), "sgd")),
     "manual": (_cases("manual", (2, 4), BOTH, (1, 4), "sgd")
                + _cases("manual", (4,), ("1f1b",), (8,), "adam")),
     # 4 logical CPUs = 2 pipeline replicas x 2 stages (per-replica batch 16).

@@ -892,17 +892,9 @@ class DistributedModel(keras.Model):
                       keras_private.regularization_losses(self)]
             return losses + ([added] if added is not None else []), losses
         graph = self.staged_graph
-        adds = self._smp_adds_losses()
-        if added is not None and not adds:
-            raise NotImplementedError(
-                "A layer added a loss (add_loss()) from code outside its "
-                "class's methods; with one stage per process every stage "
-                "must know that losses are added, to sum them in the "
-                "logged loss. Call add_loss() in the layer's own call (or "
-                "a method of its class).")
-        regularized = any(getattr(v, "regularizer", None) is not None
-                          for v in self.trainable_weights)
-        if not regularized and not adds:
+        # The same answer on every stage process (`run_step` refuses added
+        # losses it could not foresee): they all sum, or none.
+        if not self._smp_regularized() and not self._smp_adds_losses():
             return [], []
         links = self._smp_links()
         home = links.home_ranks(graph)
@@ -925,11 +917,17 @@ class DistributedModel(keras.Model):
             layer for s in range(graph.num_stages)
             for layer in graph.stage_layers(s))
 
+    def _smp_regularized(self):
+        """Whether a trainable weight has a regularizer."""
+        return any(getattr(v, "regularizer", None) is not None
+                   for v in self.trainable_weights)
+
     def _smp_added_loss_only(self):
-        """Whether the model's loss is only what its layers add: compiled
-        without a loss, as Keras allows for such models."""
+        """Whether the model's loss is only what its layers add and its
+        weights' regularizers: compiled without a loss, as Keras allows
+        for such models."""
         return (keras_private.compiled_loss(self) is None
-                and self._smp_adds_losses())
+                and (self._smp_adds_losses() or self._smp_regularized()))
 
     def _smp_track_loss(self, run, extra):
         """Updates Keras' loss tracker with the step's total loss."""

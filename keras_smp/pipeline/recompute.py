@@ -232,6 +232,13 @@ def checkpointed(call, layer):
                         what, fix, collect_losses=True)
                 for t, mask in zip(tensors, now):
                     keras_private.set_keras_mask(t, mask)
+                if len(again_losses) != counts[0]:
+                    raise ValueError(
+                        f"activation_checkpointing: {what} added "
+                        f"{counts[0]} loss(es) in its forward pass but "
+                        f"{len(again_losses)} when recomputed; its losses "
+                        "must not depend on Python state that changes "
+                        f"between calls. Or {fix}.")
                 # Only floating outputs carry gradients.
                 pairs = [(y, dy) for y, dy in zip(
                     tree.flatten(again) + list(again_losses), dys)

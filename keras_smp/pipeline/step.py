@@ -40,10 +40,14 @@ class StepRun:
         y_pred: the model's outputs for the whole batch (on every stage
             process when something uses them), or `None`.
         losses: per microbatch, its weighted loss (not scaled by a loss-
-            scale optimizer: what Keras logs), or `None`s.
+            scale optimizer: what Keras logs), or `None`s (no compiled
+            loss to compute; zeros when training a model compiled without
+            a loss).
         added: the losses the stages held here added (`add_loss()`,
             activity regularizers), summed over their microbatches as
-            Keras logs them, or `None` (none added).
+            Keras logs them, or `None` (none added). With one stage per
+            process and no compiled loss, a zero where this stage adds
+            none (it orders the step's sends, see `run_step`).
         grads: `{id(variable): gradient summed over microbatches}` for the
             variables trained here (empty when not training).
         variables: those variables, in stage order.
@@ -95,6 +99,9 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     has_loss = need_loss and y is not None and compiled
     if training and not has_loss and not model._smp_added_loss_only():
         raise ValueError(
+            "The model is compiled with a loss, which needs targets: pass "
+            "`y` to fit (or compile without a loss to train on the losses "
+            "its layers add)." if compiled else
             "No loss to compute. Provide `y` and a `loss` argument in "
             "`compile()`, or add losses in layers' `call` (`add_loss()`).")
     loss_fn = (_loss_fn(model, ys, sws, sample_weight, m, training)
@@ -194,6 +201,13 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                  transport.rows, has_loss, need_outputs, training,
                  variables, [grads.get(id(v)) for v in variables],
                  trackers, loss_fn)
+    if added and not model._smp_adds_losses():
+        raise NotImplementedError(
+            "A layer added a loss (add_loss()) from code outside its "
+            "class's methods; with one stage per process every stage must "
+            "know that losses are added, to sum them in the logged loss. "
+            "Call add_loss() in the layer's own call (or a method of its "
+            "class).")
     total = _total(added)
     if total is None and model._smp_added_loss_only():
         total = tf.zeros([], keras.config.floatx())  # this stage adds none

@@ -75,12 +75,14 @@ def build(distributed, optimizer=momentum_sgd, frozen=False,
     keras.utils.set_random_seed(1)
 
     def autoencoder():
-        # Its loss is what its layers add: the reconstruction error and
-        # an activity regularizer on the code (stage 0).
+        # Its loss is what its layers add: the reconstruction error and an
+        # activity regularizer (stage 1), and d1's weight regularizer
+        # (stage 0, whose layers add nothing).
         inputs = keras.Input((8,))
         code = keras.layers.Dense(4, activation="tanh", name="d1",
-                                  activity_regularizer="l2")(inputs)
-        h = keras.layers.Dense(16, activation="tanh", name="d2")(code)
+                                  kernel_regularizer="l2")(inputs)
+        h = keras.layers.Dense(16, activation="tanh", name="d2",
+                               activity_regularizer="l2")(code)
         h = keras.layers.Dense(8, name="d3")(h)
         return keras.Model(inputs, Reconstruction()([inputs, h]))
 
