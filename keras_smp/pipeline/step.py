@@ -236,8 +236,9 @@ def _adding_losses(model, graph, stage, fn, training, m, logged=None):
     the sum of the losses its layers add while it runs (`add_loss()`,
     activity regularizers; `None` if none), each as Keras adds it to the
     model's loss (`_aggregate_additional_loss`), weighted 1/m per
-    microbatch (Keras' losses of a batch are means over it: an activity
-    regularizer divides by the batch size) and scaled by a loss-scale
+    microbatch (exact for batch means: an activity regularizer divides by
+    the batch size; a batch sum counts 1/m, as Keras averages added
+    losses over data-parallel replicas) and scaled by a loss-scale
     optimizer when training. Each forward's unscaled term is appended to
     `logged`.
 
