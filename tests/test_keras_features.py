@@ -20,6 +20,9 @@ one device (tests/workers/keras_features.py):
   key, every epoch) must match too.
 - a model compiled without a loss (an autoencoder: its loss is what its
   layers add in `call`), which a pipeline refused ("No loss to compute");
+- a model with two outputs compiled with a loss on one, and weight decay:
+  Keras leaves the other output's head alone (no gradient); a pipeline
+  gave it zero gradients, so weight decay and its constraint changed it;
 - `predict_on_batch`, which with 2 local replicas returned every row twice;
   `export` of a `DistributedModel` (Keras refused: "never called").
 - With one stage per process, another stage's layer's `get_weights()` is a
@@ -55,7 +58,7 @@ CASES = ("arrays", "tf.data", "generator", "PyDataset",
          "loss_scale_ema_frozen_stage_accumulation",
          "early_stopping_restore_best_weights", "swap_ema_weights",
          "model_checkpoint_best_keras", "validation_freq",
-         "added_loss_only")
+         "added_loss_only", "partial_loss_weight_decay")
 
 
 def _check(report):

@@ -10,7 +10,9 @@ connection crosses stage boundaries and with sample weights, and the same
 skip model subclassed with manual `partition()` scopes, and the skip model
 with losses added in `call` on every stage ("penalized": L1 and L2
 activity regularizers, a custom layer's `add_loss()`), and an autoencoder
-compiled without a loss (its loss is what its layers add).
+compiled without a loss (its loss is what its layers add), and a model
+with two outputs compiled with a loss on one ("two_heads", with weight
+decay and a constraint on the other head, which Keras leaves alone).
 
 Bounds. SGD: rtol 1e-5, atol 1e-6 (float32 rounding of the same sums in
 another order). Adam (lr 1e-3): atol 1e-5 on weights. Adam divides by
@@ -73,7 +75,11 @@ GROUPS = {
              # Compiled without a loss: the loss is what layers add.
              + _cases("autoencoder", (2,), BOTH, (4,), "adam")
              # ... stage 1 of 4 adds none
-             + _cases("autoencoder", (4,), ("1f1b",), (4,), "sgd")),
+             + _cases("autoencoder", (4,), ("1f1b",), (4,), "sgd")
+             # A loss on one of two outputs, weight decay: the other
+             # head (stage 2 of 4, or the last stage) gets no gradient.
+             + _cases("two_heads", (2, 4), BOTH, (4,), "sgd")
+             + _cases("two_heads", (4,), ("1f1b",), (4,), "adam")),
     "manual": (_cases("manual", (2, 4), BOTH, (1, 4), "sgd")
                + _cases("manual", (4,), ("1f1b",), (8,), "adam")),
     # 4 logical CPUs = 2 pipeline replicas x 2 stages (per-replica batch 16).
@@ -81,7 +87,9 @@ GROUPS = {
                 + _cases("skip", (2,), BOTH, (1, 4), "sgd", devices=4)
                 + _cases("cnn", (2,), ("1f1b",), (4,), "adam", devices=4)
                 + _cases("penalized", (2,), ("1f1b",), (2,), "sgd",
-                         devices=4)),
+                         devices=4)
+                + _cases("two_heads", (4,), ("1f1b",), (4,), "sgd",
+                         devices=8)),
     # Activation checkpointing: every stage (or only stage 1) recomputes its
     # forward in its backward; the same bounds.
     "recompute": [dict(c, recompute=r) for c, r in zip(
@@ -105,7 +113,9 @@ GROUPS = {
     # The last layer ("out", stage 1) marked while stage 1 is recomputed
     # whole: the stage's replay only (no layer recomputation inside it).
     + [dict(c, recompute_layers=[6], recompute=[1], marks_in_whole_stage=True)
-       for c in _cases("skip", (2,), ("gpipe",), (2,), "sgd")],
+       for c in _cases("skip", (2,), ("gpipe",), (2,), "sgd")]
+    + [dict(c, recompute=True) for c in
+       _cases("two_heads", (4,), ("1f1b",), (4,), "sgd")],
     # XLA (jit_compile=True): each stage's forward and backward compiled,
     # against plain Keras compiling its whole step; the same bounds.
     "xla": [dict(c, xla=True) for c in
@@ -115,7 +125,9 @@ GROUPS = {
             + _cases("mlp", (2,), ("1f1b",), (2,), "sgd", devices=4)
             + _cases("penalized", (2,), ("1f1b",), (4,), "sgd")
             # a compiled stage starting with a keras.ops node
-            + _cases("penalized_ops", (2,), ("1f1b",), (2,), "sgd")]
+            + _cases("penalized_ops", (2,), ("1f1b",), (2,), "sgd")
+            # compiled stages give an unused head zero gradients: none
+            + _cases("two_heads", (4,), ("1f1b",), (4,), "sgd")]
     # ... with layers recomputed inside compiled stages.
     + [dict(c, xla=True, recompute_layers=[1, 3])
        for c in _cases("mlp", (2,), ("1f1b",), (4,), "adam")]
@@ -133,6 +145,7 @@ GROUPS = {
               + _cases("mlp", (2, 4), ("zb_h1",), (4, 8), "adam")
               + _cases("skip", (4,), ("zb_h1",), (8,), "sgd")
               + _cases("penalized", (2,), ("zb_h1",), (4,), "sgd")
+              + _cases("two_heads", (4,), ("zb_h1",), (4,), "sgd")
               + _cases("autoencoder", (2,), ("zb_h1",), (2,), "sgd",
                        devices=4)
               + _cases("cnn", (2,), ("zb_h1",), (4,), "sgd", devices=4))
@@ -159,6 +172,7 @@ GROUPS = {
                 + _cases("skip", (2,), ("zb_v",), (2,), "sgd")
                 + _cases("penalized", (2,), ("interleaved_1f1b", "zb_v"),
                          (4,), "adam")
+                + _cases("two_heads", (2,), ("zb_v",), (4,), "sgd")
                 + [dict(c, virtual_stages=3) for c in _cases(
                     "skip", (2,), ("interleaved_1f1b",), (4,), "sgd")]
                 + _cases("manual", (2,), ("interleaved_1f1b", "zb_v"), (2,),
@@ -209,6 +223,10 @@ def test_pipelined_training_matches_single_device(group):
         if row["model"].startswith("penalized") or (
                 row["model"] == "autoencoder"):
             assert row["added"] > 1e-3, (label, row)
+        # ... and a head no loss names stays as it was (no gradient: no
+        # weight decay, no constraint), as in Keras.
+        if row["model"] == "two_heads":
+            assert row["unused_moved"] == [0.0, 0.0], (label, row)
         virtual = row.get("virtual_stages") or (
             2 if row["pipeline"] in ("interleaved_1f1b", "zb_v") else 1)
         assert len(row["stage_layers"]) == row["partitions"] * virtual, row

@@ -40,7 +40,11 @@ def stage_backward(outputs, inputs, variables, output_grads=None):
 
     Returns:
         `(input_grads, variable_grads)`: lists aligned with `inputs` and
-        `variables` (zeros where unconnected).
+        `variables`: an input unconnected to the outputs gets zeros (the
+        previous stage receives a tensor), a variable gets `None` (as
+        `tf.GradientTape` gives it: the optimizer then leaves it alone, as
+        Keras does, e.g. an output's head when the loss names only the
+        other outputs).
 
     Example:
 
@@ -64,10 +68,12 @@ def stage_backward(outputs, inputs, variables, output_grads=None):
     floating = [t for t in inputs if t.dtype.is_floating]
     grads = tf.gradients(
         outputs, floating + variables, grad_ys=output_grads,
-        stop_gradients=floating, unconnected_gradients="zero")
+        stop_gradients=floating)
     got = iter(grads[:len(floating)])
-    input_grads = [next(got) if t.dtype.is_floating else tf.zeros_like(t)
+    input_grads = [next(got) if t.dtype.is_floating else None
                    for t in inputs]
+    input_grads = [tf.zeros_like(t) if g is None else g
+                   for t, g in zip(inputs, input_grads)]
     return input_grads, grads[len(floating):]
 
 
@@ -231,7 +237,8 @@ def weight_backward(saved, variables):
     through the weight-only ops (reads, casts).
 
     Returns:
-        Gradients aligned with `variables` (zeros where unconnected).
+        Gradients aligned with `variables` (`None` where unconnected, as
+        `stage_backward`'s).
     """
     variables = list(variables)
     handles = _handles_in_graph(variables)
@@ -267,15 +274,7 @@ def weight_backward(saved, variables):
         ys = [t for t, _ in by_tensor.values()]
         grad_ys = [dense(g) for _, g in by_tensor.values()]
         carried = tf.gradients(ys, variables, grad_ys=grad_ys)
-    out = []
-    for v, a, b in zip(variables, direct, carried):
-        g = accumulate(a, b)
-        out.append(tf.zeros_like(_read(v)) if g is None else g)
-    return out
-
-
-def _read(v):
-    return v.read_value() if hasattr(v, "read_value") else v
+    return [accumulate(a, b) for a, b in zip(direct, carried)]
 
 
 def _floating(outputs, output_grads):
@@ -294,7 +293,8 @@ def variable_gradients(loss, variables):
     """Gradients of a scalar `loss` w.r.t. Keras or TF `variables`.
 
     Each replica differentiates w.r.t. its own copy of mirrored variables;
-    gradient ops are colocated with their forward ops.
+    gradient ops are colocated with their forward ops. `None` for a
+    variable the loss does not depend on.
 
     Example:
 
@@ -311,7 +311,7 @@ def variable_gradients(loss, variables):
     ```
     """
     tensors = [_replica_variable(v) for v in variables]
-    return tf.gradients(loss, tensors, unconnected_gradients="zero")
+    return tf.gradients(loss, tensors)
 
 
 def _replica_variable(v):

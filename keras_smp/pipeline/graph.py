@@ -184,6 +184,33 @@ class StagedGraph:
             self.carries.append([t for _, _, t in keep])
         self.carries.append(list(self.outputs))
 
+    def weights_reaching_no_loss(self, output_has_loss, adds_loss):
+        """The weights no loss depends on (`id`s): Keras gives them no
+        gradient, and the optimizer leaves them alone.
+
+        Args:
+            output_has_loss: per flattened model output, whether the
+                compiled loss uses it.
+            adds_loss: `operation -> bool`: whether a node's operation may
+                add a loss when called (it and its inputs then reach the
+                loss).
+
+        A node is taken to use all its inputs and weights for all its
+        outputs, so a weight in the result certainly reaches no loss
+        (an output's head when the loss names only the other outputs).
+        """
+        reaching = {id(t) for t, has in zip(self.outputs, output_has_loss)
+                    if has}
+        used = set()
+        for node in reversed(self.nodes):  # consumers before producers
+            if adds_loss(node.operation) or any(
+                    id(t) in reaching for t in tree.flatten(node.outputs)):
+                reaching.update(
+                    id(t) for t in tree.flatten(node.input_tensors))
+                used.update(id(w) for w in _operation_weights(node.operation))
+        return {id(w) for s in range(self.num_stages)
+                for w in self.stage_weights(s)} - used
+
     # -- execution --------------------------------------------------------
 
     def stage_nodes(self, stage):

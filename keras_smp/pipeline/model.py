@@ -987,10 +987,16 @@ class DistributedModel(keras.Model):
         self._smp_track_loss(run, extra)
         with self._smp_across_stages(reduce_sum), own_averages(
                 self.optimizer):
-            if trainable:
+            # A weight the loss does not depend on has no gradient
+            # (`None`): the optimizer leaves it alone, as Keras does (and
+            # raises "No gradients provided" when no weight has one).
+            present = any(grads.get(id(v)) is not None for v in trainable)
+            if present or (trainable and not self._smp_multi_process()):
                 self.optimizer.apply_gradients(
                     [(grads.get(id(v)), v) for v in trainable])
-            elif self._smp_multi_process():  # a stage with nothing to train
+            elif self._smp_multi_process():
+                # A stage with nothing to train (frozen, or none of its
+                # weights reaches the loss).
                 patches.step_without_gradients(self.optimizer)
             else:
                 warnings.warn(

@@ -92,7 +92,8 @@ class StepResult:
             where the last stage is not held here or there is no loss).
         outputs: per microbatch, the last stage's outputs (or `None`).
         grads: `{stage index: [gradient per variable]}`, summed over
-            microbatches (dense or `tf.IndexedSlices`).
+            microbatches (dense or `tf.IndexedSlices`; `None` for a
+            variable the stage's outputs do not depend on).
         done: an op that runs after every action and every send of the
             stages held here.
         split_fallbacks: the `I` actions whose stage could not split its
@@ -109,6 +110,8 @@ class StepResult:
 
 def _on_this_device(grad):
     """`grad` (dense or sparse) re-made on the current device."""
+    if grad is None:
+        return None
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(tf.identity(grad.values),
                                 tf.identity(grad.indices), grad.dense_shape)

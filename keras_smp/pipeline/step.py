@@ -122,6 +122,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     checkpointing = model._smp_config().activation_checkpointing
     layer_names = graph.checkpointed_names(checkpointing)
     compiles = xla.wanted(model)
+    unreached, adders = (_reaching_no_loss(model, graph, has_loss)
+                         if training else (set(), None))
     stages = {}
     added = []  # the forwards' added losses, as logged
     for s in held:
@@ -133,10 +135,10 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             if s == 0:
                 fn = _model_inputs_constant(fn)
             fn = xla.compiled(fn, f"stage {s}", graph.stage_layers(s))
-        stages[s] = Stage(s, _adding_losses(model, graph, s, fn, training,
-                                            m, added),
-                          stage_vars[s] if training else [],
-                          devices[s], adds_loss=True)
+        stages[s] = Stage(s, _adding_losses(
+            model, graph, s, fn, training, m, added,
+            unexpected=bool(unreached) and s not in adders),
+            stage_vars[s] if training else [], devices[s], adds_loss=True)
         if whole:
             stages[s].snapshot, stages[s].replay = _replay(model, graph, s,
                                                            m)
@@ -188,6 +190,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     if training:
         for s in held:
             for v, g in zip(stage_vars[s], result.grads[s]):
+                if id(v) in unreached:
+                    g = None  # as Keras: no gradient (XLA computes zeros)
                 grads[id(v)] = accumulate(grads.get(id(v)), g)
     if links is None:
         with tf.device(devices[-1]):
@@ -220,6 +224,26 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     return run
 
 
+def _reaching_no_loss(model, graph, has_loss):
+    """`(unreached, adders)`: the weights no loss depends on
+    (`graph.weights_reaching_no_loss`; usually none) and, when there are
+    some, the stages whose layers may add losses."""
+    def adds_loss(op):
+        return keras_private.may_add_losses(
+            keras_private.flatten_layers(op)
+            if hasattr(op, "_flatten_layers") else [op])
+
+    flat = len(graph.outputs)
+    has = (keras_private.outputs_with_loss(model, graph.outputs_struct)
+           if has_loss else [False] * flat)
+    unreached = graph.weights_reaching_no_loss(has, adds_loss)
+    if not unreached:
+        return unreached, None
+    adders = {s for s in range(graph.num_stages)
+              if any(adds_loss(n.operation) for n in graph.stage_nodes(s))}
+    return unreached, adders
+
+
 def _no_loss(out, mb):
     """The last stage's loss when the model's loss is only what its layers
     add (their terms join each stage's backward)."""
@@ -231,7 +255,8 @@ def _total(added):
     return tf.add_n(added) if added else None
 
 
-def _adding_losses(model, graph, stage, fn, training, m, logged=None):
+def _adding_losses(model, graph, stage, fn, training, m, logged=None,
+                   unexpected=False):
     """Stage `stage`'s function returning `(outputs, added)`: `added` is
     the sum of the losses its layers add while it runs (`add_loss()`,
     activity regularizers; `None` if none), each as Keras adds it to the
@@ -245,6 +270,11 @@ def _adding_losses(model, graph, stage, fn, training, m, logged=None):
     The layers run in one Keras call context, as in the model's own
     `call`: their losses accumulate over the stage's layers, a layer
     called twice included.
+
+    `unexpected`: no layer of the stage was seen to add losses (from
+    their classes' code) and some weights were found to reach no loss
+    (they get no gradient): a loss added anyway is an error (it could
+    reach those weights).
     """
     calls = [node.operation for node in graph.stage_nodes(stage)]
     layers = graph.stage_layers(stage)
@@ -256,6 +286,14 @@ def _adding_losses(model, graph, stage, fn, training, m, logged=None):
             losses = keras_private.added_losses(layers)
         if not losses:
             return out, None
+        if unexpected:
+            raise NotImplementedError(
+                f"A layer of pipeline stage {stage} added a loss "
+                "(add_loss()) from code outside its class's methods, in a "
+                "model where some weights reach no loss: the pipeline "
+                "decides before the step which weights get gradients. Call "
+                "add_loss() in the layer's own call (or a method of its "
+                "class).")
         total = tf.add_n([
             tf.cast(keras_private.aggregate_additional_loss(model, loss),
                     keras.config.floatx()) for loss in losses]) * (1.0 / m)
@@ -383,10 +421,14 @@ def _sum_tied(model, links, stage_vars, grads):
     out = list(grads)
     for i, v in enumerate(stage_vars):
         ranks = users.get(id(v), [])
-        if len(ranks) < 2 or out[i] is None:
+        if len(ranks) < 2:
             continue
+        # Every user takes part in the sum, with zeros where its stage's
+        # loss does not depend on the weight.
+        mine = (tf.zeros(v.shape, v.dtype) if out[i] is None
+                else dense(out[i]))
         out[i] = links.reduce(
-            dense(out[i]), links.keys.tied(links.replica, ranks),
+            mine, links.keys.tied(links.replica, ranks),
             len(ranks), links.INSTANCE_TIED + position[id(v)])
     return out
 

@@ -86,6 +86,30 @@ def compiled_loss_specs(model):
         if given is not None else []
 
 
+def outputs_with_loss(model, outputs):
+    """Per flattened model output (`outputs`: the outputs' structure),
+    whether the compiled loss uses it: `False` for an output that a dict
+    of losses leaves out or maps to `None` (or a list of losses maps to
+    `None`), all `False` without a compiled loss, all `True` for other
+    structures (Keras resolves those at the first step)."""
+    import keras
+
+    flat = keras.tree.flatten(outputs)
+    loss = compiled_loss(model)
+    if loss is None:
+        return [False] * len(flat)
+    given = getattr(loss, "_user_loss", None)
+    if isinstance(given, dict) and isinstance(outputs, dict) and not any(
+            keras.tree.is_nested(v) for v in outputs.values()):
+        keys = keras.tree.flatten({k: k for k in outputs})  # flat order
+        return [given.get(k) is not None for k in keys]
+    if (isinstance(given, (list, tuple)) and isinstance(outputs, (list, tuple))
+            and len(given) == len(flat) == len(outputs)
+            and not any(keras.tree.is_nested(g) for g in given)):
+        return [g is not None for g in given]
+    return [True] * len(flat)
+
+
 def loss_output_trackers(model):
     """The per-output loss `Mean` metrics the compiled loss updates when it
     runs ("cls_loss", ...: models with several outputs), or []."""

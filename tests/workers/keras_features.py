@@ -14,6 +14,9 @@ plain Keras on one device (same seeds):
 - `predict_on_batch`; `export` (served outputs);
 - a model compiled without a loss, whose loss is what its layers add in
   `call` (an autoencoder's reconstruction error, an activity regularizer);
+- a model with two outputs compiled with a loss on one: the other's head
+  gets no gradient, so weight decay and its constraint leave it alone (a
+  pipeline decayed and renormalised it);
 - with one stage per process, reading another stage's layer's weights is a
   clear error (it returned empty arrays).
 
@@ -71,7 +74,7 @@ def momentum_sgd():
 
 
 def build(distributed, optimizer=momentum_sgd, frozen=False,
-          two_inputs=False, loss_only=False):
+          two_inputs=False, loss_only=False, partial_loss=False):
     keras.utils.set_random_seed(1)
 
     def autoencoder():
@@ -100,17 +103,23 @@ def build(distributed, optimizer=momentum_sgd, frozen=False,
         else:
             inputs = keras.Input((8,))
             h = first(inputs)
+        if partial_loss:  # a head in stage 0 that no loss names
+            aux = keras.layers.Dense(
+                4, name="aux",
+                kernel_constraint=keras.constraints.UnitNorm())(h)
         h = keras.layers.Dense(16, activation="tanh", name="d2")(h)
-        return keras.Model(inputs, keras.layers.Dense(3, name="d3")(h))
+        out = keras.layers.Dense(3, name="d3")(h)
+        if partial_loss:
+            return keras.Model(inputs, {"cls": out, "aux": aux})
+        return keras.Model(inputs, out)
 
     def compile_(model):
         if loss_only:  # compiled without a loss, as Keras allows
             model.compile(optimizer())
             return model
         # Momentum carries each step's batch into every later step.
-        model.compile(optimizer(),
-                      keras.losses.SparseCategoricalCrossentropy(
-                          from_logits=True))
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(optimizer(), {"cls": loss} if partial_loss else loss)
         return model
 
     if not distributed:
@@ -207,7 +216,15 @@ CALLBACKS = {
 LOSS_ONLY = {"added_loss_only": lambda m: m.fit(
     X, batch_size=ROWS, epochs=2, verbose=0, validation_data=(XV,))}
 
+# Two outputs, a loss on "cls" only: the "aux" head has no gradient.
+PARTIAL_LOSS = {"partial_loss_weight_decay": (
+    lambda: keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=0.05),
+    lambda m: m.fit(X, {"cls": Y}, batch_size=ROWS, epochs=2, verbose=0,
+                    validation_data=(XV, {"cls": YV})))}
+
 CASES = {name: (momentum_sgd, fit, False) for name, fit in SOURCES.items()}
+CASES.update({name: (optimizer, fit, False)
+              for name, (optimizer, fit) in PARTIAL_LOSS.items()})
 CASES.update({name: (momentum_sgd, fit, False)
               for name, fit in LOSS_ONLY.items()})
 CASES.update({name: (optimizer, fit, False)
@@ -222,7 +239,8 @@ for name, (optimizer, fit, frozen) in CASES.items():
     runs = []
     for distributed in (False, True):
         model = build(distributed, optimizer, frozen,
-                      loss_only=name in LOSS_ONLY)
+                      loss_only=name in LOSS_ONLY,
+                      partial_loss=name in PARTIAL_LOSS)
         start = model.get_weights()
         history = fit(model).history
         weights = model.get_weights()

@@ -7,7 +7,8 @@ one device with the same global batch.
 
 Usage: pipeline_fit.py CASE [CASE ...], CASE = JSON object with keys
 model (mlp|cnn|skip|manual|penalized|penalized_ops|autoencoder:
-compiled without a loss), partitions, microbatches, pipeline,
+compiled without a loss|two_heads: a loss on one of two outputs, weight
+decay), partitions, microbatches, pipeline,
 optimizer (sgd|adam), devices (logical CPUs, default = partitions),
 virtual_stages (model stages per rank, for interleaved_1f1b),
 recompute (activation_checkpointing), xla (compile both models with
@@ -118,6 +119,20 @@ def autoencoder():
     return keras.Model(inputs, Reconstruction(name="recon")([inputs, h]))
 
 
+def two_heads():
+    """Two outputs, compiled with a loss on "cls" only: the "aux" head's
+    weights have no gradient, so Keras leaves them alone (no weight decay,
+    no constraint) while the trunk and "cls" train with weight decay."""
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="tanh", name="d1")(inputs)
+    h = keras.layers.Dense(16, activation="tanh", name="d2")(h)
+    aux = keras.layers.Dense(
+        4, name="aux", kernel_constraint=keras.constraints.UnitNorm())(h)
+    h = keras.layers.Dense(16, activation="tanh", name="d3")(h)
+    cls = keras.layers.Dense(3, name="cls")(h)
+    return keras.Model(inputs, {"cls": cls, "aux": aux})
+
+
 class Manual(keras.Model):
     """Subclassed skip model; partition scopes when pipelined."""
 
@@ -156,17 +171,27 @@ def build(case, pipelined):
         model = {"mlp": mlp, "cnn": cnn, "skip": skip,
                  "penalized": penalized,
                  "penalized_ops": penalized_ops,
-                 "autoencoder": autoencoder}[kind]()
+                 "autoencoder": autoencoder,
+                 "two_heads": two_heads}[kind]()
         if pipelined:
             if case.get("recompute_layers"):  # by layer index
                 keras_smp.set_activation_checkpointing(
                     [model.layers[i] for i in case["recompute_layers"]])
             model = keras_smp.DistributedModel(model)
-    opt = (keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+    decay = 0.05 if kind == "two_heads" else None
+    opt = (keras.optimizers.SGD(learning_rate=0.1, momentum=0.9,
+                                weight_decay=decay)
            if case["optimizer"] == "sgd"
-           else keras.optimizers.Adam(learning_rate=1e-3))
+           else keras.optimizers.Adam(learning_rate=1e-3,
+                                      weight_decay=decay))
     if kind == "autoencoder":  # no compiled loss, no labels
         model.compile(optimizer=opt, jit_compile=case.get("xla", False))
+        return model
+    if kind == "two_heads":  # no loss (and no target) for "aux"
+        model.compile(
+            optimizer=opt, jit_compile=case.get("xla", False),
+            loss={"cls": keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True)})
         return model
     model.compile(
         optimizer=opt, jit_compile=case.get("xla", False),
@@ -182,24 +207,33 @@ def run(case, pipelined):
     data = (x, Y) if sw is None else (x, Y, sw)
     if case["model"] == "autoencoder":
         data = (x,)
+    if case["model"] == "two_heads":
+        data = (x, {"cls": Y})
     ds = tf.data.Dataset.from_tensor_slices(data).batch(GLOBAL_BATCH)
-    initial = [w.numpy() for w in model.weights if "seed" not in w.path]
+    kept = [w for w in model.weights if "seed" not in w.path]
+    initial = [w.numpy() for w in kept]
     hist = model.fit(ds, epochs=1, verbose=0)
     ev = model.evaluate(ds, verbose=0, return_dict=True)
     pred = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
+    if isinstance(pred, dict):  # every output, side by side
+        pred = np.concatenate([pred[k] for k in sorted(pred)], axis=1)
     added = 0.0
     if not pipelined:  # the losses layers add in call (guard: they count)
         model(x[:GLOBAL_BATCH], training=True)
         added = sum(float(l) for l in model.losses)
     return model, {
         "added": added,
-        "weights": [w.numpy() for w in model.weights if "seed" not in w.path],
+        "weights": [w.numpy() for w in kept],
         "loss": np.array(hist.history["loss"]),
         "evaluate": np.array([ev["loss"],
                               ev.get("sparse_categorical_accuracy", 0.0)]),
         "predict": pred,
-        "moved": max(float(np.abs(w.numpy() - w0).max()) for w, w0 in zip(
-            [w for w in model.weights if "seed" not in w.path], initial)),
+        "moved": max(float(np.abs(w.numpy() - w0).max())
+                     for w, w0 in zip(kept, initial)),
+        # The largest change of a weight the loss does not depend on.
+        "unused_moved": max([float(np.abs(w.numpy() - w0).max())
+                             for w, w0 in zip(kept, initial)
+                             if w.path.startswith("aux/")] or [0.0]),
     }
 
 
@@ -245,6 +279,7 @@ for case in CASES:
     row = dict(case)
     row.update(
         added=ref["added"],
+        unused_moved=[got["unused_moved"], ref["unused_moved"]],
         weights=max(diff(a, b) for a, b in zip(got["weights"], ref["weights"])),
         loss=diff(got["loss"], ref["loss"]),
         evaluate=diff(got["evaluate"], ref["evaluate"]),
