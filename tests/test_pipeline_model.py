@@ -334,6 +334,9 @@ ERROR_CASES = {
     "plain_model_under_pipeline": ("ValueError", [
         "keras_smp.DistributedModel(model)", "partitions=2"]),
     "unknown_split_point": ("ValueError", ["no_such_layer"]),
+    "added_loss_outside_class_with_unused_head": ("NotImplementedError", [
+        "outside its class's methods", "some weights reach no loss",
+        "Call add_loss() in the layer's own call"]),
     "devices_not_divisible": ("ValueError", ["partitions=3", "4 local"]),
     # Stages on devices of one process: weights made outside the scope are
     # not on their stages' devices (once an AssertionError in the update).

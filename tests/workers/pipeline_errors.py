@@ -122,6 +122,32 @@ def layers_built_outside_the_scope():
         fit(keras_smp.DistributedModel(model))
 
 
+def _penalize(layer, h):  # add_loss from outside the layer's class
+    layer.add_loss(keras.ops.mean(h * h))
+
+
+class HelperPenalty(keras.layers.Layer):
+    def call(self, h):
+        _penalize(self, h)
+        return h
+
+
+def added_loss_outside_class_with_unused_head():
+    # Two outputs, a loss on one: the pipeline decides before the step
+    # which weights reach a loss; a loss added from a helper function
+    # (not seen in the layer's class) could reach others.
+    with keras_smp.SMPStrategy(partitions=2).scope():
+        inputs = keras.Input((8,))
+        h = HelperPenalty()(keras.layers.Dense(8, name="d1")(inputs))
+        aux = keras.layers.Dense(2, name="aux")(h)
+        out = keras.layers.Dense(2, name="out")(
+            keras.layers.Dense(8, name="d2")(h))
+        model = keras_smp.DistributedModel(
+            keras.Model(inputs, {"out": out, "aux": aux}))
+        model.compile(optimizer="sgd", loss={"out": "mse"})
+    model.fit(X, {"out": Y}, batch_size=32, epochs=1, verbose=0)
+
+
 def devices_not_divisible():
     keras_smp.SMPStrategy(partitions=3, local_devices=4)
 
