@@ -24,6 +24,8 @@ one device (tests/workers/keras_features.py):
   Keras leaves the other output's head alone (no gradient); a pipeline
   gave it zero gradients, so weight decay and its constraint changed it;
 - `predict_on_batch`, which with 2 local replicas returned every row twice;
+- `evaluate` and `predict` with batches that do not divide into the
+  microbatches (a pipeline refused them; now padded);
   `export` of a `DistributedModel` (Keras refused: "never called").
 - With one stage per process, another stage's layer's `get_weights()` is a
   clear error (it returned empty arrays); the whole model's gathers.
@@ -77,7 +79,7 @@ def _check(report):
     # EarlyStopping stopped after 2 of 4 epochs (so restoring mattered).
     assert report["early_stopping_restore_best_weights"]["epochs"] == [2, 2]
     for name in ("predict_on_batch", "predict_on_batch_two_inputs",
-                 "export"):
+                 "export", "partial_batches"):
         row = report[name]
         assert "shapes" not in row or row["shapes"][0] == row["shapes"][1], (
             name, row)

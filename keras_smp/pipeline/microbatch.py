@@ -46,6 +46,30 @@ def check_divisible(tensor, m, what="The per-replica batch", advice="",
         [what + " of", rows, f"samples {BATCH_ERROR}={m}. {advice}"])]
 
 
+def pad(tensor, m):
+    """`tensor` with rows appended (copies of its first rows) so that its
+    batch divides into `m` microbatches; unchanged when it already does.
+
+    For steps without a backward: the padding's outputs are dropped.
+
+    Example:
+
+    ```python
+    import tensorflow as tf
+    from keras_smp.pipeline.microbatch import pad
+    assert pad(tf.range(5), 4).numpy().tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert pad(tf.range(4), 4).shape == [4]
+    ```
+    """
+    t = tf.convert_to_tensor(tensor)
+    static = t.shape[0] if t.shape.rank else None
+    if static is not None and static % m == 0:
+        return t
+    rows = tf.shape(t)[0]
+    padded = (rows + m - 1) // m * m
+    return tf.gather(t, tf.range(padded) % rows)
+
+
 def split(structure, m, axis=0):
     """Splits every tensor of a nested `structure` into `m` equal parts.
 

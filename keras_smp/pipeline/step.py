@@ -83,20 +83,29 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     m = model.num_microbatches
     flat_x = model._smp_flat_inputs(x)
     replicas = model.distribute_strategy.num_replicas_in_sync
-    checks = microbatch.check_divisible(
+    compiled = keras_private.compiled_loss(model) is not None
+    has_loss = need_loss and y is not None and compiled
+    # Without a backward (evaluate, predict) any batch runs: it is padded
+    # to a multiple of `m` (the padding's outputs are dropped, the loss is
+    # the compiled loss of the whole batch). Not for an evaluation whose
+    # layers add losses (the padding's would count).
+    pads = not training and not (need_loss and model._smp_adds_losses())
+    checks = [] if pads else microbatch.check_divisible(
         flat_x[0], m, advice=(
             "Use a batch size that is a multiple of microbatches x replicas "
             f"= {m * replicas}, and `drop_remainder=True` when batching a "
             "tf.data dataset (or `steps_per_epoch` that avoids a partial "
-            "last batch)."))
+            "last batch)." + (
+                " (evaluate pads partial batches, except for models whose "
+                "layers add losses)" if not training else "")))
     with tf.control_dependencies(checks):
-        batch = tf.shape(flat_x[0])[0]
+        true_batch = tf.shape(flat_x[0])[0]
+        padded = [microbatch.pad(t, m) for t in flat_x] if pads else flat_x
+        batch = tf.shape(padded[0])[0]
         xs = [list(mb) for mb in zip(*[tf.split(t, m, axis=0)
-                                        for t in flat_x])]
-        ys = microbatch.split(y, m)
-        sws = microbatch.split(sample_weight, m)
-    compiled = keras_private.compiled_loss(model) is not None
-    has_loss = need_loss and y is not None and compiled
+                                        for t in padded])]
+        ys = microbatch.split(y, m) if training else None
+        sws = microbatch.split(sample_weight, m) if training else None
     if training and not has_loss and not model._smp_added_loss_only():
         raise ValueError(
             "The model is compiled with a loss, which needs targets: pass "
@@ -105,7 +114,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             "No loss to compute. Provide `y` and a `loss` argument in "
             "`compile()`, or add losses in layers' `call` (`add_loss()`).")
     loss_fn = (_loss_fn(model, ys, sws, sample_weight, m, training)
-               if has_loss else None)
+               if has_loss and training else None)
     if training and loss_fn is None:
         # The loss is what the layers add (compile() without a loss, as
         # Keras allows): the last stage's own part of it is what it adds.
@@ -196,15 +205,17 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     if links is None:
         with tf.device(devices[-1]):
             y_pred = graph.pack_outputs(
-                [microbatch.merge([o[i] for o in result.outputs])
+                [microbatch.merge([o[i] for o in result.outputs])[:true_batch]
                  for i in range(len(graph.outputs))])
-        losses = _logged(loss_fn, result.losses)
+            losses = (_logged(loss_fn, result.losses) if training else
+                      [_whole_batch_loss(model, y, y_pred, sample_weight)
+                       if has_loss else None])
         return StepRun(x, y, sample_weight, y_pred, losses, grads, variables,
                        _total(added))
     run = _share(model, links, result, x, y, sample_weight, batch,
                  transport.rows, has_loss, need_outputs, training,
                  variables, [grads.get(id(v)) for v in variables],
-                 trackers, loss_fn)
+                 trackers, loss_fn, true_batch)
     if added and not model._smp_adds_losses():
         raise NotImplementedError(
             "A layer added a loss (add_loss()) from code outside its "
@@ -242,6 +253,12 @@ def _reaching_no_loss(model, graph, has_loss):
     adders = {s for s in range(graph.num_stages)
               if any(adds_loss(n.operation) for n in graph.stage_nodes(s))}
     return unreached, adders
+
+
+def _whole_batch_loss(model, y, y_pred, sample_weight):
+    """The compiled loss of a forward-only step, on the whole batch (as
+    Keras' `test_step` computes it)."""
+    return keras_private.compiled_loss(model)(y, y_pred, sample_weight)
 
 
 def _no_loss(out, mb):
@@ -341,7 +358,7 @@ def _specs(tensors, rows, split=1):
 
 def _share(model, links, result, x, y, sample_weight, batch, rows,
            has_loss, need_outputs, training, variables, grads, trackers,
-           loss_fn):
+           loss_fn, true_batch):
     """One stage per process: the last stage's outputs and loss to all.
 
     The last stage shares the merged outputs, the loss and the step's
@@ -365,8 +382,13 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
         merged = [microbatch.merge([o[i] for o in result.outputs])
                   for i in range(len(graph.outputs))]
         mine = list(merged) if need_outputs else []
-        if has_loss:
+        if has_loss and training:
             mine.append(tf.add_n(_logged(loss_fn, result.losses)))
+        elif has_loss:
+            mine.append(tf.cast(_whole_batch_loss(
+                model, y, graph.pack_outputs(
+                    [t[:true_batch] for t in merged]), sample_weight),
+                tf.float32))
             with tf.control_dependencies([result.done]):
                 mine += [v.value - before for v, before in trackers]
     specs = pred_specs + ([((), tf.float32)] if has_loss else [])
@@ -396,10 +418,13 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
     with tf.control_dependencies(shared):
         shared = [tf.identity(t) for t in shared]
     grads = [_after(shared, g) for g in grads]
+    # The padding of a partial batch (forward-only steps) is dropped.
     if need_outputs:
-        y_pred = graph.pack_outputs(shared[:len(graph.outputs)])
+        y_pred = graph.pack_outputs(
+            [t[:true_batch] for t in shared[:len(graph.outputs)]])
     else:  # unused by the step (no metrics)
-        y_pred = graph.pack_outputs(merged) if last else None
+        y_pred = (graph.pack_outputs([t[:true_batch] for t in merged])
+                  if last else None)
     losses = [shared[-1]] if has_loss else [None]
     by_var = {id(v): g for v, g in zip(variables, grads)} if training else {}
     return StepRun(x, y, sample_weight, y_pred, losses, by_var, variables)

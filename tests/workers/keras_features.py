@@ -11,7 +11,8 @@ plain Keras on one device (same seeds):
   `restore_best_weights`, `SwapEMAWeights` (evaluating and finishing with
   the moving averages), `ModelCheckpoint` with `save_best_only` into a
   `.keras` file that plain Keras loads; `validation_freq`;
-- `predict_on_batch`; `export` (served outputs);
+- `predict_on_batch`; `export` (served outputs); `evaluate` and
+  `predict` with batches that do not divide into the microbatches;
 - a model compiled without a loss, whose loss is what its layers add in
   `call` (an autoencoder's reconstruction error, an activity regularizer);
 - a model with two outputs compiled with a loss on one: the other's head
@@ -281,6 +282,22 @@ for name, two_inputs in (("predict_on_batch", False),
         diff=(float(np.max(np.abs(predictions[0] - predictions[1])))
               if predictions[0].shape == predictions[1].shape else None),
         scale=float(np.max(np.abs(predictions[0]))))
+
+# Batches that do not divide into the microbatches (21 rows: a last batch
+# of 4, split over 2 replicas; 7 rows), which evaluate and predict pad:
+# plain Keras' results.
+results = []
+for distributed in (False, True):
+    model = build(distributed)
+    model.fit(X, Y, batch_size=ROWS, epochs=1, verbose=0, shuffle=False)
+    results.append(
+        [np.array(model.evaluate(X, Y, batch_size=21, verbose=0)),
+         np.array(model.evaluate(XV, YV, batch_size=7, verbose=0)),
+         model.predict(X, batch_size=21, verbose=0),
+         model.predict(XV, batch_size=7, verbose=0)])
+report["partial_batches"] = dict(
+    diff=max(float(np.max(np.abs(a - b))) for a, b in zip(*results)),
+    scale=max(float(np.max(np.abs(a))) for a in results[0]))
 
 # `export` (an inference SavedModel): the served outputs of the model
 # trained under the strategy (every process calls it; rank 0 writes),
