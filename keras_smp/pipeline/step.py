@@ -131,8 +131,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     checkpointing = model._smp_config().activation_checkpointing
     layer_names = graph.checkpointed_names(checkpointing)
     compiles = xla.wanted(model)
-    unreached, adders = (_reaching_no_loss(model, graph, has_loss)
-                         if training else (set(), None))
+    unreached, covered = (_reaching_no_loss(model, graph, has_loss)
+                          if training else (set(), None))
     stages = {}
     added = []  # the forwards' added losses, as logged
     for s in held:
@@ -140,14 +140,16 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                               or s in (checkpointing or ()))
         fn = graph.stage_fn(s, training=training, recompute=(
             layer_names if training and not whole else None))
+        if unreached:
+            fn = _refusing_unforeseen_losses(fn, graph, s, covered)
         if compiles:
             if s == 0:
                 fn = _model_inputs_constant(fn)
             fn = xla.compiled(fn, f"stage {s}", graph.stage_layers(s))
-        stages[s] = Stage(s, _adding_losses(
-            model, graph, s, fn, training, m, added,
-            unexpected=bool(unreached) and s not in adders),
-            stage_vars[s] if training else [], devices[s], adds_loss=True)
+        stages[s] = Stage(s, _adding_losses(model, graph, s, fn, training,
+                                            m, added),
+                          stage_vars[s] if training else [],
+                          devices[s], adds_loss=True)
         if whole:
             stages[s].snapshot, stages[s].replay = _replay(model, graph, s,
                                                            m)
@@ -210,12 +212,22 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             losses = (_logged(loss_fn, result.losses) if training else
                       [_whole_batch_loss(model, y, y_pred, sample_weight)
                        if has_loss else None])
+        total = _total(added)
+        if pads and need_loss and total is not None:
+            # Losses added from helper code (not foreseen): the padding's
+            # would count, so such an evaluation needs dividing batches.
+            total = _after(microbatch.check_divisible(
+                flat_x[0], m, advice=(
+                    "A layer adds losses from code outside its class's "
+                    "methods, so evaluate cannot pad partial batches: use "
+                    "a batch size that divides into the microbatches.")),
+                total)
         return StepRun(x, y, sample_weight, y_pred, losses, grads, variables,
-                       _total(added))
+                       total)
     run = _share(model, links, result, x, y, sample_weight, batch,
                  transport.rows, has_loss, need_outputs, training,
                  variables, [grads.get(id(v)) for v in variables],
-                 trackers, loss_fn, true_batch)
+                 trackers, loss_fn, true_batch, unreached)
     if added and not model._smp_adds_losses():
         raise NotImplementedError(
             "A layer added a loss (add_loss()) from code outside its "
@@ -236,9 +248,11 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
 
 
 def _reaching_no_loss(model, graph, has_loss):
-    """`(unreached, adders)`: the weights no loss depends on
+    """`(unreached, covered)`: the weights no loss depends on
     (`graph.weights_reaching_no_loss`; usually none) and, when there are
-    some, the stages whose layers may add losses."""
+    some, the layers (`id`s) of the nodes seen to add losses: a loss
+    added by any other layer is an error (it could reach those
+    weights)."""
     def adds_loss(op):
         return keras_private.may_add_losses(
             keras_private.flatten_layers(op)
@@ -250,9 +264,38 @@ def _reaching_no_loss(model, graph, has_loss):
     unreached = graph.weights_reaching_no_loss(has, adds_loss)
     if not unreached:
         return unreached, None
-    adders = {s for s in range(graph.num_stages)
-              if any(adds_loss(n.operation) for n in graph.stage_nodes(s))}
-    return unreached, adders
+    covered = set()
+    for node in graph.nodes:
+        op = node.operation
+        if adds_loss(op):
+            covered.update(id(layer) for layer in (
+                keras_private.flatten_layers(op)
+                if hasattr(op, "_flatten_layers") else [op]))
+    return unreached, covered
+
+
+def _refusing_unforeseen_losses(fn, graph, stage, covered):
+    """Stage `stage`'s function, raising if a layer whose node was not
+    seen to add losses (from its class's code) adds one: the weights
+    found to reach no loss (which get no gradient) were found without
+    it. Checked inside an XLA-compiled stage too (before its losses are
+    collected)."""
+    others = [layer for layer in graph.stage_layers(stage)
+              if id(layer) not in covered]
+
+    def run(tensors):
+        out = fn(tensors)
+        if any(keras_private.added_losses([layer]) for layer in others):
+            raise NotImplementedError(
+                f"A layer of pipeline stage {stage} added a loss "
+                "(add_loss()) from code outside its class's methods, in a "
+                "model where some weights reach no loss: the pipeline "
+                "decides before the step which weights get gradients. Call "
+                "add_loss() in the layer's own call (or a method of its "
+                "class).")
+        return out
+
+    return run
 
 
 def _whole_batch_loss(model, y, y_pred, sample_weight):
@@ -272,8 +315,7 @@ def _total(added):
     return tf.add_n(added) if added else None
 
 
-def _adding_losses(model, graph, stage, fn, training, m, logged=None,
-                   unexpected=False):
+def _adding_losses(model, graph, stage, fn, training, m, logged=None):
     """Stage `stage`'s function returning `(outputs, added)`: `added` is
     the sum of the losses its layers add while it runs (`add_loss()`,
     activity regularizers; `None` if none), each as Keras adds it to the
@@ -287,11 +329,6 @@ def _adding_losses(model, graph, stage, fn, training, m, logged=None,
     The layers run in one Keras call context, as in the model's own
     `call`: their losses accumulate over the stage's layers, a layer
     called twice included.
-
-    `unexpected`: no layer of the stage was seen to add losses (from
-    their classes' code) and some weights were found to reach no loss
-    (they get no gradient): a loss added anyway is an error (it could
-    reach those weights).
     """
     calls = [node.operation for node in graph.stage_nodes(stage)]
     layers = graph.stage_layers(stage)
@@ -303,14 +340,6 @@ def _adding_losses(model, graph, stage, fn, training, m, logged=None,
             losses = keras_private.added_losses(layers)
         if not losses:
             return out, None
-        if unexpected:
-            raise NotImplementedError(
-                f"A layer of pipeline stage {stage} added a loss "
-                "(add_loss()) from code outside its class's methods, in a "
-                "model where some weights reach no loss: the pipeline "
-                "decides before the step which weights get gradients. Call "
-                "add_loss() in the layer's own call (or a method of its "
-                "class).")
         total = tf.add_n([
             tf.cast(keras_private.aggregate_additional_loss(model, loss),
                     keras.config.floatx()) for loss in losses]) * (1.0 / m)
@@ -358,7 +387,7 @@ def _specs(tensors, rows, split=1):
 
 def _share(model, links, result, x, y, sample_weight, batch, rows,
            has_loss, need_outputs, training, variables, grads, trackers,
-           loss_fn, true_batch):
+           loss_fn, true_batch, unreached):
     """One stage per process: the last stage's outputs and loss to all.
 
     The last stage shares the merged outputs, the loss and the step's
@@ -382,13 +411,11 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
         merged = [microbatch.merge([o[i] for o in result.outputs])
                   for i in range(len(graph.outputs))]
         mine = list(merged) if need_outputs else []
-        if has_loss and training:
-            mine.append(tf.add_n(_logged(loss_fn, result.losses)))
-        elif has_loss:
-            mine.append(tf.cast(_whole_batch_loss(
-                model, y, graph.pack_outputs(
-                    [t[:true_batch] for t in merged]), sample_weight),
-                tf.float32))
+        if has_loss:
+            loss = (tf.add_n(_logged(loss_fn, result.losses)) if training
+                    else _whole_batch_loss(model, y, graph.pack_outputs(
+                        [t[:true_batch] for t in merged]), sample_weight))
+            mine.append(tf.cast(loss, tf.float32))
             with tf.control_dependencies([result.done]):
                 mine += [v.value - before for v, before in trackers]
     specs = pred_specs + ([((), tf.float32)] if has_loss else [])
@@ -410,7 +437,7 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
                 shared.pop()))
     grads = [_after([result.done], g) for g in grads]
     if training:
-        grads = _sum_tied(model, links, variables, grads)
+        grads = _sum_tied(model, links, variables, grads, unreached)
     # TensorFlow prunes collective ops whose results nobody uses (they are
     # not control outputs, see auto_control_deps.ASYNC_STATEFUL_OPS): a
     # receive left unused on one rank leaves its peer's send waiting.
@@ -430,7 +457,7 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
     return StepRun(x, y, sample_weight, y_pred, losses, by_var, variables)
 
 
-def _sum_tied(model, links, stage_vars, grads):
+def _sum_tied(model, links, stage_vars, grads, unreached=()):
     """Sums the gradients of weights used by several stage processes (tied).
 
     Every stage process using a tied weight holds a copy, computes its part
@@ -446,7 +473,7 @@ def _sum_tied(model, links, stage_vars, grads):
     out = list(grads)
     for i, v in enumerate(stage_vars):
         ranks = users.get(id(v), [])
-        if len(ranks) < 2:
+        if len(ranks) < 2 or id(v) in unreached:  # (the same on every rank)
             continue
         # Every user takes part in the sum, with zeros where its stage's
         # loss does not depend on the weight.

@@ -103,6 +103,13 @@ def outputs_with_loss(model, outputs):
             keras.tree.is_nested(v) for v in outputs.values()):
         keys = keras.tree.flatten({k: k for k in outputs})  # flat order
         return [given.get(k) is not None for k in keys]
+    names = list(getattr(getattr(model, "inner_model", None) or model,
+                         "output_names", None) or [])
+    if (isinstance(given, dict) and isinstance(outputs, (list, tuple))
+            and len(names) == len(flat) == len(outputs)
+            and set(names) == set(given)):
+        # A list of outputs, the losses keyed by output layer name.
+        return [given[n] is not None for n in names]
     if (isinstance(given, (list, tuple)) and isinstance(outputs, (list, tuple))
             and len(given) == len(flat) == len(outputs)
             and not any(keras.tree.is_nested(g) for g in given)):

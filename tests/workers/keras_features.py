@@ -296,6 +296,7 @@ for distributed in (False, True):
          model.predict(X, batch_size=21, verbose=0),
          model.predict(XV, batch_size=7, verbose=0)])
 report["partial_batches"] = dict(
+    shapes=[[list(np.shape(a)) for a in r] for r in results],
     diff=max(float(np.max(np.abs(a - b))) for a, b in zip(*results)),
     scale=max(float(np.max(np.abs(a))) for a in results[0]))
 

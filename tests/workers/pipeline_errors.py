@@ -138,7 +138,10 @@ def added_loss_outside_class_with_unused_head():
     # (not seen in the layer's class) could reach others.
     with keras_smp.SMPStrategy(partitions=2).scope():
         inputs = keras.Input((8,))
-        h = HelperPenalty()(keras.layers.Dense(8, name="d1")(inputs))
+        # d1 adds a loss its class shows (an activity regularizer), in
+        # the same stage: the helper's is still found.
+        h = HelperPenalty()(keras.layers.Dense(
+            8, name="d1", activity_regularizer="l2")(inputs))
         aux = keras.layers.Dense(2, name="aux")(h)
         out = keras.layers.Dense(2, name="out")(
             keras.layers.Dense(8, name="d2")(h))

@@ -233,7 +233,7 @@ def run(case, pipelined):
         # The largest change of a weight the loss does not depend on.
         "unused_moved": max([float(np.abs(w.numpy() - w0).max())
                              for w, w0 in zip(kept, initial)
-                             if w.path.startswith("aux/")] or [0.0]),
+                             if w.path.startswith("aux/")], default=None),
     }
 
 
