@@ -7,6 +7,8 @@ pipeline runtime the stages held here and the transport of the setting
 the microbatch losses, the predictions and each variable's gradient summed
 over microbatches. `DistributedModel`'s `train_step`, `test_step` and
 `predict_step` build on it; nothing here knows the schedule's shape.
+Steps without a backward pad a batch that does not divide into the
+microbatches (`microbatch.pad`) and drop the padding's outputs.
 """
 
 import dataclasses
@@ -253,10 +255,12 @@ def _reaching_no_loss(model, graph, has_loss):
     some, the layers (`id`s) of the nodes seen to add losses: a loss
     added by any other layer is an error (it could reach those
     weights)."""
+    def layers_of(op):  # a node's layer and the layers inside it
+        return (keras_private.flatten_layers(op)
+                if hasattr(op, "_flatten_layers") else [op])
+
     def adds_loss(op):
-        return keras_private.may_add_losses(
-            keras_private.flatten_layers(op)
-            if hasattr(op, "_flatten_layers") else [op])
+        return keras_private.may_add_losses(layers_of(op))
 
     flat = len(graph.outputs)
     has = (keras_private.outputs_with_loss(model, graph.outputs_struct)
@@ -268,9 +272,7 @@ def _reaching_no_loss(model, graph, has_loss):
     for node in graph.nodes:
         op = node.operation
         if adds_loss(op):
-            covered.update(id(layer) for layer in (
-                keras_private.flatten_layers(op)
-                if hasattr(op, "_flatten_layers") else [op]))
+            covered.update(id(layer) for layer in layers_of(op))
     return unreached, covered
 
 
