@@ -11,6 +11,13 @@ stage for every node. It turns into one function per stage,
   over it, tensors it passes through unchanged;
 - the last stage returns the model outputs (flattened).
 
+A carried tensor with a Keras mask (`Embedding(mask_zero=True)`, `Masking`)
+carries its mask too, as an extra tensor after the carry's own: Keras
+passes masks between layers as attributes of the tensors, which a stage
+boundary would drop. The receiving stage attaches it again, so layers and
+the loss after the boundary see the mask they see in the model's own
+`call` (`pack_outputs` attaches the outputs' masks).
+
 Passing skip tensors through intermediate stages keeps every transfer
 between neighbouring stages, as the schedules' send/receive actions (and
 the collective transport) assume.
@@ -181,8 +188,71 @@ class StagedGraph:
                 if produced_at.get(key, last + 1) <= s
                 and (any(c > s for c in needed_at.get(key, ()))
                      or any(key == id(o) for o in self.outputs))]
-            self.carries.append([t for _, _, t in keep])
-        self.carries.append(list(self.outputs))
+            self.carries.append(self._with_masks([t for _, _, t in keep]))
+        self.carries.append(self._with_masks(self.outputs))
+        #: How many of the last stage's tensors are the model outputs (the
+        #: rest are their masks).
+        self.num_outputs = len(self.outputs)
+
+    def _with_masks(self, tensors):
+        """`tensors` followed by their Keras masks (each mask once),
+        recording which tensors each mask belongs to."""
+        if not hasattr(self, "_mask_of"):
+            self._mask_of = {}  # id(mask) -> the tensors it masks
+        out = list(tensors)
+        have = {id(t) for t in out}
+        for t in tensors:
+            mask = keras_private.keras_mask(t)
+            if mask is None:
+                continue
+            owners = self._mask_of.setdefault(id(mask), [])
+            if all(o is not t for o in owners):
+                owners.append(t)
+            if id(mask) not in have:
+                have.add(id(mask))
+                out.append(mask)
+        return out
+
+    def output_masks(self):
+        """The symbolic Keras mask of each flattened model output, or
+        None."""
+        return [keras_private.keras_mask(t) for t in self.outputs]
+
+    def output_mask_fn(self):
+        """`flat inputs -> [the Keras mask of each flattened output, or
+        None]` for a whole batch, computed from the model inputs alone
+        (`None` when no output has a mask).
+
+        A pipeline weights each microbatch's masked loss by its share of
+        the batch's unmasked entries, which it needs before the first
+        microbatch's backward. Masks made from the inputs
+        (`Embedding(mask_zero=True)`, `Masking` on an input) are cheap to
+        compute ahead; a mask computed from weights' results is refused.
+        """
+        masks = self.output_masks()
+        wanted = [mask for mask in masks if mask is not None]
+        if not wanted:
+            return None
+        nodes, _ = keras_private.build_graph_map(self.inputs, wanted)
+        weighted = sorted({n.operation.name for n in nodes
+                           if n.operation is not None and not n.is_input
+                           and _operation_weights(n.operation)})
+        if weighted:
+            raise NotImplementedError(
+                "The Keras mask of a model output is computed from the "
+                f"results of layers with weights ({', '.join(weighted)}). "
+                "A pipeline weights each microbatch's masked loss by its "
+                "share of the batch's unmasked entries, so it computes the "
+                "outputs' masks from the model inputs before the step. "
+                "Compute the mask from the inputs (Embedding(mask_zero=True)"
+                " or Masking applied to an input), or use microbatches=1.")
+        fn = keras_private.operations_function(list(self.inputs), wanted)
+
+        def run(flat_inputs):
+            got = iter(fn(list(flat_inputs)))
+            return [None if mask is None else next(got) for mask in masks]
+
+        return run
 
     def weights_reaching_no_loss(self, output_has_loss, adds_loss):
         """The weights no loss depends on (`id`s): Keras gives them no
@@ -241,6 +311,10 @@ class StagedGraph:
 
         def run(tensors):
             values = {id(t): v for t, v in zip(carry_in, tensors)}
+            for t, v in zip(carry_in, tensors):  # masks back on their tensors
+                for owner in self._mask_of.get(id(t), ()):
+                    if id(owner) in values:
+                        keras_private.set_keras_mask(values[id(owner)], v)
             for node in nodes:
                 args, kwargs = node.arguments.fill_in(values)
                 op = keras_private.operation_fn(
@@ -252,9 +326,26 @@ class StagedGraph:
                 for x, y in zip(tree.flatten(node.outputs),
                                 tree.flatten(outs)):
                     values[id(x)] = y
-            return [values[id(t)] for t in carry_out]
+            return [self._carried(values, t, stage) for t in carry_out]
 
         return run
+
+    def _carried(self, values, t, stage):
+        """The value of carried tensor `t` (a mask: its tensors' mask as
+        the layers attached it)."""
+        if id(t) in values:
+            return values[id(t)]
+        for owner in self._mask_of.get(id(t), ()):
+            if id(owner) in values:
+                mask = keras_private.keras_mask(values[id(owner)])
+                if mask is not None:
+                    return mask
+        raise ValueError(
+            f"Pipeline stage {stage}: the Keras mask {t.name} of "
+            f"{[o.name for o in self._mask_of.get(id(t), ())]} was not "
+            "attached when the stage ran (a layer's `compute_mask` gave "
+            "None where the model's symbolic call gave a mask). Make the "
+            "layer's compute_mask return the same at run time.")
 
     def checkpointed_names(self, checkpointing):
         """The layer names in a config's `activation_checkpointing` (a set),
@@ -276,7 +367,18 @@ class StagedGraph:
         return names
 
     def pack_outputs(self, flat):
-        return tree.pack_sequence_as(self.outputs_struct, list(flat))
+        """The model's output structure from the last stage's tensors:
+        the flattened outputs, optionally followed by their masks (as
+        `carries[-1]` lists them), which are attached to the outputs."""
+        flat = list(flat)
+        outputs = flat[:self.num_outputs]
+        masks = dict(zip((id(t) for t in self.carries[-1][self.num_outputs:]),
+                         flat[self.num_outputs:]))
+        for t, v in zip(self.outputs, outputs):
+            mask = keras_private.keras_mask(t)
+            if mask is not None and id(mask) in masks:
+                keras_private.set_keras_mask(v, masks[id(mask)])
+        return tree.pack_sequence_as(self.outputs_struct, outputs)
 
     # -- variables and summaries ------------------------------------------
 

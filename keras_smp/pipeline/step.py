@@ -115,7 +115,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             "its layers add)." if compiled else
             "No loss to compute. Provide `y` and a `loss` argument in "
             "`compile()`, or add losses in layers' `call` (`add_loss()`).")
-    loss_fn = (_loss_fn(model, ys, sws, sample_weight, m, training)
+    loss_fn = (_loss_fn(model, ys, sws, sample_weight, m, training, flat_x)
                if has_loss and training else None)
     if training and loss_fn is None:
         # The loss is what the layers add (compile() without a loss, as
@@ -209,8 +209,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     if links is None:
         with tf.device(devices[-1]):
             y_pred = graph.pack_outputs(
-                [microbatch.merge([o[i] for o in result.outputs])[:true_batch]
-                 for i in range(len(graph.outputs))])
+                [t[:true_batch] for t in _merged(graph, result)])
             losses = (_logged(loss_fn, result.losses) if training else
                       [_whole_batch_loss(model, y, y_pred, sample_weight)
                        if has_loss else None])
@@ -403,15 +402,16 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
     # A vocabulary-parallel loss keeps the logits split: each stage
     # process shares its tensor-parallel rank's slice.
     group = current_group_of(model) if tensor.logits_kept_split() else None
+    # (with their Keras masks, which are not split)
     pred_specs = (_specs(graph.outputs, batch,
                          split=group.size if group is not None else 1)
+                  + _specs(graph.carries[-1][graph.num_outputs:], batch)
                   if need_outputs else [])
     tracked = ([v for m in keras_private.loss_output_trackers(model)
                 for v in m.variables] if has_loss else [])
     mine, merged = [], None
     if last:
-        merged = [microbatch.merge([o[i] for o in result.outputs])
-                  for i in range(len(graph.outputs))]
+        merged = _merged(graph, result)
         mine = list(merged) if need_outputs else []
         if has_loss:
             loss = (tf.add_n(_logged(loss_fn, result.losses)) if training
@@ -450,13 +450,20 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
     # The padding of a partial batch (forward-only steps) is dropped.
     if need_outputs:
         y_pred = graph.pack_outputs(
-            [t[:true_batch] for t in shared[:len(graph.outputs)]])
+            [t[:true_batch] for t in shared[:len(pred_specs)]])
     else:  # unused by the step (no metrics)
         y_pred = (graph.pack_outputs([t[:true_batch] for t in merged])
                   if last else None)
     losses = [shared[-1]] if has_loss else [None]
     by_var = {id(v): g for v, g in zip(variables, grads)} if training else {}
     return StepRun(x, y, sample_weight, y_pred, losses, by_var, variables)
+
+
+def _merged(graph, result):
+    """The last stage's tensors (the flattened outputs, then their Keras
+    masks) of the whole batch, merged from the microbatches."""
+    return [microbatch.merge([o[i] for o in result.outputs])
+            for i in range(len(graph.carries[-1]))]
 
 
 def _sum_tied(model, links, stage_vars, grads, unreached=()):
@@ -499,11 +506,13 @@ def _after(deps, grad):
         return tf.identity(grad)
 
 
-def loss_weight(compiled_losses, m, sample_weight):
+def loss_weight(compiled_losses, m, sample_weight, masked=False):
     """Factor of each microbatch's loss so that they sum to the batch loss.
 
     `compiled_losses`: the compiled Keras loss objects (their reductions
     decide: 'sum' adds up, mean-like reductions average over microbatches).
+    `masked`: a model output has a Keras mask (its share of unmasked
+    entries then weights each microbatch, `_masked_weights`).
     """
     reductions = set()
     for loss in compiled_losses:
@@ -514,13 +523,14 @@ def loss_weight(compiled_losses, m, sample_weight):
     if reductions <= {"sum"} and reductions:
         return 1.0
     if reductions <= set(_MEAN_REDUCTIONS):
-        if "mean_with_sample_weight" in reductions and (
-                sample_weight is not None):
+        if "mean_with_sample_weight" in reductions and m > 1 and (
+                sample_weight is not None or masked):
             raise ValueError(
                 "A loss with reduction='mean_with_sample_weight' cannot be "
                 "split into microbatches exactly (each microbatch divides by "
-                "its own weight sum). Use reduction='sum_over_batch_size' or "
-                "microbatches=1.")
+                "its own weight sum" + (", masked entries left out" if masked
+                                        else "") + "). Use "
+                "reduction='sum_over_batch_size' or microbatches=1.")
         return 1.0 / m
     raise ValueError(
         f"Compiled losses mix reductions {sorted(reductions)}; a pipelined "
@@ -559,12 +569,15 @@ def _replay(model, graph, stage, m):
     return snapshot, replay
 
 
-def _loss_fn(model, ys, sws, sample_weight, m, training):
+def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x):
     """The loss of one microbatch (last stage), weighted for the step."""
     graph = model.staged_graph
     compiled = keras_private.compiled_loss(model)
+    masked = m > 1 and any(mask is not None for mask in graph.output_masks())
     weight = loss_weight(keras_private.compiled_loss_objects(model), m,
-                         sample_weight)
+                         sample_weight, masked)
+    if masked and weight != 1.0:
+        sws = _masked_weights(graph, flat_x, m, sws)
 
     def loss_fn(out, mb):
         loss = compiled(ys[mb], graph.pack_outputs(out), sws[mb]) * weight
@@ -576,6 +589,56 @@ def _loss_fn(model, ys, sws, sample_weight, m, training):
 
     loss_fn.logged = [None] * m
     return loss_fn
+
+
+def _masked_weights(graph, flat_x, m, sws):
+    """Per microbatch, sample weights that make a masked mean loss exact.
+
+    Keras divides a masked loss by its unmasked entries (`apply_mask`):
+    by the whole batch's in one step, by each microbatch's own here. A
+    microbatch holding the share `c` of the batch's unmasked entries of an
+    output has that output's sample weights scaled by `m * c` (the step
+    weights every microbatch `1/m`), so the microbatch losses sum to the
+    batch's. The masks are computed from the inputs for the whole batch
+    first (`StagedGraph.output_mask_fn`): 1F1B runs the first
+    microbatch's backward before the last one's forward.
+    """
+    masks = graph.output_mask_fn()(flat_x)
+    factors = []  # per output: per microbatch, (its factor, mask part)
+    for mask in masks:
+        if mask is None:
+            factors.append([None] * m)
+            continue
+        parts = tf.split(mask, m, axis=0)
+        counts = [tf.reduce_sum(tf.cast(part, tf.float32)) for part in parts]
+        total = tf.add_n(counts)
+        factors.append([(float(m) * tf.math.divide_no_nan(c, total), part)
+                        for c, part in zip(counts, parts)])
+    nested = keras.tree.is_nested(graph.outputs_struct)
+    out = []
+    for i, given in enumerate(sws):
+        if given is not None and keras.tree.is_nested(given):
+            flat = keras.tree.flatten(given)
+            if len(flat) != len(masks):
+                raise ValueError(
+                    f"Per-output sample weights ({len(flat)}) do not match "
+                    f"the model's {len(masks)} outputs; a pipeline with "
+                    "masked outputs needs one per output (or one for "
+                    "all).")
+        else:
+            flat = [given] * len(masks)
+        weights = []
+        for w, f in zip(flat, factors):
+            if f[i] is not None:
+                f, part = f[i]
+                f = tf.cast(f, keras.config.floatx())
+                # (without weights: the mask's shape, as Keras combines a
+                # mask with weights of its shape)
+                w = (tf.fill(tf.shape(part), f) if w is None
+                     else tf.cast(w, keras.config.floatx()) * f)
+            weights.append(w)
+        out.append(graph.pack_outputs(weights) if nested else weights[0])
+    return out
 
 
 def _logged(loss_fn, losses):

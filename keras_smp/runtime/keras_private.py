@@ -27,6 +27,9 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer  # noqa: E402,F401
 operation_fn = functional_lib.operation_fn
 #: `(inputs, outputs) -> (nodes, ...)`: a functional graph's nodes in order.
 build_graph_map = function_lib._build_map
+#: `Function(inputs, outputs)`: runs the operations between symbolic
+#: tensors on real ones (the outputs' Keras masks from the model inputs).
+operations_function = function_lib.Function
 #: Keras' graph node class (`keras_smp.pipeline.graph` records partitions).
 Node = node_lib.Node
 
