@@ -2,7 +2,9 @@
 
 Each zoo entry (tests/workers/zoo.py: a small transformer LM with a tied
 embedding/output projection, a BERT-style classifier, an LSTM/GRU text
-model on padded, masked sequences, CNNs with BatchNormalization, a ResNet-style skip across stages, a
+model on padded, masked sequences, a token tagger with a loss per token
+under the embedding's mask (uneven padding) and a masked-pooling sequence
+head, CNNs with BatchNormalization, a ResNet-style skip across stages, a
 dict-input two-output model with loss weights, per-output and weighted
 metrics and sample weights, mixed_bfloat16 and mixed_float16 models, frozen
 layers, Dropout, L2 regularizers, activity regularizers and a layer's
@@ -58,8 +60,8 @@ from conftest import run_python
 from conftest import scaled_atol
 
 MODELS = [
-    "transformer_lm", "bert_classifier", "rnn_text", "cnn_bn", "cnn_sync_bn",
-    "dropout", "resnet", "multi_io", "regularized", "frozen",
+    "transformer_lm", "bert_classifier", "rnn_text", "token_tagger",
+    "cnn_bn", "cnn_sync_bn", "dropout", "resnet", "multi_io", "regularized", "frozen",
     "mixed_bfloat16", "mixed_float16", "loss_scale_skip", "class_weight_lr"]
 MODES = ["dp", "pipe", "stage", "hybrid"]
 RANKS = {"dp": 2, "pipe": 1, "stage": 2, "hybrid": 2}
@@ -161,9 +163,9 @@ def test_zoo_model_matches_single_device(tmp_path_factory, reference, name,
 # Zero-bubble schedule (split backwards) on the models that stress it:
 # sparse embedding gradients and an embedding tied across the first and
 # last stage, attention, clipping, LSTM (its loop cannot split: falls back),
-# several outputs, a loss-scaled float16 model.
+# several outputs, a loss-scaled float16 model, a masked loss per token.
 ZB_MODELS = ["transformer_lm", "bert_classifier", "rnn_text", "multi_io",
-             "mixed_float16"]
+             "mixed_float16", "token_tagger"]
 
 
 @pytest.mark.slow

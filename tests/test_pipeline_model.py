@@ -12,7 +12,11 @@ with losses added in `call` on every stage ("penalized": L1 and L2
 activity regularizers, a custom layer's `add_loss()`), and an autoencoder
 compiled without a loss (its loss is what its layers add), and a model
 with two outputs compiled with a loss on one ("two_heads", with weight
-decay and a constraint on the other head, which Keras leaves alone).
+decay and a constraint on the other head, which Keras leaves alone), and
+a loss per token of padded sequences under the embedding's Keras mask
+("tokens": the mask crosses the stage boundaries to the loss and the
+metric; Keras divides by the batch's real tokens, so each microbatch's
+loss counts by its share of them).
 
 Bounds. SGD: rtol 1e-5, atol 1e-6 (float32 rounding of the same sums in
 another order). Adam (lr 1e-3): atol 1e-5 on weights. Adam divides by
@@ -79,7 +83,16 @@ GROUPS = {
              # A loss on one of two outputs, weight decay: the other
              # head (stage 2 of 4, or the last stage) gets no gradient.
              + _cases("two_heads", (2, 4), BOTH, (4,), "sgd")
-             + _cases("two_heads", (4,), ("1f1b",), (4,), "adam")),
+             + _cases("two_heads", (4,), ("1f1b",), (4,), "adam")
+             # A loss per token under the embedding's mask (uneven
+             # padding: microbatches hold different shares of the real
+             # tokens).
+             + _cases("tokens", (2, 4), BOTH, (4,), "sgd")
+             + _cases("tokens", (4,), ("gpipe",), (8,), "adam")
+             # A loss with reduction="sum": the microbatch losses add up
+             # (each was once weighted 1/m).
+             + [dict(c, reduction="sum") for c in
+                _cases("mlp", (2,), BOTH, (4,), "sgd")]),
     "manual": (_cases("manual", (2, 4), BOTH, (1, 4), "sgd")
                + _cases("manual", (4,), ("1f1b",), (8,), "adam")),
     # 4 logical CPUs = 2 pipeline replicas x 2 stages (per-replica batch 16).
@@ -89,7 +102,8 @@ GROUPS = {
                 + _cases("penalized", (2,), ("1f1b",), (2,), "sgd",
                          devices=4)
                 + _cases("two_heads", (4,), ("1f1b",), (4,), "sgd",
-                         devices=8)),
+                         devices=8)
+                + _cases("tokens", (2,), ("1f1b",), (4,), "sgd", devices=4)),
     # Activation checkpointing: every stage (or only stage 1) recomputes its
     # forward in its backward; the same bounds.
     "recompute": [dict(c, recompute=r) for c, r in zip(
@@ -115,7 +129,8 @@ GROUPS = {
     + [dict(c, recompute_layers=[6], recompute=[1], marks_in_whole_stage=True)
        for c in _cases("skip", (2,), ("gpipe",), (2,), "sgd")]
     + [dict(c, recompute=True) for c in
-       _cases("two_heads", (4,), ("1f1b",), (4,), "sgd")],
+       _cases("two_heads", (4,), ("1f1b",), (4,), "sgd")
+       + _cases("tokens", (2,), ("1f1b",), (4,), "sgd")],
     # XLA (jit_compile=True): each stage's forward and backward compiled,
     # against plain Keras compiling its whole step; the same bounds.
     "xla": [dict(c, xla=True) for c in
@@ -127,7 +142,8 @@ GROUPS = {
             # a compiled stage starting with a keras.ops node
             + _cases("penalized_ops", (2,), ("1f1b",), (2,), "sgd")
             # compiled stages give an unused head zero gradients: none
-            + _cases("two_heads", (4,), ("1f1b",), (4,), "sgd")]
+            + _cases("two_heads", (4,), ("1f1b",), (4,), "sgd")
+            + _cases("tokens", (2,), ("1f1b",), (4,), "sgd")]
     # ... with layers recomputed inside compiled stages.
     + [dict(c, xla=True, recompute_layers=[1, 3])
        for c in _cases("mlp", (2,), ("1f1b",), (4,), "adam")]
@@ -146,6 +162,7 @@ GROUPS = {
               + _cases("skip", (4,), ("zb_h1",), (8,), "sgd")
               + _cases("penalized", (2,), ("zb_h1",), (4,), "sgd")
               + _cases("two_heads", (4,), ("zb_h1",), (4,), "sgd")
+              + _cases("tokens", (2,), ("zb_h1",), (4,), "sgd")
               + _cases("autoencoder", (2,), ("zb_h1",), (2,), "sgd",
                        devices=4)
               + _cases("cnn", (2,), ("zb_h1",), (4,), "sgd", devices=4))
@@ -173,6 +190,8 @@ GROUPS = {
                 + _cases("penalized", (2,), ("interleaved_1f1b", "zb_v"),
                          (4,), "adam")
                 + _cases("two_heads", (2,), ("zb_v",), (4,), "sgd")
+                + _cases("tokens", (2,), ("interleaved_1f1b", "zb_v"), (4,),
+                         "sgd")
                 + [dict(c, virtual_stages=3) for c in _cases(
                     "skip", (2,), ("interleaved_1f1b",), (4,), "sgd")]
                 + _cases("manual", (2,), ("interleaved_1f1b", "zb_v"), (2,),
@@ -338,6 +357,11 @@ ERROR_CASES = {
         "outside its class's methods", "some weights reach no loss",
         "Call add_loss() in the layer's own call"]),
     "devices_not_divisible": ("ValueError", ["partitions=3", "4 local"]),
+    "mask_from_weights": ("NotImplementedError", [
+        "mask of a model output", "(d1)", "microbatches=1"]),
+    "masked_mean_with_sample_weight": ("ValueError", [
+        "mean_with_sample_weight", "masked entries left out",
+        "microbatches=1"]),
     # Stages on devices of one process: weights made outside the scope are
     # not on their stages' devices (once an AssertionError in the update).
     "layers_built_outside_the_scope": ("ValueError", [

@@ -74,8 +74,16 @@ def compiled_loss(model):
 
 
 def compiled_loss_objects(model):
-    """The compiled loss objects, flat (their reductions matter)."""
-    return list(getattr(compiled_loss(model), "_flat_losses", None) or [])
+    """The compiled loss objects, flat (their reductions matter): once
+    the compiled loss is built (Keras builds it before the first step),
+    the `Loss` of each of its `(path, loss, loss_weights, name)` entries;
+    before, the `Loss` objects given to `compile` (strings and functions
+    become Keras' default `sum_over_batch_size` losses)."""
+    flat = getattr(compiled_loss(model), "_flat_losses", None)
+    if flat:
+        return [getattr(entry, "loss", entry) for entry in flat]
+    return [spec for spec in compiled_loss_specs(model)
+            if hasattr(spec, "reduction")]
 
 
 def compiled_loss_specs(model):

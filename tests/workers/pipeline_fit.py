@@ -8,10 +8,12 @@ one device with the same global batch.
 Usage: pipeline_fit.py CASE [CASE ...], CASE = JSON object with keys
 model (mlp|cnn|skip|manual|penalized|penalized_ops|autoencoder:
 compiled without a loss|two_heads: a loss on one of two outputs, weight
-decay), partitions, microbatches, pipeline,
+decay|tokens: padded token sequences, a loss per token under the
+embedding's mask), partitions, microbatches, pipeline,
 optimizer (sgd|adam), devices (logical CPUs, default = partitions),
 virtual_stages (model stages per rank, for interleaved_1f1b),
-recompute (activation_checkpointing), xla (compile both models with
+recompute (activation_checkpointing), reduction (of the loss, default
+sum_over_batch_size; "sum": microbatch losses add up), xla (compile both models with
 jit_compile=True; needs TF_DETERMINISTIC_OPS=0, which Keras requires for XLA).
 """
 
@@ -45,6 +47,11 @@ X_FLAT = rng.randn(N, 8).astype("float32")
 X_IMG = rng.randn(N, 8, 8, 1).astype("float32")
 Y = rng.randint(0, 3, size=N)
 SW = rng.uniform(0.2, 2.0, size=N).astype("float32")
+VOCAB, SEQ = 20, 8
+X_TOK = rng.randint(1, VOCAB, size=(N, SEQ)).astype("int32")
+for _i, _n in enumerate(rng.randint(1, SEQ + 1, size=N)):  # uneven padding
+    X_TOK[_i, _n:] = 0
+Y_TOK = X_TOK % 5
 
 
 def mlp():
@@ -133,6 +140,17 @@ def two_heads():
     return keras.Model(inputs, {"cls": cls, "aux": aux})
 
 
+def tokens():
+    """A loss per token of padded sequences: the embedding's mask must
+    cross every stage boundary to reach the loss and the metric, and each
+    microbatch's loss counts by its share of the batch's real tokens."""
+    inputs = keras.Input((SEQ,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, 16, mask_zero=True, name="emb")(inputs)
+    for i in range(3):
+        h = keras.layers.Dense(16, activation="tanh", name=f"d{i}")(h)
+    return keras.Model(inputs, keras.layers.Dense(5, name="out")(h))
+
+
 class Manual(keras.Model):
     """Subclassed skip model; partition scopes when pipelined."""
 
@@ -172,7 +190,8 @@ def build(case, pipelined):
                  "penalized": penalized,
                  "penalized_ops": penalized_ops,
                  "autoencoder": autoencoder,
-                 "two_heads": two_heads}[kind]()
+                 "two_heads": two_heads,
+                 "tokens": tokens}[kind]()
         if pipelined:
             if case.get("recompute_layers"):  # by layer index
                 keras_smp.set_activation_checkpointing(
@@ -195,7 +214,9 @@ def build(case, pipelined):
         return model
     model.compile(
         optimizer=opt, jit_compile=case.get("xla", False),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True,
+            reduction=case.get("reduction", "sum_over_batch_size")),
         metrics=["sparse_categorical_accuracy"])
     return model
 
@@ -209,6 +230,9 @@ def run(case, pipelined):
         data = (x,)
     if case["model"] == "two_heads":
         data = (x, {"cls": Y})
+    if case["model"] == "tokens":
+        x = X_TOK
+        data = (x, Y_TOK)
     ds = tf.data.Dataset.from_tensor_slices(data).batch(GLOBAL_BATCH)
     kept = [w for w in model.weights if "seed" not in w.path]
     initial = [w.numpy() for w in kept]
@@ -252,7 +276,8 @@ from splits import fallbacks as _split_fallbacks  # noqa: E402
 
 references = {}
 for case in CASES:
-    key = (case["model"], case["optimizer"], case.get("xla", False))
+    key = (case["model"], case["optimizer"], case.get("xla", False),
+           case.get("reduction"))
     if key not in references:
         references[key] = run(case, pipelined=False)[1]
     ref = references[key]
@@ -269,7 +294,7 @@ for case in CASES:
         original = step_lib.loss_weight
         factor = case["break_loss_weight"]
         step_lib.loss_weight = (
-            lambda losses, m, sw: factor * original(losses, m, sw))
+            lambda *args: factor * original(*args))
     strategy = keras_smp.SMPStrategy(**config)
     _replays[0] = _compiled[0] = _layer_replays[0] = 0
     _splits[0] = _split_fallbacks[0] = 0

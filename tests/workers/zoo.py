@@ -139,6 +139,39 @@ def rnn_text(rng):
     return model, compile_args, (x, y, None), {}
 
 
+def token_tagger(rng):
+    # Padded sequences of uneven lengths, a loss per token: the tag
+    # output's Keras mask (the embedding's mask_zero) must reach the loss
+    # and the metrics across stage boundaries, and each microbatch's share
+    # of the batch's real tokens weights its loss (Keras divides by the
+    # real tokens of the whole batch). The sequence head pools with the
+    # mask; its output has none.
+    tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
+    h = layers.Embedding(VOCAB, WIDTH, mask_zero=True, name="tok_emb")(tokens)
+    h = layers.Dense(WIDTH, activation="tanh", name="tok_h1")(h)
+    h = layers.Dense(WIDTH, activation="tanh", name="tok_h2")(h)
+    tag = layers.Dense(5, name="tag")(
+        layers.Dense(WIDTH, activation="tanh", name="tag_h")(h))
+    cls = layers.Dense(2, name="cls")(layers.GlobalAveragePooling1D()(h))
+    model = keras.Model(tokens, {"tag": tag, "cls": cls})
+    x = _tokens(rng)
+    lengths = rng.randint(2, SEQ + 1, size=SAMPLES)
+    for i, n in enumerate(lengths):
+        x[i, n:] = 0
+    y = {"tag": (x % 5).astype("int32"),
+         "cls": (lengths > SEQ // 2 + 1).astype("int32")}
+    compile_args = dict(
+        optimizer=keras.optimizers.SGD(0.2, momentum=0.9),
+        loss={"tag": keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True),
+            "cls": keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True)},
+        loss_weights={"tag": 1.0, "cls": 0.5},
+        metrics={"tag": ["sparse_categorical_accuracy"],
+                 "cls": ["sparse_categorical_accuracy"]})
+    return model, compile_args, (x, y, None), {}
+
+
 def _image_classifier(model, rng):
     """8x8 images, 3 classes, SGD with momentum."""
     x = rng.randn(SAMPLES, 8, 8, 1).astype("float32")
@@ -356,8 +389,8 @@ def class_weight_lr(rng):
 
 
 ZOO = {f.__name__: f for f in (
-    transformer_lm, bert_classifier, rnn_text, cnn_bn, cnn_sync_bn,
-    dropout, resnet, multi_io, regularized,
+    transformer_lm, bert_classifier, rnn_text, token_tagger, cnn_bn,
+    cnn_sync_bn, dropout, resnet, multi_io, regularized,
     frozen, mixed_bfloat16, mixed_float16, loss_scale_skip,
     frozen_stage_loss_scale, class_weight_lr)}
 
