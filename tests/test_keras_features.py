@@ -60,7 +60,7 @@ CASES = ("arrays", "tf.data", "generator", "PyDataset",
          "loss_scale_ema_frozen_stage_accumulation",
          "early_stopping_restore_best_weights", "swap_ema_weights",
          "model_checkpoint_best_keras", "validation_freq",
-         "added_loss_only", "partial_loss_weight_decay")
+         "added_loss_only", "partial_loss_weight_decay", "partial_last_batch")
 
 
 def _check(report):

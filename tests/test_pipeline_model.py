@@ -92,7 +92,15 @@ GROUPS = {
              # A loss with reduction="sum": the microbatch losses add up
              # (each was once weighted 1/m).
              + [dict(c, reduction="sum") for c in
-                _cases("mlp", (2,), BOTH, (4,), "sgd")]),
+                _cases("mlp", (2,), BOTH, (4,), "sgd")]
+             # A last batch of 26 rows: unequal microbatches (7+7+6+6),
+             # each counting by its share of the rows (the losses layers
+             # add too; evaluate splits it the same way).
+             + [dict(c, partial=True) for c in
+                _cases("skip", (2,), ("1f1b",), (4,), "sgd")
+                + _cases("penalized", (4,), ("gpipe",), (4,), "sgd")
+                + _cases("autoencoder", (2,), ("1f1b",), (4,), "sgd")
+                + _cases("tokens", (2,), ("1f1b",), (4,), "sgd")]),
     "manual": (_cases("manual", (2, 4), BOTH, (1, 4), "sgd")
                + _cases("manual", (4,), ("1f1b",), (8,), "adam")),
     # 4 logical CPUs = 2 pipeline replicas x 2 stages (per-replica batch 16).
@@ -103,7 +111,9 @@ GROUPS = {
                          devices=4)
                 + _cases("two_heads", (4,), ("1f1b",), (4,), "sgd",
                          devices=8)
-                + _cases("tokens", (2,), ("1f1b",), (4,), "sgd", devices=4)),
+                # 13 rows per replica in the last batch: 4+3+3+3.
+                + [dict(c, partial=True) for c in _cases(
+                    "penalized", (2,), ("1f1b",), (4,), "sgd", devices=4)]),
     # Activation checkpointing: every stage (or only stage 1) recomputes its
     # forward in its backward; the same bounds.
     "recompute": [dict(c, recompute=r) for c, r in zip(
@@ -130,7 +140,9 @@ GROUPS = {
        for c in _cases("skip", (2,), ("gpipe",), (2,), "sgd")]
     + [dict(c, recompute=True) for c in
        _cases("two_heads", (4,), ("1f1b",), (4,), "sgd")
-       + _cases("tokens", (2,), ("1f1b",), (4,), "sgd")],
+       + _cases("tokens", (2,), ("1f1b",), (4,), "sgd")]
+    + [dict(c, recompute=True, partial=True) for c in
+       _cases("autoencoder", (2,), ("1f1b",), (4,), "sgd")],
     # XLA (jit_compile=True): each stage's forward and backward compiled,
     # against plain Keras compiling its whole step; the same bounds.
     "xla": [dict(c, xla=True) for c in
@@ -144,6 +156,9 @@ GROUPS = {
             # compiled stages give an unused head zero gradients: none
             + _cases("two_heads", (4,), ("1f1b",), (4,), "sgd")
             + _cases("tokens", (2,), ("1f1b",), (4,), "sgd")]
+    # ... a partial last batch (other shapes: compiled again).
+    + [dict(c, xla=True, partial=True) for c in
+       _cases("mlp", (2,), ("1f1b",), (4,), "sgd")]
     # ... with layers recomputed inside compiled stages.
     + [dict(c, xla=True, recompute_layers=[1, 3])
        for c in _cases("mlp", (2,), ("1f1b",), (4,), "adam")]
@@ -163,6 +178,8 @@ GROUPS = {
               + _cases("penalized", (2,), ("zb_h1",), (4,), "sgd")
               + _cases("two_heads", (4,), ("zb_h1",), (4,), "sgd")
               + _cases("tokens", (2,), ("zb_h1",), (4,), "sgd")
+              + [dict(c, partial=True) for c in
+                 _cases("tokens", (2,), ("zb_h1",), (4,), "sgd")]
               + _cases("autoencoder", (2,), ("zb_h1",), (2,), "sgd",
                        devices=4)
               + _cases("cnn", (2,), ("zb_h1",), (4,), "sgd", devices=4))
@@ -192,6 +209,8 @@ GROUPS = {
                 + _cases("two_heads", (2,), ("zb_v",), (4,), "sgd")
                 + _cases("tokens", (2,), ("interleaved_1f1b", "zb_v"), (4,),
                          "sgd")
+                + [dict(c, partial=True) for c in _cases(
+                    "cnn", (2,), ("interleaved_1f1b",), (8,), "adam")]
                 + [dict(c, virtual_stages=3) for c in _cases(
                     "skip", (2,), ("interleaved_1f1b",), (4,), "sgd")]
                 + _cases("manual", (2,), ("interleaved_1f1b", "zb_v"), (2,),
@@ -337,13 +356,18 @@ def test_forward_and_backward_ops_run_on_their_stage_device(placement):
 
 
 ERROR_CASES = {
-    "indivisible_batch": ("ValueError", ["30", "microbatches=4",
-                                         "drop_remainder=True"]),
-    "indivisible_static_batch": ("ValueError", ["30", "microbatches=4"]),
+    "batch_smaller_than_microbatches": ("ValueError", [
+        "batch of 3 samples is smaller than microbatches=4",
+        "drop_remainder=True"]),
+    "static_batch_smaller_than_microbatches": ("ValueError", [
+        "3 samples is smaller than microbatches=4"]),
     # Found inside the step (unknown batch size), re-raised as ValueError.
-    "indivisible_dynamic_batch": ("ValueError",
-                                  ["batch of 32 samples", "microbatches=5",
-                                   "drop_remainder=True"]),
+    "last_batch_smaller_than_microbatches": ("ValueError", [
+        "batch of 4 samples is smaller than microbatches=5",
+        "drop_remainder=True"]),
+    "indivisible_batch_mean_with_sample_weight": ("ValueError", [
+        "30 samples does not divide into microbatches=4",
+        "mean_with_sample_weight"]),
     "partition_index_out_of_range": ("ValueError", [
         "partition(2)", "partitions=2"]),
     "empty_stage": ("ValueError", ["[1]", "no layers"]),

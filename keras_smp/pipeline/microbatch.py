@@ -8,6 +8,8 @@ import tensorflow as tf
 
 #: Substring of the error raised (in a graph) for an indivisible batch.
 BATCH_ERROR = "does not divide into microbatches"
+#: ... and for a batch with fewer samples than microbatches.
+FEW_ERROR = "is smaller than microbatches"
 
 
 def _indivisible(what, rows, m, advice):
@@ -46,6 +48,55 @@ def check_divisible(tensor, m, what="The per-replica batch", advice="",
         [what + " of", rows, f"samples {BATCH_ERROR}={m}. {advice}"])]
 
 
+def check_enough(tensor, m, what="The per-replica batch", advice=""):
+    """Checks that `tensor`'s batch has at least `m` rows (one per
+    microbatch): like `check_divisible`, a known size now, an unknown
+    one by the returned `tf.debugging.Assert` ops.
+
+    Example:
+
+    ```python
+    import tensorflow as tf
+    from keras_smp.pipeline.microbatch import check_enough
+    assert check_enough(tf.zeros([5, 2]), 4) == []
+    try:
+        check_enough(tf.zeros([3, 2]), 4)
+    except ValueError as e:
+        assert "3 samples is smaller than microbatches=4" in str(e)
+    ```
+    """
+    t = tf.convert_to_tensor(tensor)
+    static = t.shape[0] if t.shape.rank is not None else None
+    advice = "(a microbatch needs at least one sample). " + advice
+    if static is not None:
+        if static < m:
+            raise ValueError(
+                f"{what} of {static} samples {FEW_ERROR}={m} {advice}")
+        return []
+    rows = tf.shape(t)[0]
+    return [tf.debugging.Assert(
+        tf.greater_equal(rows, m),
+        [what + " of", rows, f"samples {FEW_ERROR}={m} {advice}"])]
+
+
+def sizes(rows, m):
+    """The rows of each of `m` microbatches of a batch of `rows`: as equal
+    as can be, the larger first (Python ints for a known `rows`, else an
+    int32 tensor).
+
+    Example:
+
+    ```python
+    from keras_smp.pipeline.microbatch import sizes
+    assert sizes(10, 4) == [3, 3, 2, 2] and sizes(8, 4) == [2, 2, 2, 2]
+    ```
+    """
+    if isinstance(rows, int):
+        return [rows // m + (i < rows % m) for i in range(m)]
+    rows = tf.convert_to_tensor(rows, tf.int32)
+    return rows // m + tf.cast(tf.range(m) < rows % m, tf.int32)
+
+
 def pad(tensor, m):
     """`tensor` with rows appended (copies of its first rows) so that its
     batch divides into `m` microbatches; unchanged when it already does.
@@ -70,8 +121,9 @@ def pad(tensor, m):
     return tf.gather(t, tf.range(padded) % rows)
 
 
-def split(structure, m, axis=0):
-    """Splits every tensor of a nested `structure` into `m` equal parts.
+def split(structure, m, axis=0, sizes=None):
+    """Splits every tensor of a nested `structure` into `m` equal parts
+    (or parts of `sizes`, see `sizes()`).
 
     Returns a list of `m` structures like `structure`; `None` leaves stay
     `None`, and `structure=None` gives `[None] * m`.
@@ -88,7 +140,8 @@ def split(structure, m, axis=0):
     if structure is None:
         return [None] * m
     flat = tf.nest.flatten(structure)
-    parts = [None if t is None else tf.split(t, m, axis=axis) for t in flat]
+    parts = [None if t is None else tf.split(
+        t, m if sizes is None else sizes, axis=axis, num=m) for t in flat]
     return [tf.nest.pack_sequence_as(
         structure, [None if p is None else p[i] for p in parts])
         for i in range(m)]

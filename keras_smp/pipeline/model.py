@@ -858,7 +858,8 @@ class DistributedModel(keras.Model):
         return self._smp_clear_errors(super().make_predict_function(force))
 
     def _smp_clear_errors(self, result):
-        """A partial batch (no drop_remainder) fails with our words only.
+        """A batch too small for the microbatches (a partial last batch,
+        no drop_remainder) fails with our words only.
 
         Batches of unknown size are checked inside the step (an Assert);
         TensorFlow wraps its message in a graph traceback. Re-raise it as
@@ -1094,7 +1095,8 @@ def _clear_batch_errors(fn):
             return fn(*args, **kwargs)
         except tf.errors.InvalidArgumentError as e:
             text = e.message or str(e)
-            if microbatch.BATCH_ERROR not in text:
+            if (microbatch.BATCH_ERROR not in text
+                    and microbatch.FEW_ERROR not in text):
                 raise
             # TensorFlow prints the Assert's parts as "[a] [b] [c]".
             start = text.rfind("The per-replica batch of")

@@ -7,11 +7,15 @@ pipeline runtime the stages held here and the transport of the setting
 the microbatch losses, the predictions and each variable's gradient summed
 over microbatches. `DistributedModel`'s `train_step`, `test_step` and
 `predict_step` build on it; nothing here knows the schedule's shape.
-Steps without a backward pad a batch that does not divide into the
-microbatches (`microbatch.pad`) and drop the padding's outputs.
+A batch that does not divide into the microbatches is split into
+unequal microbatches in training (`microbatch.sizes`), each weighted by
+its share of the rows (`_microbatch_weights`, `_share_factor`); steps
+without a backward pad it instead (`microbatch.pad`) and drop the
+padding's outputs.
 """
 
 import dataclasses
+import functools
 import warnings
 
 import keras
@@ -92,22 +96,39 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     # the compiled loss of the whole batch). Not for an evaluation whose
     # layers add losses (the padding's would count).
     pads = not training and not (need_loss and model._smp_adds_losses())
-    checks = [] if pads else microbatch.check_divisible(
-        flat_x[0], m, advice=(
-            "Use a batch size that is a multiple of microbatches x replicas "
-            f"= {m * replicas}, and `drop_remainder=True` when batching a "
-            "tf.data dataset (or `steps_per_epoch` that avoids a partial "
-            "last batch)." + (
-                " (evaluate pads partial batches, except for models whose "
-                "layers add losses)" if not training else "")))
+    # Training (and an evaluation whose layers add losses) splits such a
+    # batch into unequal microbatches (`microbatch.sizes`, at least one
+    # row each), each counting by its share of the batch's rows; a loss
+    # with reduction="mean_with_sample_weight" cannot be shared so.
+    uneven = not pads and not (has_loss and _mean_with_sample_weight(model))
+    advice = (
+        "Use a batch size that is a multiple of microbatches x replicas "
+        f"= {m * replicas}, and `drop_remainder=True` when batching a "
+        "tf.data dataset (or `steps_per_epoch` that avoids a partial "
+        "last batch).")
+    checks = ([] if pads else
+              microbatch.check_enough(flat_x[0], m, advice=(
+                  "Use a batch size of at least microbatches x replicas = "
+                  f"{m * replicas} samples, and `drop_remainder=True` when "
+                  "the last batch of the data is smaller (tf.data), or "
+                  "`steps_per_epoch` that leaves it out.")) if uneven
+              else microbatch.check_divisible(flat_x[0], m, advice=advice + (
+                  " (reduction='mean_with_sample_weight' needs equal "
+                  "microbatches)")))
     with tf.control_dependencies(checks):
         true_batch = tf.shape(flat_x[0])[0]
         padded = [microbatch.pad(t, m) for t in flat_x] if pads else flat_x
         batch = tf.shape(padded[0])[0]
-        xs = [list(mb) for mb in zip(*[tf.split(t, m, axis=0)
-                                        for t in padded])]
-        ys = microbatch.split(y, m) if training else None
-        sws = microbatch.split(sample_weight, m) if training else None
+        static = flat_x[0].shape[0]
+        # Each microbatch's rows, or None: equal microbatches.
+        rows = (microbatch.sizes(true_batch if static is None else static, m)
+                if uneven and (static is None or static % m) else None)
+        xs = [list(mb) for mb in zip(*[
+            tf.split(t, m if rows is None else rows, axis=0, num=m)
+            for t in padded])]
+        ys = microbatch.split(y, m, sizes=rows) if training else None
+        sws = (microbatch.split(sample_weight, m, sizes=rows) if training
+               else None)
     if training and not has_loss and not model._smp_added_loss_only():
         raise ValueError(
             "The model is compiled with a loss, which needs targets: pass "
@@ -115,7 +136,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             "its layers add)." if compiled else
             "No loss to compute. Provide `y` and a `loss` argument in "
             "`compile()`, or add losses in layers' `call` (`add_loss()`).")
-    loss_fn = (_loss_fn(model, ys, sws, sample_weight, m, training, flat_x)
+    loss_fn = (_loss_fn(model, ys, sws, sample_weight, m, training, flat_x,
+                        rows, true_batch)
                if has_loss and training else None)
     if training and loss_fn is None:
         # The loss is what the layers add (compile() without a loss, as
@@ -148,24 +170,27 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             if s == 0:
                 fn = _model_inputs_constant(fn)
             fn = xla.compiled(fn, f"stage {s}", graph.stage_layers(s))
+        batch_rows = None if rows is None else true_batch
         stages[s] = Stage(s, _adding_losses(model, graph, s, fn, training,
-                                            m, added),
+                                            m, added, batch_rows),
                           stage_vars[s] if training else [],
                           devices[s], adds_loss=True)
         if whole:
-            stages[s].snapshot, stages[s].replay = _replay(model, graph, s,
-                                                           m)
+            stages[s].snapshot, stages[s].replay = _replay(
+                model, graph, s, m, batch_rows)
     if links is None:
         transport = LocalTransport()
     else:
-        rows = batch // m
         specs = {}
         for s in held:
             if s > 0 and not links.holds(s - 1):
-                specs[("F", s)] = _specs(graph.carries[s - 1], rows)
+                specs[("F", s)] = functools.partial(_specs,
+                                                    graph.carries[s - 1])
             if s < p - 1 and not links.holds(s + 1):
-                specs[("B", s)] = _specs(graph.carries[s], rows)
-        transport = CollectiveTransport(links, specs, rows)
+                specs[("B", s)] = functools.partial(_specs, graph.carries[s])
+        transport = CollectiveTransport(
+            links, specs, batch // m if rows is None else
+            [rows[i] for i in range(m)])
         if not links.holds(p - 1):
             loss_fn = None  # only the last stage computes the loss
     trackers = []
@@ -225,8 +250,12 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                 total)
         return StepRun(x, y, sample_weight, y_pred, losses, grads, variables,
                        total)
-    run = _share(model, links, result, x, y, sample_weight, batch,
-                 transport.rows, has_loss, need_outputs, training,
+    # What the last stage shares has the shape of a batch of m equal
+    # microbatches (`transport.rows` each: the first, the largest): a
+    # partial batch's is padded, so that its keys fit one shape.
+    run = _share(model, links, result, x, y, sample_weight,
+                 transport.rows * m, transport.rows, has_loss, need_outputs,
+                 training,
                  variables, [grads.get(id(v)) for v in variables],
                  trackers, loss_fn, true_batch, unreached)
     if added and not model._smp_adds_losses():
@@ -316,7 +345,8 @@ def _total(added):
     return tf.add_n(added) if added else None
 
 
-def _adding_losses(model, graph, stage, fn, training, m, logged=None):
+def _adding_losses(model, graph, stage, fn, training, m, logged=None,
+                   batch=None):
     """Stage `stage`'s function returning `(outputs, added)`: `added` is
     the sum of the losses its layers add while it runs (`add_loss()`,
     activity regularizers; `None` if none), each as Keras adds it to the
@@ -325,7 +355,9 @@ def _adding_losses(model, graph, stage, fn, training, m, logged=None):
     the batch size; a batch sum counts 1/m, as Keras averages added
     losses over data-parallel replicas) and scaled by a loss-scale
     optimizer when training. Each forward's unscaled term is appended to
-    `logged`.
+    `logged`. `batch`: the batch's rows when its microbatches are unequal:
+    a microbatch's weight is then its share of them (its rows / `batch`,
+    from the stage inputs' rows).
 
     The layers run in one Keras call context, as in the model's own
     `call`: their losses accumulate over the stage's layers, a layer
@@ -344,6 +376,8 @@ def _adding_losses(model, graph, stage, fn, training, m, logged=None):
         total = tf.add_n([
             tf.cast(keras_private.aggregate_additional_loss(model, loss),
                     keras.config.floatx()) for loss in losses]) * (1.0 / m)
+        if batch is not None:  # (m x its share: 1 for equal microbatches)
+            total = total * _share_factor(tf.shape(tensors[0])[0], m, batch)
         if logged is not None:
             logged.append(total)
         if training and model.optimizer is not None:
@@ -412,7 +446,8 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
     mine, merged = [], None
     if last:
         merged = _merged(graph, result)
-        mine = list(merged) if need_outputs else []
+        mine = ([_pad_rows(t, batch) for t in merged] if need_outputs
+                else [])
         if has_loss:
             loss = (tf.add_n(_logged(loss_fn, result.losses)) if training
                     else _whole_batch_loss(model, y, graph.pack_outputs(
@@ -457,6 +492,18 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
     losses = [shared[-1]] if has_loss else [None]
     by_var = {id(v): g for v, g in zip(variables, grads)} if training else {}
     return StepRun(x, y, sample_weight, y_pred, losses, by_var, variables)
+
+
+def _pad_rows(tensor, rows):
+    """`tensor` with zero rows appended up to `rows` rows."""
+    extra = rows - tf.shape(tensor)[0]
+    return tf.pad(tensor, [[0, extra]] + [[0, 0]] * (tensor.shape.rank - 1))
+
+
+def _mean_with_sample_weight(model):
+    """Whether a compiled loss divides by its sample weights' sum."""
+    return any(getattr(loss, "reduction", None) == "mean_with_sample_weight"
+               for loss in keras_private.compiled_loss_objects(model))
 
 
 def _merged(graph, result):
@@ -512,7 +559,7 @@ def loss_weight(compiled_losses, m, sample_weight, masked=False):
     `compiled_losses`: the compiled Keras loss objects (their reductions
     decide: 'sum' adds up, mean-like reductions average over microbatches).
     `masked`: a model output has a Keras mask (its share of unmasked
-    entries then weights each microbatch, `_masked_weights`).
+    entries then weights each microbatch, `_microbatch_weights`).
     """
     reductions = set()
     for loss in compiled_losses:
@@ -538,7 +585,14 @@ def loss_weight(compiled_losses, m, sample_weight, masked=False):
         "reductions.")
 
 
-def _replay(model, graph, stage, m):
+def _share_factor(rows, m, batch):
+    """`m x rows / batch`: how much more than `1/m` of the batch a
+    microbatch of `rows` holds (exactly 1.0 when they are equal)."""
+    floatx = keras.config.floatx()
+    return tf.cast(rows * m, floatx) / tf.cast(batch, floatx)
+
+
+def _replay(model, graph, stage, m, batch=None):
     """`(snapshot, replay)` of a stage, for activation checkpointing.
 
     The recomputation sees the stage's non-trainable variables (random
@@ -549,7 +603,8 @@ def _replay(model, graph, stage, m):
     logged the loss).
     """
     fn = _adding_losses(model, graph, stage,
-                        graph.stage_fn(stage, training=True), True, m)
+                        graph.stage_fn(stage, training=True), True, m,
+                        batch=batch)
     state = recompute.state_of(node.operation
                                for node in graph.stage_nodes(stage))
 
@@ -569,15 +624,19 @@ def _replay(model, graph, stage, m):
     return snapshot, replay
 
 
-def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x):
-    """The loss of one microbatch (last stage), weighted for the step."""
+def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
+             batch):
+    """The loss of one microbatch (last stage), weighted for the step.
+
+    `rows`: each microbatch's rows when they are unequal (else None), of
+    a batch of `batch` rows."""
     graph = model.staged_graph
     compiled = keras_private.compiled_loss(model)
     masked = m > 1 and any(mask is not None for mask in graph.output_masks())
     weight = loss_weight(keras_private.compiled_loss_objects(model), m,
                          sample_weight, masked)
-    if masked and weight != 1.0:
-        sws = _masked_weights(graph, flat_x, m, sws)
+    if weight != 1.0 and (masked or rows is not None):
+        sws = _microbatch_weights(graph, flat_x, m, sws, rows, batch)
 
     def loss_fn(out, mb):
         loss = compiled(ys[mb], graph.pack_outputs(out), sws[mb]) * weight
@@ -591,29 +650,37 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x):
     return loss_fn
 
 
-def _masked_weights(graph, flat_x, m, sws):
-    """Per microbatch, sample weights that make a masked mean loss exact.
+def _microbatch_weights(graph, flat_x, m, sws, rows, batch):
+    """Per microbatch, sample weights that make a mean loss exact when
+    microbatches hold unequal shares of what Keras divides by.
 
-    Keras divides a masked loss by its unmasked entries (`apply_mask`):
-    by the whole batch's in one step, by each microbatch's own here. A
-    microbatch holding the share `c` of the batch's unmasked entries of an
-    output has that output's sample weights scaled by `m * c` (the step
-    weights every microbatch `1/m`), so the microbatch losses sum to the
-    batch's. The masks are computed from the inputs for the whole batch
-    first (`StagedGraph.output_mask_fn`): 1F1B runs the first
-    microbatch's backward before the last one's forward.
+    Keras divides a mean loss by the batch's entries, a masked one by its
+    unmasked entries (`apply_mask`): by the whole batch's in one step, by
+    each microbatch's own here. A microbatch holding the share `c` of an
+    output's (unmasked) entries has that output's sample weights scaled
+    by `m * c` (the step weights every microbatch `1/m`), so the
+    microbatch losses sum to the batch's. Unequal microbatches (`rows`,
+    of `batch` rows) hold their share of the rows; the masks are computed
+    from the inputs for the whole batch first
+    (`StagedGraph.output_mask_fn`): 1F1B runs the first microbatch's
+    backward before the last one's forward.
     """
-    masks = graph.output_mask_fn()(flat_x)
-    factors = []  # per output: per microbatch, (its factor, mask part)
+    masks = (graph.output_mask_fn()(flat_x)
+             if any(mask is not None for mask in graph.output_masks())
+             else [None] * len(graph.outputs))
+    floatx = keras.config.floatx()
+    factors = []  # per output: per microbatch, its factor (or None)
     for mask in masks:
         if mask is None:
-            factors.append([None] * m)
+            factors.append([None if rows is None else
+                            _share_factor(rows[i], m, batch)
+                            for i in range(m)])
             continue
-        parts = tf.split(mask, m, axis=0)
+        parts = tf.split(mask, m if rows is None else rows, axis=0, num=m)
         counts = [tf.reduce_sum(tf.cast(part, tf.float32)) for part in parts]
         total = tf.add_n(counts)
-        factors.append([(float(m) * tf.math.divide_no_nan(c, total), part)
-                        for c, part in zip(counts, parts)])
+        factors.append([tf.cast(float(m) * tf.math.divide_no_nan(c, total),
+                                floatx) for c in counts])
     nested = keras.tree.is_nested(graph.outputs_struct)
     out = []
     for i, given in enumerate(sws):
@@ -629,13 +696,8 @@ def _masked_weights(graph, flat_x, m, sws):
             flat = [given] * len(masks)
         weights = []
         for w, f in zip(flat, factors):
-            if f[i] is not None:
-                f, part = f[i]
-                f = tf.cast(f, keras.config.floatx())
-                # (without weights: the mask's shape, as Keras combines a
-                # mask with weights of its shape)
-                w = (tf.fill(tf.shape(part), f) if w is None
-                     else tf.cast(w, keras.config.floatx()) * f)
+            if f[i] is not None:  # (a scalar weight: any loss shape)
+                w = f[i] if w is None else tf.cast(w, floatx) * f[i]
             weights.append(w)
         out.append(graph.pack_outputs(weights) if nested else weights[0])
     return out

@@ -78,10 +78,11 @@ class CollectiveTransport:
         recv_specs: `{(direction, stage): specs}`: `(shape, dtype)` of each
             tensor model stage `stage` (held here) receives forward
             (`"F"`, from stage - 1) and backward (`"B"`, gradients from
-            stage + 1).
-        rows: the microbatch's rows (a Python int or an int32 tensor):
-            transfers of different microbatch sizes use different instance
-            keys (`StageLinks.batched_key`).
+            stage + 1); or a function of a microbatch's rows giving them.
+        rows: the microbatch's rows (a Python int or an int32 tensor), or
+            a list: each microbatch's (a batch that does not divide into
+            the microbatches); transfers of different microbatch sizes use
+            different instance keys (`StageLinks.batched_key`).
     """
 
     chain_receives = False
@@ -89,8 +90,19 @@ class CollectiveTransport:
     def __init__(self, links, recv_specs, rows):
         self.links = links
         self.recv_specs = recv_specs
-        self.rows = links.checked_rows(rows)
+        if isinstance(rows, (list, tuple)):
+            self._per_microbatch = [links.checked_rows(r) for r in rows]
+            self.rows = self._per_microbatch[0]
+        else:
+            self.rows = links.checked_rows(rows)
+            self._per_microbatch = None
         self._local = LocalTransport()
+
+    def rows_of(self, microbatch):
+        """The rows of `microbatch` (checked, an int32 tensor)."""
+        if self._per_microbatch is None:
+            return self.rows
+        return self._per_microbatch[microbatch]
 
     def _is_local(self, action):
         return self.links.rank_of(action.peer) == self.links.rank
@@ -108,15 +120,18 @@ class CollectiveTransport:
             return self._local.send(action, tensors)
         return self.links.send_to(action.stage, action.peer,
                                   action.kind[-1], action.microbatch,
-                                  [dense(t) for t in tensors], self.rows)
+                                  [dense(t) for t in tensors],
+                                  self.rows_of(action.microbatch))
 
     def receive(self, action):
         if self._is_local(action):
             return self._local.receive(action)
         direction = action.kind[-1]
+        rows = self.rows_of(action.microbatch)
+        specs = self.recv_specs[(direction, action.stage)]
         return self.links.receive_from(
             action.stage, action.peer, direction, action.microbatch,
-            self.recv_specs[(direction, action.stage)], self.rows)
+            specs(rows) if callable(specs) else specs, rows)
 
 
 class PipelineKeys:

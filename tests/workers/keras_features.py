@@ -12,7 +12,8 @@ plain Keras on one device (same seeds):
   the moving averages), `ModelCheckpoint` with `save_best_only` into a
   `.keras` file that plain Keras loads; `validation_freq`;
 - `predict_on_batch`; `export` (served outputs); `evaluate` and
-  `predict` with batches that do not divide into the microbatches;
+  `predict` with batches that do not divide into the microbatches, and
+  `fit` with a last batch that does not;
 - a model compiled without a loss, whose loss is what its layers add in
   `call` (an autoencoder's reconstruction error, an activity regularizer);
 - a model with two outputs compiled with a loss on one: the other's head
@@ -223,7 +224,19 @@ PARTIAL_LOSS = {"partial_loss_weight_decay": (
     lambda m: m.fit(X, {"cls": Y}, batch_size=ROWS, epochs=2, verbose=0,
                     validation_data=(XV, {"cls": YV})))}
 
+# Training with a last batch that does not divide into the microbatches:
+# 22 rows (11 per replica: microbatches of 6 and 5), with one replica 21
+# (11 and 10); the replicas' shares stay equal, as Keras' data
+# parallelism (which averages the replicas' mean losses) needs to match
+# one device.
+N_PARTIAL = BATCHES * ROWS - ROWS + (21 if MODE == "mp" else 22)
+PARTIAL = {"partial_last_batch": lambda m: m.fit(
+    X[:N_PARTIAL], Y[:N_PARTIAL], batch_size=ROWS, epochs=2, verbose=0,
+    shuffle=False, validation_data=(XV, YV))}
+
 CASES = {name: (momentum_sgd, fit, False) for name, fit in SOURCES.items()}
+CASES.update({name: (momentum_sgd, fit, False)
+              for name, fit in PARTIAL.items()})
 CASES.update({name: (optimizer, fit, False)
               for name, (optimizer, fit) in PARTIAL_LOSS.items()})
 CASES.update({name: (momentum_sgd, fit, False)

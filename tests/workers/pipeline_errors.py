@@ -61,26 +61,37 @@ def fit(model, batch_size=32, **kwargs):
     model.fit(X, Y, batch_size=batch_size, epochs=1, verbose=0, **kwargs)
 
 
-def indivisible_batch():
+def batch_smaller_than_microbatches():
     with keras_smp.SMPStrategy(partitions=2, microbatches=4).scope():
-        fit(keras_smp.DistributedModel(mlp()), batch_size=30)
+        fit(keras_smp.DistributedModel(mlp()), batch_size=3)
 
 
-def indivisible_static_batch():
+def static_batch_smaller_than_microbatches():
     ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(
-        30, drop_remainder=True)
+        3, drop_remainder=True)
     with keras_smp.SMPStrategy(partitions=2, microbatches=4).scope():
         model = keras_smp.DistributedModel(mlp())
         model.compile(optimizer="sgd", loss="mse")
     model.fit(ds, epochs=1, verbose=0)
 
 
-def indivisible_dynamic_batch():
-    ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(32)  # shape None
+def last_batch_smaller_than_microbatches():
+    # 120 rows in batches of 58: the last has 4 (found inside the step).
+    ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(58)  # shape None
     with keras_smp.SMPStrategy(partitions=2, microbatches=5).scope():
         model = keras_smp.DistributedModel(mlp())
         model.compile(optimizer="sgd", loss="mse")
     model.fit(ds, epochs=1, verbose=0)
+
+
+def indivisible_batch_mean_with_sample_weight():
+    # Such a loss divides each microbatch by its own weight sum: equal
+    # microbatches only (and no sample weights, see loss_weight).
+    with keras_smp.SMPStrategy(partitions=2, microbatches=4).scope():
+        model = keras_smp.DistributedModel(mlp())
+        model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(
+            reduction="mean_with_sample_weight"))
+    model.fit(X, Y, batch_size=30, epochs=1, verbose=0)
 
 
 def partition_index_out_of_range():

@@ -13,7 +13,8 @@ embedding's mask), partitions, microbatches, pipeline,
 optimizer (sgd|adam), devices (logical CPUs, default = partitions),
 virtual_stages (model stages per rank, for interleaved_1f1b),
 recompute (activation_checkpointing), reduction (of the loss, default
-sum_over_batch_size; "sum": microbatch losses add up), xla (compile both models with
+sum_over_batch_size; "sum": microbatch losses add up), partial (the data's
+last batch has 26 rows: unequal microbatches), xla (compile both models with
 jit_compile=True; needs TF_DETERMINISTIC_OPS=0, which Keras requires for XLA).
 """
 
@@ -233,6 +234,10 @@ def run(case, pipelined):
     if case["model"] == "tokens":
         x = X_TOK
         data = (x, Y_TOK)
+    if case.get("partial"):  # a last batch of 26 rows (7+7+6+6 for m=4)
+        data = tuple(keras.tree.map_structure(lambda t: t[:N - 6], d)
+                     for d in data)
+        x = data[0]
     ds = tf.data.Dataset.from_tensor_slices(data).batch(GLOBAL_BATCH)
     kept = [w for w in model.weights if "seed" not in w.path]
     initial = [w.numpy() for w in kept]
@@ -277,7 +282,7 @@ from splits import fallbacks as _split_fallbacks  # noqa: E402
 references = {}
 for case in CASES:
     key = (case["model"], case["optimizer"], case.get("xla", False),
-           case.get("reduction"))
+           case.get("reduction"), case.get("partial"))
     if key not in references:
         references[key] = run(case, pipelined=False)[1]
     ref = references[key]
