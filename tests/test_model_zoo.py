@@ -4,7 +4,8 @@ Each zoo entry (tests/workers/zoo.py: a small transformer LM with a tied
 embedding/output projection, a BERT-style classifier, an LSTM/GRU text
 model on padded, masked sequences, a token tagger with a loss per token
 under the embedding's mask (uneven padding) and a masked-pooling sequence
-head, CNNs with BatchNormalization, a ResNet-style skip across stages, a
+head, self-attention with a residual over padded sequences (its masks
+cleared at run time, as Keras' MultiHeadAttention does), CNNs with BatchNormalization, a ResNet-style skip across stages, a
 dict-input two-output model with loss weights, per-output and weighted
 metrics and sample weights, mixed_bfloat16 and mixed_float16 models, frozen
 layers, Dropout, L2 regularizers, activity regularizers and a layer's
@@ -65,7 +66,7 @@ from conftest import scaled_atol
 
 MODELS = [
     "transformer_lm", "bert_classifier", "rnn_text", "token_tagger",
-    "cnn_bn", "cnn_sync_bn", "dropout", "resnet", "multi_io", "regularized", "frozen",
+    "masked_attention", "cnn_bn", "cnn_sync_bn", "dropout", "resnet", "multi_io", "regularized", "frozen",
     "mixed_bfloat16", "mixed_float16", "loss_scale_skip", "class_weight_lr"]
 MODES = ["dp", "pipe", "stage", "hybrid"]
 RANKS = {"dp": 2, "pipe": 1, "stage": 2, "hybrid": 2}

@@ -381,8 +381,6 @@ ERROR_CASES = {
         "outside its class's methods", "some weights reach no loss",
         "Call add_loss() in the layer's own call"]),
     "devices_not_divisible": ("ValueError", ["partitions=3", "4 local"]),
-    "mask_from_weights": ("NotImplementedError", [
-        "mask of a model output", "(d1)", "microbatches=1"]),
     "masked_mean_with_sample_weight": ("ValueError", [
         "mean_with_sample_weight", "masked entries left out",
         "microbatches=1"]),

@@ -11,12 +11,14 @@ stage for every node. It turns into one function per stage,
   over it, tensors it passes through unchanged;
 - the last stage returns the model outputs (flattened).
 
-A carried tensor with a Keras mask (`Embedding(mask_zero=True)`, `Masking`)
-carries its mask too, as an extra tensor after the carry's own: Keras
-passes masks between layers as attributes of the tensors, which a stage
-boundary would drop. The receiving stage attaches it again, so layers and
-the loss after the boundary see the mask they see in the model's own
-`call` (`pack_outputs` attaches the outputs' masks).
+A carried tensor that holds a Keras mask when the model runs
+(`Embedding(mask_zero=True)`, `Masking`) carries it too (`MaskOf`, after
+the carry's own tensors): Keras passes masks between layers as attributes
+of the tensors, which a stage boundary would drop. The receiving stage
+attaches it again, so layers and the loss after the boundary see what
+they see in the model's own `call` (`pack_outputs` attaches the outputs'
+masks). Which tensors hold one is found by tracing the stages once
+(`_runtime_masks`): at run time it can differ from the symbolic graph.
 
 Passing skip tensors through intermediate stages keeps every transfer
 between neighbouring stages, as the schedules' send/receive actions (and
@@ -54,6 +56,21 @@ def _flops(node, params):
 
 def _operation_weights(operation):
     return list(getattr(operation, "weights", None) or [])
+
+
+class MaskOf:
+    """A carry entry: the Keras mask a carried tensor holds when the
+    stages run (its `shape` and `dtype` as traced), sent after the
+    stage's tensors and attached to it again by the receiving stage."""
+
+    def __init__(self, owner, shape, dtype):
+        self.owner_id = id(owner)
+        self.shape = shape
+        self.dtype = dtype
+        self.name = f"{owner.name}_mask"
+
+    def __repr__(self):
+        return f"MaskOf({self.name[:-5]}, shape={self.shape})"
 
 
 class StagedGraph:
@@ -181,71 +198,139 @@ class StagedGraph:
             for t in tree.flatten(node.input_tensors):
                 needed_at.setdefault(id(t), set()).add(s)
         last = self.num_stages - 1
-        self.carries = []
+        self._plain_carries = []
         for s in range(last):
             keep = [
                 v for key, v in sorted(order.items(), key=lambda kv: kv[1][:2])
                 if produced_at.get(key, last + 1) <= s
                 and (any(c > s for c in needed_at.get(key, ()))
                      or any(key == id(o) for o in self.outputs))]
-            self.carries.append(self._with_masks([t for _, _, t in keep]))
-        self.carries.append(self._with_masks(self.outputs))
+            self._plain_carries.append([t for _, _, t in keep])
+        self._plain_carries.append(list(self.outputs))
+        self._carries = None
         #: How many of the last stage's tensors are the model outputs (the
         #: rest are their masks).
         self.num_outputs = len(self.outputs)
 
-    def _with_masks(self, tensors):
-        """`tensors` followed by their Keras masks (each mask once),
-        recording which tensors each mask belongs to."""
-        if not hasattr(self, "_mask_of"):
-            self._mask_of = {}  # id(mask) -> the tensors it masks
-        out = list(tensors)
-        have = {id(t) for t in out}
-        for t in tensors:
-            mask = keras_private.keras_mask(t)
-            if mask is None:
-                continue
-            owners = self._mask_of.setdefault(id(mask), [])
-            if all(o is not t for o in owners):
-                owners.append(t)
-            if id(mask) not in have:
-                have.add(id(mask))
-                out.append(mask)
-        return out
+    @property
+    def carries(self):
+        """Per stage, the tensors it hands on (the last: the outputs),
+        each followed by the Keras masks (`MaskOf`) those tensors carry
+        when the stages run (found once, `_runtime_masks`)."""
+        if self._carries is None:
+            masked = self._runtime_masks()
+            self._carries = [
+                list(plain) + [MaskOf(t, *masked[s][id(t)]) for t in plain
+                               if id(t) in masked[s]]
+                for s, plain in enumerate(self._plain_carries)]
+        return self._carries
+
+    def _runtime_masks(self):
+        """Per stage, `{id(tensor): (shape, dtype)}` of its carried tensors
+        that hold a Keras mask when the stages run.
+
+        Keras passes masks as attributes of the tensors at run time, and
+        they can differ from the symbolic graph's: `MultiHeadAttention`
+        clears its inputs' masks (so a residual `Add` after it has none),
+        a nested model's layers attach masks its symbolic outputs lack.
+        The stages are traced once, in order, into a graph that is never
+        run (inference mode, one shared set of tensors, as when the
+        stages hand their masks on), to see which carried tensors hold
+        one at the end of their stage. Skipped (no masks) for models with
+        no mask anywhere in the graph; tensor-parallel layers (their
+        collectives are traced per stage) keep the symbolic masks.
+        """
+        plain = self._plain_carries
+        symbolic = any(keras_private.keras_mask(t) is not None
+                       for node in self.nodes
+                       for t in tree.flatten(node.outputs))
+        nested = any(hasattr(n.operation, "_run_through_graph")
+                     for n in self.nodes)
+        if not symbolic and not nested:
+            return [{} for _ in plain]
+        if any(hasattr(layer, "_smp_tp_mode") for s in range(self.num_stages)
+               for layer in self.stage_layers(s)):
+            return [{id(t): (keras_private.keras_mask(t).shape, "bool")
+                     for t in carry
+                     if keras_private.keras_mask(t) is not None}
+                    for carry in plain]
+        import tensorflow as tf
+
+        found = []
+
+        def trace(*tensors):
+            values = {id(t): v for t, v in zip(self.inputs, tensors)}
+            for s in range(self.num_stages):
+                for node in self.stage_nodes(s):
+                    args, kwargs = node.arguments.fill_in(values)
+                    outs = keras_private.operation_fn(
+                        node.operation, training=False)(*args, **kwargs)
+                    for x, y in zip(tree.flatten(node.outputs),
+                                    tree.flatten(outs)):
+                        values[id(x)] = y
+                found.append({})
+                for t in plain[s]:
+                    mask = keras_private.keras_mask(values[id(t)])
+                    if mask is not None:
+                        found[-1][id(t)] = (mask.shape, mask.dtype)
+            return []
+
+        import keras
+
+        specs = [tf.TensorSpec(t.shape, t.dtype) for t in self.inputs]
+        # Stateless: no state changes, added losses dropped, and weights
+        # this process does not hold (other stages') read as placeholders.
+        with tf.init_scope(), keras.StatelessScope(), \
+                keras_private.call_context(None, False):
+            tf.function(trace, autograph=False).get_concrete_function(*specs)
+        return found
 
     def output_masks(self):
-        """The symbolic Keras mask of each flattened model output, or
-        None."""
-        return [keras_private.keras_mask(t) for t in self.outputs]
+        """Whether each flattened model output holds a Keras mask when the
+        model runs (its mask then reaches the loss and the metrics)."""
+        masked = {c.owner_id for c in self.carries[-1][self.num_outputs:]}
+        return [id(t) in masked for t in self.outputs]
 
-    def output_mask_fn(self):
-        """`flat inputs -> [the Keras mask of each flattened output, or
-        None]` for a whole batch, computed from the model inputs alone
-        (`None` when no output has a mask).
+    def output_mask_fn(self, multi_process=False):
+        """`flat inputs -> [the Keras mask of each flattened output that
+        holds one when the model runs, else None]` for a whole batch,
+        computed ahead from the model inputs by the symbolic graph's mask
+        computations (inference mode).
 
         A pipeline weights each microbatch's masked loss by its share of
         the batch's unmasked entries, which it needs before the first
-        microbatch's backward. Masks made from the inputs
-        (`Embedding(mask_zero=True)`, `Masking` on an input) are cheap to
-        compute ahead; a mask computed from weights' results is refused.
+        microbatch's backward (the step checks that each microbatch's mask
+        is the one computed here). With one stage per process
+        (`multi_process`), a mask computed from weights' results (held
+        by other processes) is refused.
         """
-        masks = self.output_masks()
+        masks = [keras_private.keras_mask(t) if masked else None
+                 for t, masked in zip(self.outputs, self.output_masks())]
+        if any(masked and mask is None for mask, masked in
+               zip(masks, self.output_masks())):
+            raise NotImplementedError(
+                "A model output holds a Keras mask when the model runs but "
+                "not in its symbolic graph (a nested model's layers attach "
+                "it); a pipeline with microbatches > 1 computes the outputs' "
+                "masks ahead from that graph. Apply the masking layers in "
+                "the outer model, or use microbatches=1.")
         wanted = [mask for mask in masks if mask is not None]
         if not wanted:
-            return None
+            return lambda flat_inputs: [None] * len(masks)
         nodes, _ = keras_private.build_graph_map(self.inputs, wanted)
         weighted = sorted({n.operation.name for n in nodes
                            if n.operation is not None and not n.is_input
                            and _operation_weights(n.operation)})
-        if weighted:
+        if weighted and multi_process:
             raise NotImplementedError(
                 "The Keras mask of a model output is computed from the "
-                f"results of layers with weights ({', '.join(weighted)}). "
-                "A pipeline weights each microbatch's masked loss by its "
-                "share of the batch's unmasked entries, so it computes the "
-                "outputs' masks from the model inputs before the step. "
-                "Compute the mask from the inputs (Embedding(mask_zero=True)"
-                " or Masking applied to an input), or use microbatches=1.")
+                f"results of layers with weights ({', '.join(weighted)}), "
+                "which other stage processes hold. A pipeline weights each "
+                "microbatch's masked loss by its share of the batch's "
+                "unmasked entries, so it computes the outputs' masks from "
+                "the model inputs before the step. Compute the mask from "
+                "the inputs (Embedding(mask_zero=True) or Masking applied "
+                "to an input), or use microbatches=1.")
         fn = keras_private.operations_function(list(self.inputs), wanted)
 
         def run(flat_inputs):
@@ -312,9 +397,8 @@ class StagedGraph:
         def run(tensors):
             values = {id(t): v for t, v in zip(carry_in, tensors)}
             for t, v in zip(carry_in, tensors):  # masks back on their tensors
-                for owner in self._mask_of.get(id(t), ()):
-                    if id(owner) in values:
-                        keras_private.set_keras_mask(values[id(owner)], v)
+                if isinstance(t, MaskOf):
+                    keras_private.set_keras_mask(values[t.owner_id], v)
             for node in nodes:
                 args, kwargs = node.arguments.fill_in(values)
                 op = keras_private.operation_fn(
@@ -331,21 +415,18 @@ class StagedGraph:
         return run
 
     def _carried(self, values, t, stage):
-        """The value of carried tensor `t` (a mask: its tensors' mask as
-        the layers attached it)."""
-        if id(t) in values:
+        """The value of carried tensor `t` (a `MaskOf`: its owner's mask
+        as the layers left it)."""
+        if not isinstance(t, MaskOf):
             return values[id(t)]
-        for owner in self._mask_of.get(id(t), ()):
-            if id(owner) in values:
-                mask = keras_private.keras_mask(values[id(owner)])
-                if mask is not None:
-                    return mask
-        raise ValueError(
-            f"Pipeline stage {stage}: the Keras mask {t.name} of "
-            f"{[o.name for o in self._mask_of.get(id(t), ())]} was not "
-            "attached when the stage ran (a layer's `compute_mask` gave "
-            "None where the model's symbolic call gave a mask). Make the "
-            "layer's compute_mask return the same at run time.")
+        mask = keras_private.keras_mask(values[t.owner_id])
+        if mask is None:
+            raise ValueError(
+                f"Pipeline stage {stage}: tensor {t.name[:-5]} held a Keras "
+                "mask when the stages were first traced but has none now; "
+                "a layer's masking changed between traces. Make its "
+                "compute_mask deterministic.")
+        return mask
 
     def checkpointed_names(self, checkpointing):
         """The layer names in a config's `activation_checkpointing` (a set),
@@ -372,12 +453,10 @@ class StagedGraph:
         `carries[-1]` lists them), which are attached to the outputs."""
         flat = list(flat)
         outputs = flat[:self.num_outputs]
-        masks = dict(zip((id(t) for t in self.carries[-1][self.num_outputs:]),
-                         flat[self.num_outputs:]))
-        for t, v in zip(self.outputs, outputs):
-            mask = keras_private.keras_mask(t)
-            if mask is not None and id(mask) in masks:
-                keras_private.set_keras_mask(v, masks[id(mask)])
+        at = {id(t): i for i, t in enumerate(self.outputs)}
+        for t, mask in zip(self.carries[-1][self.num_outputs:],
+                           flat[self.num_outputs:]):
+            keras_private.set_keras_mask(outputs[at[t.owner_id]], mask)
         return tree.pack_sequence_as(self.outputs_struct, outputs)
 
     # -- variables and summaries ------------------------------------------

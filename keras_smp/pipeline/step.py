@@ -553,36 +553,35 @@ def _after(deps, grad):
         return tf.identity(grad)
 
 
-def loss_weight(compiled_losses, m, sample_weight, masked=False):
-    """Factor of each microbatch's loss so that they sum to the batch loss.
+def reduction_of(loss):
+    """A compiled Keras loss's reduction (`"sum_over_batch_size"` for
+    loss functions without one, as Keras wraps them)."""
+    fn = getattr(loss, "fn", loss)
+    return (getattr(fn, "reduction", None) or getattr(loss, "reduction", None)
+            or "sum_over_batch_size")
 
-    `compiled_losses`: the compiled Keras loss objects (their reductions
-    decide: 'sum' adds up, mean-like reductions average over microbatches).
-    `masked`: a model output has a Keras mask (its share of unmasked
-    entries then weights each microbatch, `_microbatch_weights`).
+
+def loss_weight(compiled_losses, m, sample_weight, masked=False):
+    """Weight of each microbatch's compiled loss in the step: `1/m`.
+
+    Each output's loss is then scaled through its sample weights
+    (`_microbatch_weights`): a `"sum"` loss by `m` (its microbatch sums
+    add up), a mean-like one by `m` times the microbatch's share of what
+    Keras divides by when the shares are unequal (a partial batch, a
+    mask: `masked`). `compiled_losses`: the compiled Keras loss objects.
+    A `"mean_with_sample_weight"` loss divides by each microbatch's own
+    weight sum: refused with sample weights or a mask.
     """
-    reductions = set()
-    for loss in compiled_losses:
-        fn = getattr(loss, "fn", loss)
-        reductions.add(getattr(fn, "reduction", None)
-                       or getattr(loss, "reduction", None))
-    reductions.discard(None)
-    if reductions <= {"sum"} and reductions:
-        return 1.0
-    if reductions <= set(_MEAN_REDUCTIONS):
-        if "mean_with_sample_weight" in reductions and m > 1 and (
-                sample_weight is not None or masked):
-            raise ValueError(
-                "A loss with reduction='mean_with_sample_weight' cannot be "
-                "split into microbatches exactly (each microbatch divides by "
-                "its own weight sum" + (", masked entries left out" if masked
-                                        else "") + "). Use "
-                "reduction='sum_over_batch_size' or microbatches=1.")
-        return 1.0 / m
-    raise ValueError(
-        f"Compiled losses mix reductions {sorted(reductions)}; a pipelined "
-        "model needs all 'sum' or all mean-like ('sum_over_batch_size') "
-        "reductions.")
+    reductions = {reduction_of(loss) for loss in compiled_losses}
+    if "mean_with_sample_weight" in reductions and m > 1 and (
+            sample_weight is not None or masked):
+        raise ValueError(
+            "A loss with reduction='mean_with_sample_weight' cannot be "
+            "split into microbatches exactly (each microbatch divides by "
+            "its own weight sum" + (", masked entries left out" if masked
+                                    else "") + "). Use "
+            "reduction='sum_over_batch_size' or microbatches=1.")
+    return 1.0 / m
 
 
 def _share_factor(rows, m, batch):
@@ -632,14 +631,19 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
     a batch of `batch` rows."""
     graph = model.staged_graph
     compiled = keras_private.compiled_loss(model)
-    masked = m > 1 and any(mask is not None for mask in graph.output_masks())
-    weight = loss_weight(keras_private.compiled_loss_objects(model), m,
-                         sample_weight, masked)
-    if weight != 1.0 and (masked or rows is not None):
-        sws = _microbatch_weights(graph, flat_x, m, sws, rows, batch)
+    entries = keras_private.compiled_loss_entries(model)
+    masked = m > 1 and any(graph.output_masks())
+    weight = loss_weight([loss for _, loss in entries], m, sample_weight,
+                         masked)
+    checks = []
+    if m > 1:
+        sws, checks = _microbatch_weights(model, entries, flat_x, m, sws,
+                                          rows, batch)
 
     def loss_fn(out, mb):
-        loss = compiled(ys[mb], graph.pack_outputs(out), sws[mb]) * weight
+        y_pred = graph.pack_outputs(out)
+        with tf.control_dependencies(checks[mb](y_pred) if checks else []):
+            loss = compiled(ys[mb], y_pred, sws[mb]) * weight
         if loss_fn.logged[mb] is None:  # not a recomputation's
             loss_fn.logged[mb] = loss
         if training and model.optimizer is not None:
@@ -650,57 +654,95 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
     return loss_fn
 
 
-def _microbatch_weights(graph, flat_x, m, sws, rows, batch):
-    """Per microbatch, sample weights that make a mean loss exact when
-    microbatches hold unequal shares of what Keras divides by.
+def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch):
+    """`(sample weights, checks)` per microbatch that make each output's
+    microbatch losses, weighted `1/m`, sum to Keras' loss of the batch.
 
-    Keras divides a mean loss by the batch's entries, a masked one by its
-    unmasked entries (`apply_mask`): by the whole batch's in one step, by
-    each microbatch's own here. A microbatch holding the share `c` of an
-    output's (unmasked) entries has that output's sample weights scaled
-    by `m * c` (the step weights every microbatch `1/m`), so the
-    microbatch losses sum to the batch's. Unequal microbatches (`rows`,
-    of `batch` rows) hold their share of the rows; the masks are computed
-    from the inputs for the whole batch first
-    (`StagedGraph.output_mask_fn`): 1F1B runs the first microbatch's
-    backward before the last one's forward.
+    - A `"sum"` loss: its sample weights scaled by `m`.
+    - A mean loss divides by the batch's entries, a masked one by its
+      unmasked entries (`apply_mask`): by the whole batch's in one step,
+      by each microbatch's own here. A microbatch holding the share `c` of
+      them (unequal microbatches, `rows` of `batch`; or masks) has the
+      output's sample weights scaled by `m * c`. The outputs' masks are
+      computed from the inputs for the whole batch first
+      (`StagedGraph.output_mask_fn`: 1F1B runs the first microbatch's
+      backward before the last one's forward); `checks[i](y_pred)` gives
+      the assertions that microbatch `i`'s masks are those.
+
+    Per-output losses ("cls_loss") then log Keras' values too. The
+    weights are laid out as Keras' compiled loss looks them up (by each
+    loss's path in the outputs as it was built); a scalar scales any
+    loss shape. Without a change (equal microbatches, mean losses, no
+    mask) the given weights are kept.
     """
-    masks = (graph.output_mask_fn()(flat_x)
-             if any(mask is not None for mask in graph.output_masks())
-             else [None] * len(graph.outputs))
+    graph = model.staged_graph
+    masks = (graph.output_mask_fn(model._smp_multi_process())(flat_x)
+             if any(graph.output_masks()) else [None] * len(graph.outputs))
     floatx = keras.config.floatx()
-    factors = []  # per output: per microbatch, its factor (or None)
-    for mask in masks:
-        if mask is None:
-            factors.append([None if rows is None else
-                            _share_factor(rows[i], m, batch)
-                            for i in range(m)])
-            continue
-        parts = tf.split(mask, m if rows is None else rows, axis=0, num=m)
-        counts = [tf.reduce_sum(tf.cast(part, tf.float32)) for part in parts]
-        total = tf.add_n(counts)
-        factors.append([tf.cast(float(m) * tf.math.divide_no_nan(c, total),
-                                floatx) for c in counts])
+    index = keras_private.compiled_loss_output_index(
+        model, graph.outputs_struct, len(graph.outputs))
+    factors = {}  # path -> per microbatch, its factor
+    parts = {}  # output index -> its mask's microbatch parts
+    for path, loss in entries:
+        k = index[path]
+        reduction = reduction_of(loss)
+        if reduction == "sum":
+            factors[path] = [float(m)] * m
+        elif reduction == "mean_with_sample_weight":
+            continue  # (equal microbatches, no weights, no mask: checked)
+        elif masks[k] is not None:
+            parts[k] = tf.split(masks[k], m if rows is None else rows,
+                                axis=0, num=m)
+            counts = [tf.reduce_sum(tf.cast(p, tf.float32))
+                      for p in parts[k]]
+            total = tf.add_n(counts)
+            factors[path] = [
+                tf.cast(float(m) * tf.math.divide_no_nan(c, total), floatx)
+                for c in counts]
+        elif rows is not None:
+            factors[path] = [_share_factor(rows[i], m, batch)
+                             for i in range(m)]
+    checks = [_mask_checks(graph, parts, i) for i in range(m)]
+    if not factors:
+        return sws, (checks if parts else [])
     nested = keras.tree.is_nested(graph.outputs_struct)
+    layout = keras_private.compiled_loss_layout(model, graph.outputs_struct)
     out = []
     for i, given in enumerate(sws):
-        if given is not None and keras.tree.is_nested(given):
-            flat = keras.tree.flatten(given)
-            if len(flat) != len(masks):
-                raise ValueError(
-                    f"Per-output sample weights ({len(flat)}) do not match "
-                    f"the model's {len(masks)} outputs; a pipeline with "
-                    "masked outputs needs one per output (or one for "
-                    "all).")
+        weights = {}
+        for path, loss in entries:
+            w = (keras_private.resolve_path(path, given)
+                 if given is not None and keras.tree.is_nested(given)
+                 else given)
+            if path in factors:
+                f = factors[path][i]
+                w = f if w is None else tf.cast(w, floatx) * f
+            weights[path] = w
+        if not nested:
+            out.append(weights[()])
         else:
-            flat = [given] * len(masks)
-        weights = []
-        for w, f in zip(flat, factors):
-            if f[i] is not None:  # (a scalar weight: any loss shape)
-                w = f[i] if w is None else tf.cast(w, floatx) * f[i]
-            weights.append(w)
-        out.append(graph.pack_outputs(weights) if nested else weights[0])
-    return out
+            out.append(keras.tree.pack_sequence_as(layout, [
+                weights.get(path) for path, _ in
+                keras.tree.flatten_with_path(layout)]))
+    return out, checks
+
+
+def _mask_checks(graph, parts, i):
+    """Assertions that microbatch `i`'s outputs hold the masks computed
+    ahead (`parts`: output index -> microbatch masks)."""
+    def check(y_pred):
+        flat = keras.tree.flatten(y_pred)
+        return [tf.debugging.Assert(
+            tf.reduce_all(tf.equal(
+                tf.cast(keras_private.keras_mask(flat[k]), tf.bool),
+                tf.cast(p[i], tf.bool))),
+            [f"keras-smp: the Keras mask of model output {k} when the "
+             "model runs differs from the one computed ahead from the "
+             "inputs (a layer's compute_mask depends on more than its "
+             "inputs' masks and shapes); use microbatches=1."])
+            for k, p in parts.items()]
+
+    return check
 
 
 def _logged(loss_fn, losses):

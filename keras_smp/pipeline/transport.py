@@ -390,7 +390,8 @@ class StageLinks:
 # TensorFlow's collective kernels have no bfloat16 (mixed_bfloat16 models'
 # activations and outputs): such tensors travel as float32, which holds
 # every bfloat16 value exactly.
-_WIRE = {tf.bfloat16: tf.float32}
+# Keras masks (bool) travel as int32: NCCL has no bool type.
+_WIRE = {tf.bfloat16: tf.float32, tf.bool: tf.int32}
 
 
 def _to_wire(tensor):

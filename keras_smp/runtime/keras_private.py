@@ -77,13 +77,64 @@ def compiled_loss_objects(model):
     """The compiled loss objects, flat (their reductions matter): once
     the compiled loss is built (Keras builds it before the first step),
     the `Loss` of each of its `(path, loss, loss_weights, name)` entries;
-    before, the `Loss` objects given to `compile` (strings and functions
-    become Keras' default `sum_over_batch_size` losses)."""
+    before, what was given to `compile` (strings and functions: Keras'
+    default `sum_over_batch_size` losses)."""
     flat = getattr(compiled_loss(model), "_flat_losses", None)
     if flat:
         return [getattr(entry, "loss", entry) for entry in flat]
-    return [spec for spec in compiled_loss_specs(model)
-            if hasattr(spec, "reduction")]
+    return compiled_loss_specs(model)
+
+
+def compiled_loss_entries(model):
+    """`[(path, Loss)]`: each compiled loss and its output's path in the
+    outputs as the compiled loss was built (Keras builds it before the
+    first step: `_symbolic_build`)."""
+    loss = compiled_loss(model)
+    flat = getattr(loss, "_flat_losses", None) if loss is not None else []
+    if flat is None:
+        raise RuntimeError(
+            "keras-smp: the compiled loss is not built yet (Keras builds it "
+            "when fit, evaluate or train_on_batch starts).")
+    return [(tuple(entry.path), entry.loss) for entry in flat]
+
+
+def compiled_loss_layout(model, outputs):
+    """The structure the compiled loss looks each output up in (by the
+    paths of `compiled_loss_entries`): the outputs' (`outputs`, any
+    leaves) or, when they differ, the one it was built with (a list of
+    outputs with losses keyed by name: a dict)."""
+    import keras
+
+    built = getattr(compiled_loss(model), "_y_pred_build_structure", None)
+    if built is None:
+        return outputs
+    try:
+        keras.tree.assert_same_structure(built, outputs)
+        return outputs
+    except ValueError:
+        return built
+
+
+def compiled_loss_output_index(model, outputs, n):
+    """`{path: flat output index}` of `compiled_loss_entries`' paths, as
+    the compiled loss repacks the model's outputs (`outputs`: their
+    structure, `n` leaves)."""
+    import keras
+
+    ours = keras.tree.pack_sequence_as(outputs, list(range(n)))
+    layout = compiled_loss_layout(model, ours)
+    if layout is not ours:
+        ours = keras.tree.pack_sequence_as(layout, keras.tree.flatten(ours))
+    return {path: resolve_path(path, ours)
+            for path, _ in compiled_loss_entries(model)}
+
+
+def resolve_path(path, structure):
+    """`structure[path[0]][path[1]]...`, as the compiled loss finds an
+    output's target and sample weights."""
+    for key in path:
+        structure = structure[key]
+    return structure
 
 
 def compiled_loss_specs(model):

@@ -172,6 +172,27 @@ def token_tagger(rng):
     return model, compile_args, (x, y, None), {}
 
 
+def masked_attention(rng):
+    # Self-attention over padded sequences (the embedding's mask_zero)
+    # with a residual: MultiHeadAttention clears its inputs' masks when it
+    # runs, so the residual sum and the per-token output hold none, and
+    # Keras' loss counts every token; in the symbolic graph they have
+    # one. The pipeline follows what runs.
+    tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
+    h = layers.Embedding(VOCAB, WIDTH, mask_zero=True, name="tok_emb")(tokens)
+    h = layers.Dense(WIDTH, activation="tanh", name="proj")(h)
+    a = layers.MultiHeadAttention(2, WIDTH // 2, name="mha")(h, h)
+    h = layers.LayerNormalization(name="ln")(layers.Add(name="res")([h, a]))
+    h = layers.Dense(WIDTH, activation="tanh", name="ff")(h)
+    model = keras.Model(tokens, layers.Dense(5, name="tag")(h))
+    x = _tokens(rng)
+    for i, n in enumerate(rng.randint(2, SEQ + 1, size=SAMPLES)):
+        x[i, n:] = 0
+    compile_args = _classifier_compile(keras.optimizers.SGD(0.1,
+                                                            momentum=0.9))
+    return model, compile_args, (x, (x % 5).astype("int32"), None), {}
+
+
 def _image_classifier(model, rng):
     """8x8 images, 3 classes, SGD with momentum."""
     x = rng.randn(SAMPLES, 8, 8, 1).astype("float32")
@@ -245,9 +266,12 @@ def multi_io(rng):
     sw = rng.uniform(0.5, 1.5, size=SAMPLES).astype("float32")
     compile_args = dict(
         optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+        # Mixed reductions: the regression loss sums over the batch
+        # (each microbatch's sum adds up, its logged "reg_loss" too).
         loss={"cls": keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True), "reg": "mse"},
-        loss_weights={"cls": 1.0, "reg": 0.5},
+            from_logits=True),
+            "reg": keras.losses.MeanSquaredError(reduction="sum")},
+        loss_weights={"cls": 1.0, "reg": 0.05},
         metrics={"cls": ["sparse_categorical_accuracy"], "reg": ["mae"]},
         weighted_metrics={"reg": ["mse"]})
     return model, compile_args, ({"a": xa, "b": xb}, y, sw), {}
@@ -389,7 +413,8 @@ def class_weight_lr(rng):
 
 
 ZOO = {f.__name__: f for f in (
-    transformer_lm, bert_classifier, rnn_text, token_tagger, cnn_bn,
+    transformer_lm, bert_classifier, rnn_text, token_tagger,
+    masked_attention, cnn_bn,
     cnn_sync_bn, dropout, resnet, multi_io, regularized,
     frozen, mixed_bfloat16, mixed_float16, loss_scale_skip,
     frozen_stage_loss_scale, class_weight_lr)}
