@@ -12,8 +12,19 @@ BATCH_ERROR = "does not divide into microbatches"
 FEW_ERROR = "is smaller than microbatches"
 
 
-def _indivisible(what, rows, m, advice):
-    return (f"{what} of {rows} samples {BATCH_ERROR}={m}. {advice}")
+def _check(tensor, axis, ok, error, what, m, advice):
+    """Checks `ok(rows)` of `tensor`'s `axis`: a known size now (a
+    `ValueError`), an unknown one by the returned `tf.debugging.Assert`
+    ops (their message names the size at run time)."""
+    t = tf.convert_to_tensor(tensor)
+    static = t.shape[axis] if t.shape.rank is not None else None
+    if static is not None:
+        if not ok(static):
+            raise ValueError(f"{what} of {static} samples {error}={m}{advice}")
+        return []
+    rows = tf.shape(t)[axis]
+    return [tf.debugging.Assert(
+        ok(rows), [what + " of", rows, f"samples {error}={m}{advice}"])]
 
 
 def check_divisible(tensor, m, what="The per-replica batch", advice="",
@@ -36,47 +47,17 @@ def check_divisible(tensor, m, what="The per-replica batch", advice="",
         assert "6 samples does not divide into microbatches=4" in str(e)
     ```
     """
-    t = tf.convert_to_tensor(tensor)
-    static = t.shape[axis] if t.shape.rank is not None else None
-    if static is not None:
-        if static % m:
-            raise ValueError(_indivisible(what, static, m, advice))
-        return []
-    rows = tf.shape(t)[axis]
-    return [tf.debugging.Assert(
-        tf.equal(tf.math.floormod(rows, m), 0),
-        [what + " of", rows, f"samples {BATCH_ERROR}={m}. {advice}"])]
+    return _check(tensor, axis, lambda rows: rows % m == 0, BATCH_ERROR,
+                  what, m, f". {advice}")
 
 
 def check_enough(tensor, m, what="The per-replica batch", advice=""):
-    """Checks that `tensor`'s batch has at least `m` rows (one per
-    microbatch): like `check_divisible`, a known size now, an unknown
-    one by the returned `tf.debugging.Assert` ops.
-
-    Example:
-
-    ```python
-    import tensorflow as tf
-    from keras_smp.pipeline.microbatch import check_enough
-    assert check_enough(tf.zeros([5, 2]), 4) == []
-    try:
-        check_enough(tf.zeros([3, 2]), 4)
-    except ValueError as e:
-        assert "3 samples is smaller than microbatches=4" in str(e)
-    ```
-    """
-    t = tf.convert_to_tensor(tensor)
-    static = t.shape[0] if t.shape.rank is not None else None
-    advice = "(a microbatch needs at least one sample). " + advice
-    if static is not None:
-        if static < m:
-            raise ValueError(
-                f"{what} of {static} samples {FEW_ERROR}={m} {advice}")
-        return []
-    rows = tf.shape(t)[0]
-    return [tf.debugging.Assert(
-        tf.greater_equal(rows, m),
-        [what + " of", rows, f"samples {FEW_ERROR}={m} {advice}"])]
+    """Checks that `tensor`'s batch has at least `m` rows, one per
+    microbatch (a known size now, an unknown one by the returned Assert
+    ops, as `check_divisible`): `check_enough(tf.zeros([3, 2]), 4)`
+    raises "... of 3 samples is smaller than microbatches=4 ..."."""
+    return _check(tensor, 0, lambda rows: rows >= m, FEW_ERROR, what, m,
+                  f" (a microbatch needs at least one sample). {advice}")
 
 
 def sizes(rows, m):
