@@ -86,9 +86,10 @@ GROUPS = {
              + _cases("two_heads", (4,), ("1f1b",), (4,), "adam")
              # A loss per token under the embedding's mask (uneven
              # padding: microbatches hold different shares of the real
-             # tokens). (Its embedding's sparse gradients: one stage
-             # placement per process, see the "manual" group.)
-             + _cases("tokens", (2,), BOTH, (4,), "sgd")
+             # tokens). Its embedding's sparse gradients sit on other
+             # devices in turn (a second pipeline of a process once hit a
+             # collective instance key of the first's).
+             + _cases("tokens", (2, 4), BOTH, (4,), "sgd")
              + _cases("tokens", (2,), ("gpipe",), (8,), "adam")
              # A loss with reduction="sum": the microbatch losses add up
              # (each was once weighted 1/m).
@@ -101,13 +102,12 @@ GROUPS = {
                 _cases("skip", (2,), ("1f1b",), (4,), "sgd")
                 + _cases("penalized", (4,), ("gpipe",), (4,), "sgd")
                 + _cases("autoencoder", (2,), ("1f1b",), (4,), "sgd")
-                + _cases("tokens", (2,), ("1f1b",), (4,), "sgd")]),
+                + _cases("tokens", (2,), ("1f1b",), (4,), "sgd")]
+             # Batches of 30 rows of a known size (8+8+7+7).
+             + [dict(c, partial="static") for c in
+                _cases("tokens", (2,), ("1f1b",), (4,), "adam")]),
     "manual": (_cases("manual", (2, 4), BOTH, (1, 4), "sgd")
-               + _cases("manual", (4,), ("1f1b",), (8,), "adam")
-               # The masked tokens with 4 stages (a process that trains
-               # pipelines placing an embedding's sparse gradients on other
-               # devices in turn fails: a collective instance key clash).
-               + _cases("tokens", (4,), BOTH, (4,), "sgd")),
+               + _cases("manual", (4,), ("1f1b",), (8,), "adam")),
     # 4 logical CPUs = 2 pipeline replicas x 2 stages (per-replica batch 16).
     "dp_x_pp": (_cases("mlp", (2,), BOTH, (2, 8), "sgd", devices=4)
                 + _cases("skip", (2,), BOTH, (1, 4), "sgd", devices=4)
@@ -185,6 +185,7 @@ GROUPS = {
               + _cases("tokens", (2,), ("zb_h1",), (4,), "sgd")
               + [dict(c, partial=True) for c in
                  _cases("tokens", (2,), ("zb_h1",), (4,), "sgd")]
+
               + _cases("autoencoder", (2,), ("zb_h1",), (2,), "sgd",
                        devices=4)
               + _cases("cnn", (2,), ("zb_h1",), (4,), "sgd", devices=4))
@@ -212,7 +213,8 @@ GROUPS = {
                 + _cases("penalized", (2,), ("interleaved_1f1b", "zb_v"),
                          (4,), "adam")
                 + _cases("two_heads", (2,), ("zb_v",), (4,), "sgd")
-                + _cases("tokens", (2,), ("interleaved_1f1b",), (4,), "sgd")
+                + _cases("tokens", (2,), ("interleaved_1f1b", "zb_v"), (4,),
+                         "sgd")
                 + [dict(c, partial=True) for c in _cases(
                     "cnn", (2,), ("interleaved_1f1b",), (8,), "adam")]
                 + [dict(c, virtual_stages=3) for c in _cases(
@@ -752,9 +754,14 @@ def test_dict_losses_and_metrics_keyed_by_output_name():
     # Keras maps dict losses, loss weights and metrics to outputs by
     # `model.output_names`; a DistributedModel once had none and failed at
     # its first step ("'NoneType' object is not iterable"). Suite bounds.
+    # Then batches of a known size that do not divide into the
+    # microbatches: every logged value (per-output losses: Keras weights
+    # them by the static batch size) equals Keras'.
     out = run_python([os.path.join(WORKERS, "dict_losses.py")]).stdout
     row = json.loads(out.strip().splitlines()[-1])
-    assert row["keys"][0] == row["keys"][1], row
+    assert row["keys"][0] == row["keys"][1] == row["keys"][3], row
+    assert "reg_loss" in row["keys"][3], row
+    assert row["logged"] <= 1e-5 * max(1.0, row["logged_scale"]), row
     assert "cls_accuracy" in row["keys"][1], row
     assert row["weights"] <= 1e-6 * max(1.0, row["scale"]) + 1e-5 * row[
         "scale"], row

@@ -251,6 +251,16 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
             collective_keys = tf_private.CollectiveKeys(
                 group_key_start=tf_keys.key(
                     topology.mp_rank * TF_KEYS_PER_STAGE))
+        elif topology.world_size == 1:
+            # Keys of this strategy's own: TensorFlow's start at group 1 in
+            # every strategy, and a second strategy of the process (another
+            # model's pipeline) would give an instance key of group 1 other
+            # shapes (the all-gather of a sparse gradient: "Shape mismatch
+            # in the collective instance").
+            tf_keys = keys.allocate("SMPStrategy CollectiveKeys",
+                                    TF_KEYS_PER_STAGE)
+            collective_keys = tf_private.CollectiveKeys(
+                group_key_start=tf_keys.key(0))
         self._smp_tensor_group = None
         if topology.tp_size > 1:
             from keras_smp.tensor.ops import TensorGroup

@@ -208,6 +208,9 @@ class StagedGraph:
             self._plain_carries.append([t for _, _, t in keep])
         self._plain_carries.append(list(self.outputs))
         self._carries = None
+        #: A context manager factory for `_runtime_masks`' trace (the
+        #: model's: other stages' weights as shapes only).
+        self.trace_scope = contextlib.nullcontext
         #: How many of the last stage's tensors are the model outputs (the
         #: rest are their masks).
         self.num_outputs = len(self.outputs)
@@ -278,9 +281,9 @@ class StagedGraph:
         import keras
 
         specs = [tf.TensorSpec(t.shape, t.dtype) for t in self.inputs]
-        # Stateless: no state changes, added losses dropped, and weights
-        # this process does not hold (other stages') read as placeholders.
-        with tf.init_scope(), keras.StatelessScope(), \
+        # Stateless: no state changes, added losses dropped; weights this
+        # process does not hold (other stages') read as placeholders.
+        with tf.init_scope(), self.trace_scope(), keras.StatelessScope(), \
                 keras_private.call_context(None, False):
             tf.function(trace, autograph=False).get_concrete_function(*specs)
         return found
@@ -291,11 +294,12 @@ class StagedGraph:
         masked = {c.owner_id for c in self.carries[-1][self.num_outputs:]}
         return [id(t) in masked for t in self.outputs]
 
-    def output_mask_fn(self, multi_process=False):
+    def output_mask_fn(self, multi_process=False, wanted_outputs=None):
         """`flat inputs -> [the Keras mask of each flattened output that
         holds one when the model runs, else None]` for a whole batch,
         computed ahead from the model inputs by the symbolic graph's mask
-        computations (inference mode).
+        computations (inference mode); only those of `wanted_outputs`
+        (flat indices) when given.
 
         A pipeline weights each microbatch's masked loss by its share of
         the batch's unmasked entries, which it needs before the first
@@ -304,10 +308,12 @@ class StagedGraph:
         (`multi_process`), a mask computed from weights' results (held
         by other processes) is refused.
         """
+        asked = [masked and (wanted_outputs is None or k in wanted_outputs)
+                 for k, masked in enumerate(self.output_masks())]
         masks = [keras_private.keras_mask(t) if masked else None
-                 for t, masked in zip(self.outputs, self.output_masks())]
+                 for t, masked in zip(self.outputs, asked)]
         if any(masked and mask is None for mask, masked in
-               zip(masks, self.output_masks())):
+               zip(masks, asked)):
             raise NotImplementedError(
                 "A model output holds a Keras mask when the model runs but "
                 "not in its symbolic graph (a nested model's layers attach "

@@ -262,6 +262,9 @@ class DistributedModel(keras.Model):
 
     def _smp_set_graph(self, graph):
         self._smp_graph = graph
+        # Its one-off trace of the stages (which tensors hold masks) reads
+        # other stages' weights: as shapes only, with one stage per process.
+        graph.trace_scope = self._smp_symbolic
         self._smp_place_variables()
         if self._smp_multi_process():
             self._smp_allocate_keys()
@@ -433,6 +436,11 @@ class DistributedModel(keras.Model):
         averages of `use_ema` (`SwapEMAWeights`): this stage's weights
         only."""
         return own_averages(self.optimizer)
+
+    def _smp_symbolic(self):
+        residency = self._smp_residency()
+        return (residency.symbolic() if residency
+                else contextlib.nullcontext())
 
     def _smp_shaped(self):
         residency = self._smp_residency()

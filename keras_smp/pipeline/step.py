@@ -34,8 +34,6 @@ from keras_smp.runtime import keras_private
 from keras_smp.runtime import xla
 from keras_smp.tensor.layers import current_group_of
 
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
-
 
 @dataclasses.dataclass
 class StepRun:
@@ -502,7 +500,7 @@ def _pad_rows(tensor, rows):
 
 def _mean_with_sample_weight(model):
     """Whether a compiled loss divides by its sample weights' sum."""
-    return any(getattr(loss, "reduction", None) == "mean_with_sample_weight"
+    return any(reduction_of(loss) == "mean_with_sample_weight"
                for loss in keras_private.compiled_loss_objects(model))
 
 
@@ -587,8 +585,8 @@ def loss_weight(compiled_losses, m, sample_weight, masked=False):
 def _share_factor(rows, m, batch):
     """`m x rows / batch`: how much more than `1/m` of the batch a
     microbatch of `rows` holds (exactly 1.0 when they are equal)."""
-    floatx = keras.config.floatx()
-    return tf.cast(rows * m, floatx) / tf.cast(batch, floatx)
+    share = tf.cast(rows * m, tf.float32) / tf.cast(batch, tf.float32)
+    return tf.cast(share, keras.config.floatx())
 
 
 def _replay(model, graph, stage, m, batch=None):
@@ -631,7 +629,8 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
     a batch of `batch` rows."""
     graph = model.staged_graph
     compiled = keras_private.compiled_loss(model)
-    entries = keras_private.compiled_loss_entries(model)
+    entries = keras_private.compiled_loss_entries(model, ys[0],
+                                                  graph.outputs_struct)
     masked = m > 1 and any(graph.output_masks())
     weight = loss_weight([loss for _, loss in entries], m, sample_weight,
                          masked)
@@ -641,6 +640,14 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
                                           rows, batch)
 
     def loss_fn(out, mb):
+        if isinstance(rows, list):
+            # Keras weights its per-output loss metrics by the static
+            # rows of the predictions: unknown, as for a partial batch of
+            # unknown size, every microbatch counts alike (what the
+            # weights above assume).
+            out = [tf.raw_ops.PlaceholderWithDefault(
+                input=t, shape=[None] + t.shape[1:].as_list())
+                if t.shape.rank else t for t in out]
         y_pred = graph.pack_outputs(out)
         with tf.control_dependencies(checks[mb](y_pred) if checks else []):
             loss = compiled(ys[mb], y_pred, sws[mb]) * weight
@@ -676,11 +683,15 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch):
     mask) the given weights are kept.
     """
     graph = model.staged_graph
-    masks = (graph.output_mask_fn(model._smp_multi_process())(flat_x)
-             if any(graph.output_masks()) else [None] * len(graph.outputs))
     floatx = keras.config.floatx()
     index = keras_private.compiled_loss_output_index(
         model, graph.outputs_struct, len(graph.outputs))
+    # (the masks of the outputs whose loss is a mean)
+    means = {index[path] for path, loss in entries if reduction_of(loss)
+             in ("sum_over_batch_size", "mean")}
+    masks = (graph.output_mask_fn(model._smp_multi_process(), means)(flat_x)
+             if any(graph.output_masks()[k] for k in means)
+             else [None] * len(graph.outputs))
     factors = {}  # path -> per microbatch, its factor
     parts = {}  # output index -> its mask's microbatch parts
     for path, loss in entries:

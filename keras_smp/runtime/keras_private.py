@@ -85,17 +85,18 @@ def compiled_loss_objects(model):
     return compiled_loss_specs(model)
 
 
-def compiled_loss_entries(model):
+def compiled_loss_entries(model, y_true=None, y_pred=None):
     """`[(path, Loss)]`: each compiled loss and its output's path in the
-    outputs as the compiled loss was built (Keras builds it before the
-    first step: `_symbolic_build`)."""
+    outputs as the compiled loss was built. Under a strategy Keras builds
+    it before the first step (`_symbolic_build`); otherwise it is built
+    here from `y_true` and `y_pred` (symbolic outputs do), as its first
+    call would."""
     loss = compiled_loss(model)
-    flat = getattr(loss, "_flat_losses", None) if loss is not None else []
-    if flat is None:
-        raise RuntimeError(
-            "keras-smp: the compiled loss is not built yet (Keras builds it "
-            "when fit, evaluate or train_on_batch starts).")
-    return [(tuple(entry.path), entry.loss) for entry in flat]
+    if loss is None:
+        return []
+    if getattr(loss, "_flat_losses", None) is None:
+        loss.build(y_true, y_pred)
+    return [(tuple(entry.path), entry.loss) for entry in loss._flat_losses]
 
 
 def compiled_loss_layout(model, outputs):

@@ -14,7 +14,8 @@ optimizer (sgd|adam), devices (logical CPUs, default = partitions),
 virtual_stages (model stages per rank, for interleaved_1f1b),
 recompute (activation_checkpointing), reduction (of the loss, default
 sum_over_batch_size; "sum": microbatch losses add up), partial (the data's
-last batch has 26 rows: unequal microbatches), xla (compile both models with
+last batch has 26 rows: unequal microbatches; "static": batches of 30 rows
+of a known size), xla (compile both models with
 jit_compile=True; needs TF_DETERMINISTIC_OPS=0, which Keras requires for XLA).
 """
 
@@ -239,6 +240,9 @@ def run(case, pipelined):
                      for d in data)
         x = data[0]
     ds = tf.data.Dataset.from_tensor_slices(data).batch(GLOBAL_BATCH)
+    if case.get("partial") == "static":  # batches of 30 rows, shape known
+        ds = tf.data.Dataset.from_tensor_slices(data).batch(
+            GLOBAL_BATCH - 2, drop_remainder=True)
     kept = [w for w in model.weights if "seed" not in w.path]
     initial = [w.numpy() for w in kept]
     hist = model.fit(ds, epochs=1, verbose=0)
