@@ -47,6 +47,7 @@ LAYERS = {
         "keras_smp.runtime.patches", "keras_smp.runtime.tf_private",
         "keras_smp.runtime.keras_private", "keras_smp.runtime.deferred",
         "keras_smp.runtime.xla", "keras_smp.runtime.shutdown",
+        "keras_smp.runtime.loss_shares",
     ],
     2: [
         "keras_smp.distribute", "keras_smp.distribute.allreduce",

@@ -46,10 +46,6 @@ Expected, documented differences (docs/what-works.md), asserted as such:
   `microbatches=1` a pipeline matches single-device training (checked);
   moving statistics are updated (checked).
 - Dropout draws other masks (other shapes per microbatch or replica).
-- A masked loss per token under data parallelism (`token_tagger` in `dp`
-  and `hybrid`): each replica's loss is a mean over its own unmasked
-  tokens and the replicas' losses are averaged, as in stock Keras; one
-  pipeline replica is exact (`pipe`, `stage`).
 """
 
 import os
@@ -82,12 +78,6 @@ EXPECTED[("cnn_bn", "dp")] = BN_PER_REPLICA
 EXPECTED.update({("cnn_sync_bn", m): BN_PER_MICROBATCH
                  for m in ("pipe", "stage", "hybrid")})
 EXPECTED.update({("dropout", m): DROPOUT for m in MODES})
-# Across replicas a masked mean loss averages each replica's own mean over
-# its unmasked tokens, as stock Keras' data parallelism does (the token
-# counts of the replicas' halves differ).
-MASKED_PER_REPLICA = "masked loss averaged over the replicas' own means"
-EXPECTED.update({("token_tagger", m): MASKED_PER_REPLICA
-                 for m in ("dp", "hybrid")})
 
 _runs = {}
 

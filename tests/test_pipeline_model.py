@@ -118,7 +118,17 @@ GROUPS = {
                          devices=8)
                 # 13 rows per replica in the last batch: 4+3+3+3.
                 + [dict(c, partial=True) for c in _cases(
-                    "penalized", (2,), ("1f1b",), (4,), "sgd", devices=4)]),
+                    "penalized", (2,), ("1f1b",), (4,), "sgd", devices=4)]
+                # Replicas of unequal shares, each counting by its share of
+                # the step's: a last batch of 27 rows (14 and 13: 4+4+3+3
+                # and 4+3+3+3), and masked tokens (each replica's real
+                # tokens of the batch's).
+                + [dict(c, partial="odd") for c in _cases(
+                    "penalized", (2,), ("1f1b",), (4,), "sgd", devices=4)
+                   + _cases("mlp", (2,), ("gpipe",), (1,), "sgd",
+                            devices=4)]
+                + _cases("tokens", (2,), ("1f1b",), (1, 4), "sgd",
+                         devices=4)),
     # Activation checkpointing: every stage (or only stage 1) recomputes its
     # forward in its backward; the same bounds.
     "recompute": [dict(c, recompute=r) for c, r in zip(

@@ -36,6 +36,7 @@ from keras_smp.pipeline.transport import PipelineKeys
 from keras_smp.pipeline.transport import StageLinks
 from keras_smp.runtime import deferred
 from keras_smp.runtime import keras_private
+from keras_smp.runtime import loss_shares
 from keras_smp.runtime import patches
 from keras_smp.runtime import placement
 from keras_smp.runtime import tf_private
@@ -945,8 +946,13 @@ class DistributedModel(keras.Model):
         terms += [unscale(e) for e in extra]
         if terms:
             batch = tf.shape(self._smp_flat_inputs(run.x)[0])[0]
+            total = tf.add_n(terms)
+            if run.rows_share is not None:
+                # Replicas of unequal rows: weighted by its rows, the
+                # replica's part of the global loss, over its share.
+                total = loss_shares.logged_value(total, run.rows_share)
             keras_private.loss_tracker(self).update_state(
-                tf.add_n(terms), sample_weight=batch)
+                total, sample_weight=batch)
 
     def _smp_stage_reducer(self):
         """One stage per process: `reduce_sum(tensor)`, the sum over this

@@ -31,7 +31,9 @@ from keras_smp.pipeline.runtime import execute
 from keras_smp.pipeline.transport import CollectiveTransport
 from keras_smp.pipeline.transport import LocalTransport
 from keras_smp.runtime import keras_private
+from keras_smp.runtime import loss_shares
 from keras_smp.runtime import xla
+from keras_smp.runtime.loss_shares import reduction_of
 from keras_smp.tensor.layers import current_group_of
 
 
@@ -55,6 +57,10 @@ class StepRun:
         grads: `{id(variable): gradient summed over microbatches}` for the
             variables trained here (empty when not training).
         variables: those variables, in stage order.
+        rows_share: with several replicas and a batch of unknown size,
+            this replica's rows over the average replica's (the logged
+            loss is divided by it, see `runtime.loss_shares.logged_value`),
+            else `None`.
     """
 
     x: object
@@ -65,6 +71,7 @@ class StepRun:
     grads: dict
     variables: list
     added: object = None
+    rows_share: object = None
 
 
 def run_step(model, data, training, need_loss=True, need_outputs=True,
@@ -121,6 +128,17 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         # Each microbatch's rows, or None: equal microbatches.
         rows = (microbatch.sizes(true_batch if static is None else static, m)
                 if uneven and (static is None or static % m) else None)
+        # Several replicas and a batch of unknown size (maybe a partial
+        # one, split unevenly): each replica's rows count against the
+        # global batch (`share_batch`: its average per replica).
+        context = (tf.distribute.get_replica_context()
+                   if replicas > 1 else None)
+        share_batch = true_batch
+        if context is not None and static is None and (training
+                                                       or need_loss):
+            share_batch = context.all_reduce(
+                tf.distribute.ReduceOp.SUM,
+                tf.cast(true_batch, tf.float32)) / float(replicas)
         xs = [list(mb) for mb in zip(*[
             tf.split(t, m if rows is None else rows, axis=0, num=m)
             for t in padded])]
@@ -135,7 +153,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             "No loss to compute. Provide `y` and a `loss` argument in "
             "`compile()`, or add losses in layers' `call` (`add_loss()`).")
     loss_fn = (_loss_fn(model, ys, sws, sample_weight, m, training, flat_x,
-                        rows, true_batch)
+                        rows, share_batch, context)
                if has_loss and training else None)
     if training and loss_fn is None:
         # The loss is what the layers add (compile() without a loss, as
@@ -168,7 +186,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             if s == 0:
                 fn = _model_inputs_constant(fn)
             fn = xla.compiled(fn, f"stage {s}", graph.stage_layers(s))
-        batch_rows = None if rows is None else true_batch
+        batch_rows = None if rows is None else share_batch
         stages[s] = Stage(s, _adding_losses(model, graph, s, fn, training,
                                             m, added, batch_rows),
                           stage_vars[s] if training else [],
@@ -234,7 +252,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             y_pred = graph.pack_outputs(
                 [t[:true_batch] for t in _merged(graph, result)])
             losses = (_logged(loss_fn, result.losses) if training else
-                      [_whole_batch_loss(model, y, y_pred, sample_weight)
+                      [_whole_batch_loss(model, y, y_pred, sample_weight,
+                                         context, true_batch, static)
                        if has_loss else None])
         total = _total(added)
         if pads and need_loss and total is not None:
@@ -247,7 +266,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                     "a batch size that divides into the microbatches.")),
                 total)
         return StepRun(x, y, sample_weight, y_pred, losses, grads, variables,
-                       total)
+                       total, _rows_share(true_batch, share_batch))
     # What the last stage shares has the shape of a batch of m equal
     # microbatches (`transport.rows` each: the first, the largest): a
     # partial batch's is padded, so that its keys fit one shape.
@@ -255,7 +274,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                  transport.rows * m, transport.rows, has_loss, need_outputs,
                  training,
                  variables, [grads.get(id(v)) for v in variables],
-                 trackers, loss_fn, true_batch, unreached)
+                 trackers, loss_fn, true_batch, unreached, context, static)
+    run.rows_share = _rows_share(true_batch, share_batch)
     if added and not model._smp_adds_losses():
         raise NotImplementedError(
             "A layer added a loss (add_loss()) from code outside its "
@@ -326,10 +346,28 @@ def _refusing_unforeseen_losses(fn, graph, stage, covered):
     return run
 
 
-def _whole_batch_loss(model, y, y_pred, sample_weight):
+def _whole_batch_loss(model, y, y_pred, sample_weight, context=None,
+                      rows=None, static=None):
     """The compiled loss of a forward-only step, on the whole batch (as
-    Keras' `test_step` computes it)."""
-    return keras_private.compiled_loss(model)(y, y_pred, sample_weight)
+    Keras' `test_step` computes it); with several replicas (`context`)
+    each mean loss counts by the replica's share of its divisor (see
+    `runtime.loss_shares`)."""
+    divisors = (loss_shares.replica_divisors(model, y, y_pred, rows,
+                                             static is not None)
+                if context is not None else None)
+    if divisors is None:
+        return keras_private.compiled_loss(model)(y, y_pred, sample_weight)
+    loss, _ = loss_shares.shared_loss(model, context, divisors, y, y_pred,
+                                      sample_weight, rows)
+    return loss
+
+
+def _rows_share(rows, share_batch):
+    """This replica's rows over the average replica's (what a logged
+    loss, weighted by the rows, is divided by), or `None` (equal)."""
+    if share_batch is rows:
+        return None
+    return tf.cast(rows, tf.float32) / share_batch
 
 
 def _no_loss(out, mb):
@@ -420,7 +458,7 @@ def _specs(tensors, rows, split=1):
 
 def _share(model, links, result, x, y, sample_weight, batch, rows,
            has_loss, need_outputs, training, variables, grads, trackers,
-           loss_fn, true_batch, unreached):
+           loss_fn, true_batch, unreached, context=None, static=None):
     """One stage per process: the last stage's outputs and loss to all.
 
     The last stage shares the merged outputs, the loss and the step's
@@ -449,7 +487,8 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
         if has_loss:
             loss = (tf.add_n(_logged(loss_fn, result.losses)) if training
                     else _whole_batch_loss(model, y, graph.pack_outputs(
-                        [t[:true_batch] for t in merged]), sample_weight))
+                        [t[:true_batch] for t in merged]), sample_weight,
+                        context, true_batch, static))
             mine.append(tf.cast(loss, tf.float32))
             with tf.control_dependencies([result.done]):
                 mine += [v.value - before for v, before in trackers]
@@ -551,14 +590,6 @@ def _after(deps, grad):
         return tf.identity(grad)
 
 
-def reduction_of(loss):
-    """A compiled Keras loss's reduction (`"sum_over_batch_size"` for
-    loss functions without one, as Keras wraps them)."""
-    fn = getattr(loss, "fn", loss)
-    return (getattr(fn, "reduction", None) or getattr(loss, "reduction", None)
-            or "sum_over_batch_size")
-
-
 def loss_weight(compiled_losses, m, sample_weight, masked=False):
     """Weight of each microbatch's compiled loss in the step: `1/m`.
 
@@ -622,11 +653,13 @@ def _replay(model, graph, stage, m, batch=None):
 
 
 def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
-             batch):
+             batch, context=None):
     """The loss of one microbatch (last stage), weighted for the step.
 
-    `rows`: each microbatch's rows when they are unequal (else None), of
-    a batch of `batch` rows."""
+    `rows`: each microbatch's rows when they are unequal or of unknown
+    size (else None), of a batch of `batch` rows (with replicas, the
+    average replica's). `context`: the replica context when the step has
+    several replicas (their masked losses count by their shares)."""
     graph = model.staged_graph
     compiled = keras_private.compiled_loss(model)
     entries = keras_private.compiled_loss_entries(model, ys[0],
@@ -635,9 +668,9 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
     weight = loss_weight([loss for _, loss in entries], m, sample_weight,
                          masked)
     checks = []
-    if m > 1:
+    if m > 1 or context is not None:
         sws, checks = _microbatch_weights(model, entries, flat_x, m, sws,
-                                          rows, batch)
+                                          rows, batch, context)
 
     def loss_fn(out, mb):
         if isinstance(rows, list):
@@ -661,7 +694,8 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
     return loss_fn
 
 
-def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch):
+def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
+                        context=None):
     """`(sample weights, checks)` per microbatch that make each output's
     microbatch losses, weighted `1/m`, sum to Keras' loss of the batch.
 
@@ -675,6 +709,10 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch):
       (`StagedGraph.output_mask_fn`: 1F1B runs the first microbatch's
       backward before the last one's forward); `checks[i](y_pred)` gives
       the assertions that microbatch `i`'s masks are those.
+
+    With several replicas (`context`) the shares are of the whole
+    step's: a masked output's unmasked entries are summed across the
+    replicas (one all-reduce), and `batch` is the average replica's rows.
 
     Per-output losses ("cls_loss") then log Keras' values too. The
     weights are laid out as Keras' compiled loss looks them up (by each
@@ -694,6 +732,7 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch):
              else [None] * len(graph.outputs))
     factors = {}  # path -> per microbatch, its factor
     parts = {}  # output index -> its mask's microbatch parts
+    totals = {}  # path -> its microbatches' unmasked entries, summed
     for path, loss in entries:
         k = index[path]
         reduction = reduction_of(loss)
@@ -706,35 +745,32 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch):
                                 axis=0, num=m)
             counts = [tf.reduce_sum(tf.cast(p, tf.float32))
                       for p in parts[k]]
-            total = tf.add_n(counts)
-            factors[path] = [
-                tf.cast(float(m) * tf.math.divide_no_nan(c, total), floatx)
-                for c in counts]
+            factors[path] = counts
+            totals[path] = tf.add_n(counts)
         elif rows is not None:
             factors[path] = [_share_factor(rows[i], m, batch)
                              for i in range(m)]
+    if totals:
+        # m x each microbatch's share of the step's unmasked entries
+        # (with replicas: x replicas, of all replicas' entries).
+        scale = float(m)
+        if context is not None:
+            summed = context.all_reduce(
+                tf.distribute.ReduceOp.SUM,
+                tf.stack([totals[path] for path in totals]))
+            totals = {path: summed[i] for i, path in enumerate(totals)}
+            scale *= float(context.num_replicas_in_sync)
+        for path, total in totals.items():
+            factors[path] = [
+                tf.cast(scale * tf.math.divide_no_nan(c, total), floatx)
+                for c in factors[path]]
     checks = [_mask_checks(graph, parts, i) for i in range(m)]
     if not factors:
         return sws, (checks if parts else [])
-    nested = keras.tree.is_nested(graph.outputs_struct)
-    layout = keras_private.compiled_loss_layout(model, graph.outputs_struct)
-    out = []
-    for i, given in enumerate(sws):
-        weights = {}
-        for path, loss in entries:
-            w = (keras_private.resolve_path(path, given)
-                 if given is not None and keras.tree.is_nested(given)
-                 else given)
-            if path in factors:
-                f = factors[path][i]
-                w = f if w is None else tf.cast(w, floatx) * f
-            weights[path] = w
-        if not nested:
-            out.append(weights[()])
-        else:
-            out.append(keras.tree.pack_sequence_as(layout, [
-                weights.get(path) for path, _ in
-                keras.tree.flatten_with_path(layout)]))
+    out = [loss_shares.scaled_sample_weights(
+        model, entries, graph.outputs_struct, given,
+        {path: f[i] for path, f in factors.items()})
+        for i, given in enumerate(sws)]
     return out, checks
 
 

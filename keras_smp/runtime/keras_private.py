@@ -309,6 +309,24 @@ def _names_add_loss(code):
                if hasattr(c, "co_names"))
 
 
+def weight_regularization_count(model):
+    """How many of `model.losses` are weight regularizers' (Keras lists
+    them last, one per regularized trainable weight)."""
+    if getattr(model, "_losses_override", None):
+        return 0
+    return sum(1 for v in model.trainable_weights
+               if getattr(v, "regularizer", None) is not None)
+
+
+def keras_step(model, training):
+    """Whether `model` trains (`training`) or evaluates with Keras' own
+    `train_step` / `test_step`, which log the loss weighted by the batch's
+    rows."""
+    name = "train_step" if training else "test_step"
+    return getattr(type(model), name, None) is getattr(
+        TensorFlowTrainer, name)
+
+
 def aggregate_additional_loss(model, loss):
     """An additional loss summed and cast as Keras does."""
     return model._aggregate_additional_loss(loss)

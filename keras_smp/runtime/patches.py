@@ -28,6 +28,13 @@
   layers and models holding tensor-parallel shards; the optimizer's slots
   of split weights are split alike and saved whole
   (`_patch_split_weights`).
+- `TensorFlowTrainer.compute_loss` (Keras' `compile` loss, plus the
+  losses layers add) of a plain Keras model trained by several data-parallel
+  replicas under an `SMPStrategy`: each replica's mean losses count by its
+  share of what one device would divide by (a masked loss's unmasked
+  entries, a partial batch's rows), so the replicas' losses sum to the
+  single-device loss (`_global_share_loss`; stock Keras averages the
+  replicas' own means).
 - `keras.optimizers.Optimizer.get_gradients(loss, params)`: SageMaker
   smp's (Keras 2's) method, for `@smp.step` functions.
 - the optimizer step under an `SMPStrategy` acts on the gradient that
@@ -146,6 +153,86 @@ def _patch_make_functions(trainer):
 
         make._smp_patched = True
         setattr(trainer, name, make)
+
+
+def _patch_compute_loss(trainer):
+    original = trainer.compute_loss
+    if getattr(original, "_smp_patched", False):
+        return
+
+    @functools.wraps(original)
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                     training=True):
+        context = _shares_context(self)
+        if context is None:
+            return original(self, x, y, y_pred, sample_weight,
+                            training=training)
+        return _global_share_loss(self, original, context, x, y, y_pred,
+                                  sample_weight, training)
+
+    compute_loss._smp_patched = True
+    trainer.compute_loss = compute_loss
+
+
+def _shares_context(model):
+    """The replica context whose replicas split `model`'s batch, when the
+    loss must count each replica's share (a plain Keras model under an
+    `SMPStrategy` with several data-parallel replicas), else `None`."""
+    import tensorflow as tf
+
+    if is_pipelined(model):
+        return None  # its step weighs its microbatches and replicas
+    if _runtime_of(getattr(model, "_distribute_strategy", None)) is None:
+        return None
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync < 2:
+        return None
+    return context
+
+
+def _global_share_loss(model, original, context, x, y, y_pred,
+                       sample_weight, training):
+    """Keras' `compute_loss` with each replica's mean losses scaled by
+    its share (`runtime.loss_shares`): the compiled loss through its
+    outputs' sample weights, the losses layers add in `call` (activity
+    regularizers: means over the rows) by the share of the rows; weight
+    regularizers are the same on every replica and stay as they are.
+
+    Under Keras' own `train_step` / `test_step`, which log the loss
+    weighted by the replica's rows, the value (not the gradient) is
+    rescaled so that the logged mean is the single-device loss."""
+    import keras
+    import tensorflow as tf
+
+    from keras_smp.runtime import keras_private
+    from keras_smp.runtime import loss_shares
+
+    first = next((t for t in keras.tree.flatten(x) if t is not None), None)
+    if first is None:
+        return original(model, x, y, y_pred, sample_weight,
+                        training=training)
+    rows = tf.shape(first)[0]
+    divisors = loss_shares.replica_divisors(model, y, y_pred, rows,
+                                            first.shape[0] is not None)
+    added = list(model.losses)
+    if divisors is None or (keras_private.compiled_loss(model) is None
+                            and not added):
+        # Equal shares (or Keras' own "No loss" error).
+        return original(model, x, y, y_pred, sample_weight,
+                        training=training)
+    loss, rows_share = loss_shares.shared_loss(
+        model, context, divisors, y, y_pred, sample_weight, rows)
+    losses = [] if loss is None else [loss]
+    weight_terms = keras_private.weight_regularization_count(model)
+    for i, term in enumerate(added):
+        term = keras_private.aggregate_additional_loss(model, term)
+        if i < len(added) - weight_terms:  # added in `call`
+            term = term * tf.cast(rows_share, term.dtype)
+        losses.append(term)
+    total = losses[0] if len(losses) == 1 else keras.ops.sum(losses)
+    if keras_private.keras_step(model, training):
+        total = loss_shares.logged_value(total, rows_share)
+    return total
 
 
 def _symbolic_batch(epoch_iterator):
@@ -949,6 +1036,7 @@ def install():
         from keras_smp.runtime.keras_private import TensorFlowTrainer
 
         _patch_make_functions(TensorFlowTrainer)
+        _patch_compute_loss(TensorFlowTrainer)
         _patch_symbolic_build(TensorFlowTrainer)
         _patch_predict_on_batch(TensorFlowTrainer)
         _patch_files(keras)

@@ -224,12 +224,11 @@ PARTIAL_LOSS = {"partial_loss_weight_decay": (
     lambda m: m.fit(X, {"cls": Y}, batch_size=ROWS, epochs=2, verbose=0,
                     validation_data=(XV, {"cls": YV})))}
 
-# Training with a last batch that does not divide into the microbatches:
-# 22 rows (11 per replica: microbatches of 6 and 5), with one replica 21
-# (11 and 10); the replicas' shares stay equal, as Keras' data
-# parallelism (which averages the replicas' mean losses) needs to match
-# one device.
-N_PARTIAL = BATCHES * ROWS - ROWS + (21 if MODE == "mp" else 22)
+# Training with a last batch that does not divide into the microbatches
+# or the replicas: 23 rows (replicas of 12 and 11 rows: microbatches of
+# 6 + 6 and 6 + 5), with one replica 21 (11 and 10); each replica's loss
+# counts by its share of the rows, as one device's would.
+N_PARTIAL = BATCHES * ROWS - ROWS + (21 if MODE == "mp" else 23)
 PARTIAL = {"partial_last_batch": lambda m: m.fit(
     X[:N_PARTIAL], Y[:N_PARTIAL], batch_size=ROWS, epochs=2, verbose=0,
     shuffle=False, validation_data=(XV, YV))}

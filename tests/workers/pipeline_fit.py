@@ -14,8 +14,8 @@ optimizer (sgd|adam), devices (logical CPUs, default = partitions),
 virtual_stages (model stages per rank, for interleaved_1f1b),
 recompute (activation_checkpointing), reduction (of the loss, default
 sum_over_batch_size; "sum": microbatch losses add up), partial (the data's
-last batch has 26 rows: unequal microbatches; "static": batches of 30 rows
-of a known size), xla (compile both models with
+last batch has 26 rows: unequal microbatches; "odd": 27 rows, unequal
+replicas too; "static": batches of 30 rows of a known size), xla (compile both models with
 jit_compile=True; needs TF_DETERMINISTIC_OPS=0, which Keras requires for XLA).
 """
 
@@ -236,7 +236,9 @@ def run(case, pipelined):
         x = X_TOK
         data = (x, Y_TOK)
     if case.get("partial"):  # a last batch of 26 rows (7+7+6+6 for m=4)
-        data = tuple(keras.tree.map_structure(lambda t: t[:N - 6], d)
+        # ("odd": 27 rows, split 14/13 over 2 replicas)
+        cut = N - (5 if case["partial"] == "odd" else 6)
+        data = tuple(keras.tree.map_structure(lambda t: t[:cut], d)
                      for d in data)
         x = data[0]
     ds = tf.data.Dataset.from_tensor_slices(data).batch(GLOBAL_BATCH)

@@ -1,0 +1,167 @@
+"""Losses split over replicas (or microbatches) that sum to one device's.
+
+Keras divides a mean loss by what its batch holds: the rows (times the
+entries per row), or, under a Keras mask, the unmasked entries. A step
+whose batch is split computes each part's loss with the part's own
+divisor, so the parts' losses, averaged, equal the batch's only when the
+parts hold equal shares. They do not when a batch does not divide evenly
+(a partial last batch split 14/13 over two replicas) or when a mask keeps
+different numbers of entries in each part (padded token sequences).
+
+Here a part's loss is scaled by `parts x its share of the divisor`: its
+output's sample weights for the compiled loss (a scalar scales any loss
+shape), the rows' share for losses layers add in `call` (activity
+regularizers are divided by the batch's rows). The shares of replicas are
+summed across them (one small all-reduce per step, only where a share
+can differ). Loss-weight bookkeeping only: what the losses are, which
+outputs they use and how Keras lays out sample weights is read through
+`keras_private`.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_smp.runtime import keras_private
+
+MEANS = ("sum_over_batch_size", "mean")
+
+
+def reduction_of(loss):
+    """A compiled Keras loss's reduction (`"sum_over_batch_size"` for
+    loss functions without one, as Keras wraps them)."""
+    fn = getattr(loss, "fn", loss)
+    return (getattr(fn, "reduction", None) or getattr(loss, "reduction", None)
+            or "sum_over_batch_size")
+
+
+def scaled_sample_weights(model, entries, outputs, given, factors):
+    """The sample weights to give `model`'s compiled loss so that the
+    loss of the output at `path` is scaled by `factors[path]` (a scalar).
+
+    Args:
+        model: the compiled Keras model.
+        entries: `keras_private.compiled_loss_entries(model, ...)`.
+        outputs: the structure of the model's outputs (any leaves).
+        given: the sample weights of the step (`None`, one array for
+            every output, or a structure like the outputs').
+        factors: `{path: scalar}` for the outputs to scale.
+
+    Returns:
+        Sample weights laid out as the compiled loss looks them up (by
+        each loss's path in the outputs as it was built).
+
+    Example:
+
+    ```python
+    import keras
+    import tensorflow as tf
+    from keras_smp.runtime import keras_private
+    from keras_smp.runtime.loss_shares import scaled_sample_weights
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    x, y = tf.ones([4, 2]), tf.zeros([4, 1])
+    entries = keras_private.compiled_loss_entries(model, y, model(x))
+    sw = scaled_sample_weights(model, entries, model.outputs[0], None,
+                               {(): tf.constant(2.0)})
+    assert float(sw) == 2.0
+    ```
+    """
+    floatx = keras.config.floatx()
+    weights = {}
+    for path, _ in entries:
+        w = (keras_private.resolve_path(path, given)
+             if given is not None and keras.tree.is_nested(given)
+             else given)
+        if path in factors:
+            f = factors[path]
+            w = f if w is None else tf.cast(w, floatx) * f
+        weights[path] = w
+    if not keras.tree.is_nested(outputs):
+        return weights[()]
+    layout = keras_private.compiled_loss_layout(model, outputs)
+    return keras.tree.pack_sequence_as(layout, [
+        weights.get(path) for path, _ in keras.tree.flatten_with_path(layout)])
+
+
+ROWS = "rows"
+
+
+def replica_divisors(model, y, y_pred, rows, static):
+    """What each mean loss of `model` divides by in this replica's part
+    of the batch (`rows` of it): `{path: divisor}`, or `None` when every
+    replica's part holds the same share (no output has a Keras mask and
+    the rows are `static`, the same in every replica).
+
+    A masked output (its `y_pred` holds a Keras mask) divides by its
+    unmasked entries; any other mean loss by `rows` (its entries per row
+    are the same in every replica). `"sum"` losses add up across
+    replicas as they are; a `"mean_with_sample_weight"` one is left as
+    Keras computes it (each replica divides by its own weights' sum).
+    """
+    compiled = keras_private.compiled_loss(model)
+    entries = (keras_private.compiled_loss_entries(model, y, y_pred)
+               if compiled is not None else [])
+    divisors, masked = {}, False
+    if entries:
+        flat = keras.tree.flatten(y_pred)
+        index = keras_private.compiled_loss_output_index(model, y_pred,
+                                                         len(flat))
+        for path, loss in entries:
+            if reduction_of(loss) not in MEANS:
+                continue
+            mask = keras_private.keras_mask(flat[index[path]])
+            if mask is not None:
+                masked = True
+                divisors[path] = tf.reduce_sum(tf.cast(mask, tf.float32))
+            else:
+                divisors[path] = tf.cast(rows, tf.float32)
+    if not masked and static:
+        return None
+    return divisors
+
+
+def shared_loss(model, context, divisors, y, y_pred, sample_weight, rows):
+    """The compiled loss of this replica's part with each mean loss
+    scaled by the replica's share of its divisor (`divisors`, from
+    `replica_divisors`), and the replica's share of the rows:
+    `(loss or None without a compiled loss, rows share)`. One all-reduce
+    across the replicas of `context`."""
+    shares = global_shares(context, dict(divisors, **{ROWS: rows}))
+    compiled = keras_private.compiled_loss(model)
+    loss = None
+    if compiled is not None:
+        entries = keras_private.compiled_loss_entries(model, y, y_pred)
+        weights = (scaled_sample_weights(
+            model, entries, y_pred, sample_weight,
+            {path: shares[path] for path in divisors})
+            if divisors else sample_weight)
+        loss = compiled(y, y_pred, weights)
+    return loss, shares[ROWS]
+
+
+def logged_value(total, rows_share):
+    """`total` whose value (not gradient) is divided by the replica's
+    `rows_share`: Keras logs a step's loss as `Mean.update_state(value,
+    sample_weight=rows)`, so the replicas' weighted mean of such values
+    is the sum of their parts, the single-device loss (a replica without
+    rows weighs nothing)."""
+    share = tf.cast(rows_share, total.dtype)
+    scale = tf.where(share > 0, 1.0 / tf.where(share > 0, share, 1.0),
+                     tf.ones_like(share))
+    return total + tf.stop_gradient(total * (scale - 1.0))
+
+
+def global_shares(context, local):
+    """`{key: replicas x local / sum over replicas}` of the scalars
+    `local`, summed across the replicas of `context` in one all-reduce
+    (a replica holding the average share gets 1.0)."""
+    keys = sorted(local, key=repr)
+    if not keys:
+        return {}
+    values = tf.stack([tf.cast(local[k], tf.float32) for k in keys])
+    total = context.all_reduce(tf.distribute.ReduceOp.SUM, values)
+    shares = tf.math.divide_no_nan(
+        values * float(context.num_replicas_in_sync), total)
+    floatx = keras.config.floatx()
+    return {k: tf.cast(shares[i], floatx) for i, k in enumerate(keys)}
