@@ -131,8 +131,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         # Several replicas and a batch of unknown size (maybe a partial
         # one, split unevenly): each replica's rows count against the
         # global batch (`share_batch`: its average per replica).
-        context = (tf.distribute.get_replica_context()
-                   if replicas > 1 else None)
+        context = loss_shares.replica_context(model.distribute_strategy)
         share_batch = true_batch
         if context is not None and static is None and (training
                                                        or need_loss):

@@ -87,6 +87,19 @@ def scaled_sample_weights(model, entries, outputs, given, factors):
 ROWS = "rows"
 
 
+def replica_context(strategy):
+    """The replica context whose replicas split the batch, when `strategy`
+    runs several data-parallel replicas whose `all_reduce` sums over
+    them, else `None` (one replica; or tensor-parallel ranks as the local
+    replicas of one data replica, whose replica all-reduce sums nothing:
+    their shares stay Keras')."""
+    if strategy.num_replicas_in_sync < 2:
+        return None
+    if getattr(strategy.extended, "_smp_local_tp", 1) > 1:
+        return None
+    return tf.distribute.get_replica_context()
+
+
 def replica_divisors(model, y, y_pred, rows, static):
     """What each mean loss of `model` divides by in this replica's part
     of the batch (`rows` of it): `{path: divisor}`, or `None` when every

@@ -178,16 +178,14 @@ def _shares_context(model):
     """The replica context whose replicas split `model`'s batch, when the
     loss must count each replica's share (a plain Keras model under an
     `SMPStrategy` with several data-parallel replicas), else `None`."""
-    import tensorflow as tf
+    from keras_smp.runtime import loss_shares
 
     if is_pipelined(model):
         return None  # its step weighs its microbatches and replicas
-    if _runtime_of(getattr(model, "_distribute_strategy", None)) is None:
+    strategy = getattr(model, "_distribute_strategy", None)
+    if _runtime_of(strategy) is None:
         return None
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync < 2:
-        return None
-    return context
+    return loss_shares.replica_context(strategy)
 
 
 def _global_share_loss(model, original, context, x, y, y_pred,
