@@ -381,6 +381,10 @@ ERROR_CASES = {
     "last_batch_smaller_than_microbatches": ("ValueError", [
         "batch of 4 samples is smaller than microbatches=5",
         "drop_remainder=True"]),
+    # Array data whose last batch is too small: refused before training.
+    "array_last_batch_smaller_than_microbatches": ("ValueError", [
+        "last batch has 4 samples", "smaller than microbatches=5",
+        "end of the first epoch", "x[:116]"]),
     "indivisible_batch_mean_with_sample_weight": ("ValueError", [
         "30 samples does not divide into microbatches=4",
         "mean_with_sample_weight"]),

@@ -60,6 +60,43 @@ def check_enough(tensor, m, what="The per-replica batch", advice=""):
                   f" (a microbatch needs at least one sample). {advice}")
 
 
+def check_last_batch(samples, batch_size, m, replicas=1):
+    """Raises before training when data of `samples` rows, in batches of
+    `batch_size`, ends with a batch some replica's part of which is
+    smaller than `m` (a microbatch needs at least one sample): such a
+    batch would fail at the end of the first epoch (`check_enough`).
+
+    Only a certain failure is raised: however a last batch of `r` rows is
+    split over the replicas, one of them holds at most `r // replicas`.
+
+    Example:
+
+    ```python
+    from keras_smp.pipeline.microbatch import check_last_batch
+    check_last_batch(100, 32, 4)             # last batch: 4 rows, fine
+    check_last_batch(96, 32, 4, replicas=2)  # no partial batch
+    try:
+        check_last_batch(99, 32, 4, replicas=2)  # 3 rows: 1 or 2 each
+    except ValueError as e:
+        assert "last batch has 3 samples" in str(e)
+    ```
+    """
+    last = samples % batch_size
+    if not last or last // replicas >= m:
+        return
+    fits = m * replicas
+    raise ValueError(
+        f"The training data's last batch has {last} samples ({samples} "
+        f"samples in batches of {batch_size}): "
+        + (f"split over {replicas} replicas, a replica's part of it "
+           if replicas > 1 else "it ")
+        + f"{FEW_ERROR}={m} (a microbatch needs at least one sample), so "
+        "training would fail at the end of the first epoch. Use a "
+        f"batch_size whose last batch is empty or has at least "
+        f"microbatches x replicas = {fits} samples, or leave the last "
+        f"{last} samples out (x[:{samples - last}]).")
+
+
 def sizes(rows, m):
     """The rows of each of `m` microbatches of a batch of `rows`: as equal
     as can be, the larger first (Python ints for a known `rows`, else an

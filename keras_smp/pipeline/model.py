@@ -451,6 +451,39 @@ class DistributedModel(keras.Model):
         residency = self._smp_residency()
         return residency.gathered() if residency else contextlib.nullcontext()
 
+    def fit(self, *args, **kwargs):
+        """Keras' `fit`, checking array data first: a last batch too
+        small for the microbatches (of each replica) is an error before
+        the first step rather than at the end of the first epoch."""
+        self._smp_check_last_batch(args, kwargs)
+        return super().fit(*args, **kwargs)
+
+    def _smp_check_last_batch(self, args, kwargs):
+        import inspect
+        import math
+
+        import numpy as np
+
+        try:
+            given = inspect.signature(keras.Model.fit).bind(
+                self, *args, **kwargs).arguments
+        except TypeError:
+            return  # Keras will say what is wrong
+        x = given.get("x")
+        if x is None or given.get("steps_per_epoch") is not None:
+            return
+        first = next(iter(keras.tree.flatten(x)), None)
+        if not (isinstance(first, np.ndarray) or tf.is_tensor(first)) or (
+                not first.shape or first.shape[0] is None):
+            return  # datasets, generators: their batches are theirs
+        samples = int(first.shape[0])
+        split = given.get("validation_split") or 0.0
+        if split and given.get("validation_data") is None:
+            samples = int(math.floor(samples * (1.0 - split)))  # as Keras
+        microbatch.check_last_batch(
+            samples, given.get("batch_size") or 32, self.num_microbatches,
+            self.distribute_strategy.num_replicas_in_sync)
+
     def compile(self, *args, jit_compile="auto", **kwargs):
         """Keras' `compile`; `jit_compile=True` compiles stage by stage.
 

@@ -84,6 +84,21 @@ def last_batch_smaller_than_microbatches():
     model.fit(ds, epochs=1, verbose=0)
 
 
+def array_last_batch_smaller_than_microbatches():
+    # 120 rows of arrays in batches of 58: the last has 4, fewer than
+    # microbatches=5. Refused before the first step (not at the end of
+    # the epoch): the optimizer has not stepped.
+    with keras_smp.SMPStrategy(partitions=2, microbatches=5).scope():
+        model = keras_smp.DistributedModel(mlp())
+        model.compile(optimizer="sgd", loss="mse")
+    try:
+        model.fit(X, Y, batch_size=58, epochs=1, verbose=0)
+    except ValueError:
+        if int(model.optimizer.iterations.numpy()) != 0:
+            raise AssertionError("fit trained before refusing the batch")
+        raise
+
+
 def indivisible_batch_mean_with_sample_weight():
     # Such a loss divides each microbatch by its own weight sum: equal
     # microbatches only (and no sample weights, see loss_weight).
