@@ -128,7 +128,9 @@ GROUPS = {
                    + _cases("mlp", (2,), ("gpipe",), (1,), "sgd",
                             devices=4)]
                 + _cases("tokens", (2,), ("1f1b",), (1, 4), "sgd",
-                         devices=4)),
+                         devices=4)
+                + [dict(c, partial="odd") for c in _cases(
+                    "tokens", (2,), ("1f1b",), (1,), "sgd", devices=4)]),
     # Activation checkpointing: every stage (or only stage 1) recomputes its
     # forward in its backward; the same bounds.
     "recompute": [dict(c, recompute=r) for c, r in zip(

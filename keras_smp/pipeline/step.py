@@ -252,7 +252,9 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                 [t[:true_batch] for t in _merged(graph, result)])
             losses = (_logged(loss_fn, result.losses) if training else
                       [_whole_batch_loss(model, y, y_pred, sample_weight,
-                                         context, true_batch, static)
+                                         context, static,
+                                         _rows_share(true_batch,
+                                                     share_batch))
                        if has_loss else None])
         total = _total(added)
         if pads and need_loss and total is not None:
@@ -273,7 +275,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                  transport.rows * m, transport.rows, has_loss, need_outputs,
                  training,
                  variables, [grads.get(id(v)) for v in variables],
-                 trackers, loss_fn, true_batch, unreached, context, static)
+                 trackers, loss_fn, true_batch, unreached, context, static,
+                 _rows_share(true_batch, share_batch))
     run.rows_share = _rows_share(true_batch, share_batch)
     if added and not model._smp_adds_losses():
         raise NotImplementedError(
@@ -346,18 +349,20 @@ def _refusing_unforeseen_losses(fn, graph, stage, covered):
 
 
 def _whole_batch_loss(model, y, y_pred, sample_weight, context=None,
-                      rows=None, static=None):
+                      static=None, rows_share=None):
     """The compiled loss of a forward-only step, on the whole batch (as
     Keras' `test_step` computes it); with several replicas (`context`)
     each mean loss counts by the replica's share of its divisor (see
-    `runtime.loss_shares`)."""
-    divisors = (loss_shares.replica_divisors(model, y, y_pred, rows,
+    `runtime.loss_shares`; `rows_share`: the replica's share of the rows,
+    `None` when they are equal)."""
+    divisors = (loss_shares.replica_divisors(model, y, y_pred,
                                              static is not None)
                 if context is not None else None)
     if divisors is None:
         return keras_private.compiled_loss(model)(y, y_pred, sample_weight)
-    loss, _ = loss_shares.shared_loss(model, context, divisors, y, y_pred,
-                                      sample_weight, rows)
+    loss, _ = loss_shares.shared_loss(
+        model, context, divisors, y, y_pred, sample_weight, None,
+        rows_share=1.0 if rows_share is None else rows_share)
     return loss
 
 
@@ -457,7 +462,8 @@ def _specs(tensors, rows, split=1):
 
 def _share(model, links, result, x, y, sample_weight, batch, rows,
            has_loss, need_outputs, training, variables, grads, trackers,
-           loss_fn, true_batch, unreached, context=None, static=None):
+           loss_fn, true_batch, unreached, context=None, static=None,
+           rows_share=None):
     """One stage per process: the last stage's outputs and loss to all.
 
     The last stage shares the merged outputs, the loss and the step's
@@ -487,7 +493,7 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
             loss = (tf.add_n(_logged(loss_fn, result.losses)) if training
                     else _whole_batch_loss(model, y, graph.pack_outputs(
                         [t[:true_batch] for t in merged]), sample_weight,
-                        context, true_batch, static))
+                        context, static, rows_share))
             mine.append(tf.cast(loss, tf.float32))
             with tf.control_dependencies([result.done]):
                 mine += [v.value - before for v, before in trackers]
@@ -667,9 +673,12 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
     weight = loss_weight([loss for _, loss in entries], m, sample_weight,
                          masked)
     checks = []
-    if m > 1 or context is not None:
+    if m > 1:
         sws, checks = _microbatch_weights(model, entries, flat_x, m, sws,
                                           rows, batch, context)
+    # One microbatch and several replicas: the replica's shares, from the
+    # outputs' masks as the model made them (nothing computed ahead).
+    once = m == 1 and context is not None
 
     def loss_fn(out, mb):
         if isinstance(rows, list):
@@ -681,8 +690,20 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
                 input=t, shape=[None] + t.shape[1:].as_list())
                 if t.shape.rank else t for t in out]
         y_pred = graph.pack_outputs(out)
-        with tf.control_dependencies(checks[mb](y_pred) if checks else []):
-            loss = compiled(ys[mb], y_pred, sws[mb]) * weight
+        divisors = (loss_shares.replica_divisors(model, ys[mb], y_pred,
+                                                 rows is None)
+                    if once else None)
+        if divisors is not None:
+            share = (1.0 if rows is None
+                     else tf.cast(rows[0], tf.float32) / batch)
+            loss, _ = loss_shares.shared_loss(
+                model, context, divisors, ys[mb], y_pred, sws[mb], None,
+                rows_share=share)
+            loss = loss * weight
+        else:
+            with tf.control_dependencies(checks[mb](y_pred) if checks
+                                         else []):
+                loss = compiled(ys[mb], y_pred, sws[mb]) * weight
         if loss_fn.logged[mb] is None:  # not a recomputation's
             loss_fn.logged[mb] = loss
         if training and model.optimizer is not None:

@@ -318,15 +318,6 @@ def weight_regularization_count(model):
                if getattr(v, "regularizer", None) is not None)
 
 
-def keras_step(model, training):
-    """Whether `model` trains (`training`) or evaluates with Keras' own
-    `train_step` / `test_step`, which log the loss weighted by the batch's
-    rows."""
-    name = "train_step" if training else "test_step"
-    return getattr(type(model), name, None) is getattr(
-        TensorFlowTrainer, name)
-
-
 def aggregate_additional_loss(model, loss):
     """An additional loss summed and cast as Keras does."""
     return model._aggregate_additional_loss(loss)

@@ -100,17 +100,20 @@ def replica_context(strategy):
     return tf.distribute.get_replica_context()
 
 
-def replica_divisors(model, y, y_pred, rows, static):
+def replica_divisors(model, y, y_pred, static):
     """What each mean loss of `model` divides by in this replica's part
-    of the batch (`rows` of it): `{path: divisor}`, or `None` when every
-    replica's part holds the same share (no output has a Keras mask and
-    the rows are `static`, the same in every replica).
+    of the batch: `{path: divisor}` (`ROWS` for a loss divided by the
+    part's rows), or `None` when every replica's part holds the same
+    share (no output has a Keras mask and the rows are `static`, the
+    same in every replica).
 
     A masked output (its `y_pred` holds a Keras mask) divides by its
-    unmasked entries; any other mean loss by `rows` (its entries per row
-    are the same in every replica). `"sum"` losses add up across
-    replicas as they are; a `"mean_with_sample_weight"` one is left as
-    Keras computes it (each replica divides by its own weights' sum).
+    unmasked entries; any other mean loss by its rows times its entries
+    per row, assumed the same in every replica (a dataset that pads each
+    replica's sequences to its own length breaks this). `"sum"` losses
+    add up across replicas as they are; a `"mean_with_sample_weight"` one
+    is left as Keras computes it (each replica divides by its own
+    weights' sum).
     """
     compiled = keras_private.compiled_loss(model)
     entries = (keras_private.compiled_loss_entries(model, y, y_pred)
@@ -128,41 +131,57 @@ def replica_divisors(model, y, y_pred, rows, static):
                 masked = True
                 divisors[path] = tf.reduce_sum(tf.cast(mask, tf.float32))
             else:
-                divisors[path] = tf.cast(rows, tf.float32)
+                divisors[path] = ROWS
     if not masked and static:
         return None
     return divisors
 
 
-def shared_loss(model, context, divisors, y, y_pred, sample_weight, rows):
+def shared_loss(model, context, divisors, y, y_pred, sample_weight, rows,
+                rows_share=None):
     """The compiled loss of this replica's part with each mean loss
     scaled by the replica's share of its divisor (`divisors`, from
     `replica_divisors`), and the replica's share of the rows:
-    `(loss or None without a compiled loss, rows share)`. One all-reduce
-    across the replicas of `context`."""
-    shares = global_shares(context, dict(divisors, **{ROWS: rows}))
+    `(loss or None without a compiled loss, rows share)`.
+
+    The masked divisors (and the `rows`, unless their share is given)
+    are summed across the replicas of `context` in one all-reduce; none
+    when there is nothing to sum."""
+    local = {path: d for path, d in divisors.items() if d is not ROWS}
+    if rows_share is None:
+        local[ROWS] = rows
+    shares = global_shares(context, local)
+    if rows_share is None:
+        rows_share = shares[ROWS]
     compiled = keras_private.compiled_loss(model)
     loss = None
     if compiled is not None:
         entries = keras_private.compiled_loss_entries(model, y, y_pred)
-        weights = (scaled_sample_weights(
-            model, entries, y_pred, sample_weight,
-            {path: shares[path] for path in divisors})
-            if divisors else sample_weight)
+        factors = {path: (tf.cast(rows_share, keras.config.floatx())
+                          if d is ROWS else shares[path])
+                   for path, d in divisors.items()}
+        weights = (scaled_sample_weights(model, entries, y_pred,
+                                         sample_weight, factors)
+                   if factors else sample_weight)
         loss = compiled(y, y_pred, weights)
-    return loss, shares[ROWS]
+    return loss, rows_share
 
 
-def logged_value(total, rows_share):
-    """`total` whose value (not gradient) is divided by the replica's
-    `rows_share`: Keras logs a step's loss as `Mean.update_state(value,
-    sample_weight=rows)`, so the replicas' weighted mean of such values
-    is the sum of their parts, the single-device loss (a replica without
-    rows weighs nothing)."""
+def logged_value(total, rows_share, unshared=None):
+    """`total` whose value (not gradient) is the replica's part of it
+    divided by the replica's `rows_share`, plus `unshared` (terms every
+    replica holds whole: weight regularizers): Keras logs a step's loss
+    as `Mean.update_state(value, sample_weight=rows)`, so the replicas'
+    weighted mean of such values is the sum of their parts plus
+    `unshared`, the single-device loss (a replica without rows weighs
+    nothing)."""
     share = tf.cast(rows_share, total.dtype)
-    scale = tf.where(share > 0, 1.0 / tf.where(share > 0, share, 1.0),
-                     tf.ones_like(share))
-    return total + tf.stop_gradient(total * (scale - 1.0))
+    whole = tf.zeros_like(total) if unshared is None else tf.cast(
+        unshared, total.dtype)
+    value = tf.where(share > 0,
+                     (total - whole) / tf.where(share > 0, share, 1.0)
+                     + whole, total)
+    return total + tf.stop_gradient(value - total)
 
 
 def global_shares(context, local):

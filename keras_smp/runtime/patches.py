@@ -196,9 +196,11 @@ def _global_share_loss(model, original, context, x, y, y_pred,
     regularizers: means over the rows) by the share of the rows; weight
     regularizers are the same on every replica and stay as they are.
 
-    Under Keras' own `train_step` / `test_step`, which log the loss
-    weighted by the replica's rows, the value (not the gradient) is
-    rescaled so that the logged mean is the single-device loss."""
+    Inside Keras' own `train_step` / `test_step` (also when an override
+    calls them), which log the loss weighted by the replica's rows, the
+    value (not the gradient) is rescaled so that the logged mean is the
+    single-device loss; elsewhere (a custom step or loop) the replicas'
+    values sum to it."""
     import keras
     import tensorflow as tf
 
@@ -210,7 +212,7 @@ def _global_share_loss(model, original, context, x, y, y_pred,
         return original(model, x, y, y_pred, sample_weight,
                         training=training)
     rows = tf.shape(first)[0]
-    divisors = loss_shares.replica_divisors(model, y, y_pred, rows,
+    divisors = loss_shares.replica_divisors(model, y, y_pred,
                                             first.shape[0] is not None)
     added = list(model.losses)
     if divisors is None or (keras_private.compiled_loss(model) is None
@@ -222,15 +224,49 @@ def _global_share_loss(model, original, context, x, y, y_pred,
         model, context, divisors, y, y_pred, sample_weight, rows)
     losses = [] if loss is None else [loss]
     weight_terms = keras_private.weight_regularization_count(model)
+    unshared = []
     for i, term in enumerate(added):
         term = keras_private.aggregate_additional_loss(model, term)
         if i < len(added) - weight_terms:  # added in `call`
             term = term * tf.cast(rows_share, term.dtype)
+        else:
+            unshared.append(term)
         losses.append(term)
     total = losses[0] if len(losses) == 1 else keras.ops.sum(losses)
-    if keras_private.keras_step(model, training):
-        total = loss_shares.logged_value(total, rows_share)
+    if _in_keras_step.active:
+        total = loss_shares.logged_value(
+            total, rows_share,
+            keras.ops.sum(unshared) if unshared else None)
     return total
+
+
+class _KerasStep(threading.local):
+    """Set while Keras' own `train_step` / `test_step` runs in this thread
+    (a replica's): they log the loss weighted by the replica's rows."""
+
+    active = False
+
+
+_in_keras_step = _KerasStep()
+
+
+def _patch_keras_steps(trainer):
+    for name in ("train_step", "test_step"):
+        original = getattr(trainer, name)
+        if getattr(original, "_smp_patched", False):
+            continue
+
+        @functools.wraps(original)
+        def step(self, *args, _original=original, **kwargs):
+            before = _in_keras_step.active
+            _in_keras_step.active = True
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                _in_keras_step.active = before
+
+        step._smp_patched = True
+        setattr(trainer, name, step)
 
 
 def _symbolic_batch(epoch_iterator):
@@ -1035,6 +1071,7 @@ def install():
 
         _patch_make_functions(TensorFlowTrainer)
         _patch_compute_loss(TensorFlowTrainer)
+        _patch_keras_steps(TensorFlowTrainer)
         _patch_symbolic_build(TensorFlowTrainer)
         _patch_predict_on_batch(TensorFlowTrainer)
         _patch_files(keras)
