@@ -29,7 +29,10 @@ p.add_argument("--save-weights", default=None,
                help="model.save_weights(PATH) after training")
 p.add_argument("--load-weights", default=None,
                help="model.load_weights(PATH) instead of training")
-p.add_argument("--model", choices=["mlp", "tied", "manual", "deep"], default="mlp",
+p.add_argument("--partial", action="store_true",
+               help="keep the data's last, partial batch (no drop_remainder)")
+p.add_argument("--model", choices=["mlp", "tied", "manual", "deep", "tokens"],
+               default="mlp",
                help="manual: the mlp as a subclassed DistributedModel with "
                "partition scopes when pipelined (plain mlp otherwise)")
 p.add_argument("--no-metrics", action="store_true",
@@ -66,8 +69,15 @@ x = rng.randn(args.samples, 8).astype("float32")
 w_true = rng.randn(8, 3).astype("float32")
 y = np.argmax(x @ w_true + 0.1 * rng.randn(args.samples, 3), axis=1)
 sw = rng.uniform(0.5, 1.5, size=args.samples).astype("float32")
+if args.model == "tokens":
+    # Padded token sequences of uneven lengths, a loss per token under the
+    # embedding's mask: replicas hold different numbers of real tokens.
+    x = rng.randint(1, 20, size=(args.samples, 8)).astype("int32")
+    for i, n in enumerate(rng.randint(1, 9, size=args.samples)):
+        x[i, n:] = 0
+    y = x % 3
 ds = tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(
-    args.global_batch, drop_remainder=True)
+    args.global_batch, drop_remainder=not args.partial)
 
 
 if args.pipelined:
@@ -105,6 +115,13 @@ def build():
         virtual = json.loads(args.config).get("pipeline") in (
             "interleaved_1f1b", "zb_v")
         split = None if virtual else ["d2"]
+    elif args.model == "tokens":
+        model = keras.Sequential([
+            keras.Input((8,), dtype="int32"),
+            keras.layers.Embedding(20, 8, mask_zero=True),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(3),
+        ])
     elif args.model == "deep":
         model = keras.Sequential([keras.Input((8,))] + [
             keras.layers.Dense(n, activation="tanh") for n in (32, 32, 16, 16)
@@ -199,7 +216,7 @@ if args.callbacks:
 if args.save_weights:
     model.save_weights(args.save_weights)
 eval_ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
-    args.global_batch, drop_remainder=True)
+    args.global_batch, drop_remainder=not args.partial)
 evaluation = model.evaluate(eval_ds, verbose=0)
 predictions = model.predict(eval_ds, verbose=0)
 

@@ -1,0 +1,68 @@
+"""Data-parallel replicas of unequal shares train as one device.
+
+Keras computes each replica's mean loss over its own part of the batch;
+summed over replicas, the gradients are one device's only when the parts
+hold equal shares of what the loss divides by. keras-smp weighs each
+replica's loss by its share (`keras_smp/runtime/loss_shares.py`): a
+partial last batch split 14/13, a masked loss per token whose replicas
+hold different numbers of real tokens, a replica left without rows.
+
+Bounds: rtol 1e-5, atol 1e-6 per unit of magnitude (conftest): the same
+sums in another order, a few float32 ulps.
+"""
+
+import json
+import os
+
+import pytest
+
+from conftest import ATOL
+from conftest import WORKERS
+from conftest import assert_same_training
+from conftest import fit_model
+from conftest import launch
+from conftest import load
+from conftest import run_python
+
+CASES = ["custom_loop", "super_train_step", "empty_replica", "two_masks"]
+
+
+@pytest.fixture(scope="module")
+def in_process():
+    proc = run_python([os.path.join(WORKERS, "replica_shares.py"), *CASES],
+                      timeout=600)
+    return {r["case"]: r for r in (json.loads(l) for l in
+                                   proc.stdout.splitlines()
+                                   if l.startswith("{"))}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_local_replicas_match_single_device(in_process, case):
+    # See tests/workers/replica_shares.py for each case.
+    assert in_process[case]["atol"] <= ATOL, in_process[case]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tokens", "mlp"])
+@pytest.mark.parametrize("workers", [2, 4])
+def test_replicas_of_unequal_shares_match_single_device(
+        tmp_path, reference, workers, model):
+    # Worker processes as data-parallel replicas: 2 plain Keras replicas,
+    # or 4 = 2 replicas x 2 pipeline stages, one per process (each
+    # stage's data-parallel peers sum among themselves). 91 samples in
+    # batches of 32: the last, 27, is split 14/13 over the replicas;
+    # "tokens": a masked loss per token, the replicas' real tokens
+    # differ. Each replica's loss counts by its share of the step's rows
+    # or real tokens, so training, the logged loss, evaluate and predict
+    # equal one device's (stock Keras averages the replicas' own means).
+    flags = ["--model", model, "--partial", "--samples", "91"]
+    if workers == 4:
+        flags += ["--pipelined", "--config", json.dumps(
+            {"partitions": 2, "microbatches": 2,
+             "collective_timeout_seconds": 120})]
+    launch(workers, fit_model(tmp_path, *flags))
+    ref = reference("--model", model, "--partial", "--samples", "91")
+    for r in range(workers):
+        got = load(tmp_path, r)
+        assert int(got["replicas"]) == 2
+        assert_same_training(got, ref)

@@ -1,0 +1,200 @@
+"""Data-parallel replicas of unequal shares vs one device (used by tests).
+
+Two replicas on logical CPUs of this process (`SMPStrategy(local_devices=
+2)`) train plain Keras models; the same model, weights and data train on
+one device. Prints one JSON line per case with the largest violation of
+`|got - ref| <= 1e-5 |ref|` over weights and logs (the atol needed, per
+unit of the compared values' magnitude).
+
+Cases:
+- custom_loop: `model.compute_loss` in a custom `strategy.run` step on a
+  batch of 27 rows (14/13): the replicas' losses, summed, are the
+  batch's loss (no logging rescale outside Keras' own steps).
+- super_train_step: a `train_step` override that calls Keras' own: the
+  logged loss is the single-device one.
+- empty_replica: 33 samples in batches of 32 (the last, 1 row, leaves a
+  replica nothing) with weight and activity regularizers: the logged loss
+  keeps the weight regularizers whole.
+- two_masks: two per-token outputs with different masks (the embedding's
+  and a `Masking` layer's), per-output sample weights given as a dict,
+  one output's loss a `"sum"`: weights and every log.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
+
+import keras_smp  # noqa: E402
+
+strategy = keras_smp.SMPStrategy(local_devices=2)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+rng = np.random.RandomState(0)
+VOCAB, SEQ = 20, 8
+X = rng.randint(1, VOCAB, size=(91, SEQ)).astype("int32")
+for _i, _n in enumerate(rng.randint(1, SEQ + 1, size=len(X))):
+    X[_i, _n:] = 0
+Y = X % 3
+# Per-token sample weights (Keras multiplies a masked loss's weights by
+# its mask: they must have the mask's shape).
+SW = rng.uniform(0.5, 1.5, size=X.shape).astype("float32")
+
+
+def tokens_model():
+    keras.utils.set_random_seed(7)
+    return keras.Sequential([
+        keras.Input((SEQ,), dtype="int32"),
+        keras.layers.Embedding(VOCAB, 8, mask_zero=True),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(3)])
+
+
+def compile_tokens(model):
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.5, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["sparse_categorical_accuracy"])
+    return model
+
+
+class SuperStep(keras.Sequential):
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def regularized_model():
+    keras.utils.set_random_seed(7)
+    return keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(8, activation="tanh",
+                           kernel_regularizer=keras.regularizers.L2(0.05),
+                           activity_regularizer=keras.regularizers.L1(0.01)),
+        keras.layers.Dense(2)])
+
+
+def two_masks_model():
+    keras.utils.set_random_seed(7)
+    tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
+    h = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(tokens)
+    a = keras.layers.Dense(3, name="a")(keras.layers.Dense(8)(h))
+    # Another mask: the positions whose first feature is not 0.25.
+    feats = keras.Input((SEQ, 2), name="feats")
+    b = keras.layers.Dense(2, name="b")(
+        keras.layers.Dense(8)(keras.layers.Masking(0.25)(feats)))
+    model = keras.Model({"tokens": tokens, "feats": feats},
+                        {"a": a, "b": b})
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.3, momentum=0.9),
+        loss={"a": keras.losses.SparseCategoricalCrossentropy(
+                  from_logits=True),
+              "b": keras.losses.MeanSquaredError(reduction="sum")},
+        loss_weights={"a": 1.0, "b": 0.1},
+        metrics={"a": ["sparse_categorical_accuracy"]})
+    return model
+
+
+def violation(a, b):
+    a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
+    if not a.size:
+        return 0.0
+    # Per unit of the compared values' magnitude (conftest.scaled_atol).
+    return float(np.max(np.abs(a - b) - 1e-5 * np.abs(b))
+                 / max(1.0, float(np.max(np.abs(b)))))
+
+
+def compare(got, ref):
+    (w1, h1), (w0, h0) = got, ref
+    assert sorted(h1) == sorted(h0), (sorted(h1), sorted(h0))
+    worst = max(violation(a, b) for a, b in zip(w1, w0))
+    for k in h0:
+        worst = max(worst, violation(h1[k], h0[k]))
+    return worst
+
+
+def train(build, fit, distributed):
+    if distributed:
+        with strategy.scope():
+            model = build()
+    else:
+        model = build()
+    history = fit(model).history
+    return [w.numpy() for w in model.weights], history
+
+
+def custom_loop():
+    x, y = X[:27], Y[:27]
+    ref = compile_tokens(tokens_model())
+    want = float(ref.compute_loss(x=x, y=y, y_pred=ref(x)))
+    with strategy.scope():
+        model = compile_tokens(tokens_model())
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(27))))
+
+    @tf.function
+    def step(x, y):
+        return model.compute_loss(x=x, y=y, y_pred=model(x))
+
+    got = strategy.reduce("SUM", strategy.run(step, args=batch), axis=None)
+    return violation(float(got), want)
+
+
+def super_train_step():
+    def build():
+        keras.utils.set_random_seed(7)
+        model = SuperStep([
+            keras.Input((SEQ,), dtype="int32"),
+            keras.layers.Embedding(VOCAB, 8, mask_zero=True),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(3)])
+        return compile_tokens(model)
+
+    def fit(model):
+        return model.fit(X, Y, sample_weight=SW, batch_size=32, epochs=2,
+                         shuffle=False, verbose=0)
+
+    return compare(train(build, fit, True), train(build, fit, False))
+
+
+def empty_replica():
+    x = rng.randn(33, 4).astype("float32")
+    y = rng.randn(33, 2).astype("float32")
+
+    def build():
+        model = regularized_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    def fit(model):
+        return model.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                         verbose=0)
+
+    return compare(train(build, fit, True), train(build, fit, False))
+
+
+def two_masks():
+    feats = rng.randn(len(X), SEQ, 2).astype("float32")
+    feats[:, :, 0] = np.where(rng.rand(len(X), SEQ) < 0.3, 0.25,
+                              feats[:, :, 0])
+    data = {"tokens": X, "feats": feats}
+    targets = {"a": Y, "b": rng.randn(len(X), SEQ, 2).astype("float32")}
+    weights = {"a": SW, "b": np.ones(X.shape, "float32")}
+
+    def fit(model):
+        return model.fit(data, targets, sample_weight=weights, batch_size=32,
+                         epochs=2, shuffle=False, verbose=0,
+                         validation_data=(data, targets))
+
+    return compare(train(two_masks_model, fit, True),
+                   train(two_masks_model, fit, False))
+
+
+CASES = {"custom_loop": custom_loop, "super_train_step": super_train_step,
+         "empty_replica": empty_replica, "two_masks": two_masks}
+for name in sys.argv[1:] or CASES:
+    print(json.dumps({"case": name, "atol": CASES[name]()}), flush=True)
