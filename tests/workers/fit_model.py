@@ -76,6 +76,8 @@ if args.model == "tokens":
     for i, n in enumerate(rng.randint(1, 9, size=args.samples)):
         x[i, n:] = 0
     y = x % 3
+    # Per-token sample weights (Keras multiplies them by the mask).
+    sw = rng.uniform(0.5, 1.5, size=x.shape).astype("float32")
 ds = tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(
     args.global_batch, drop_remainder=not args.partial)
 
