@@ -386,7 +386,12 @@ ERROR_CASES = {
     # Array data whose last batch is too small: refused before training.
     "array_last_batch_smaller_than_microbatches": ("ValueError", [
         "last batch has 4 samples", "smaller than microbatches=5",
-        "end of the first epoch", "x[:116]"]),
+        "end of the first epoch", "batch size that divides the 120",
+        "leave the last 4 samples out"]),
+    # Layers add losses: validation batches split too, checked as well.
+    "validation_last_batch_with_added_losses": ("ValueError", [
+        "validation data's last batch has 4 samples",
+        "smaller than microbatches=5"]),
     "indivisible_batch_mean_with_sample_weight": ("ValueError", [
         "30 samples does not divide into microbatches=4",
         "mean_with_sample_weight"]),

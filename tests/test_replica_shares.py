@@ -4,8 +4,10 @@ Keras computes each replica's mean loss over its own part of the batch;
 summed over replicas, the gradients are one device's only when the parts
 hold equal shares of what the loss divides by. keras-smp weighs each
 replica's loss by its share (`keras_smp/runtime/loss_shares.py`): a
-partial last batch split 14/13, a masked loss per token whose replicas
-hold different numbers of real tokens, a replica left without rows.
+partial last batch split unevenly (27 rows: 14/13 over a process's two
+replicas, 16/11 over two worker processes, as tf.data rebatches), a
+masked loss per token whose replicas hold different numbers of real
+tokens, a replica left without rows.
 
 Bounds: rtol 1e-5, atol 1e-6 per unit of magnitude (conftest): the same
 sums in another order, a few float32 ulps.
@@ -43,14 +45,18 @@ def test_two_local_replicas_match_single_device(in_process, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tokens", "mlp"])
-@pytest.mark.parametrize("workers", [2, 4])
+@pytest.mark.parametrize("model,workers,microbatches", [
+    ("tokens", 2, None), ("mlp", 2, None), ("tokens", 4, 2), ("mlp", 4, 2),
+    # One microbatch: the shares come from the outputs' masks as the
+    # model makes them (none computed ahead).
+    ("tokens", 4, 1)])
 def test_replicas_of_unequal_shares_match_single_device(
-        tmp_path, reference, workers, model):
+        tmp_path, reference, workers, model, microbatches):
     # Worker processes as data-parallel replicas: 2 plain Keras replicas,
     # or 4 = 2 replicas x 2 pipeline stages, one per process (each
     # stage's data-parallel peers sum among themselves). 91 samples in
-    # batches of 32: the last, 27, is split 14/13 over the replicas;
+    # batches of 32: the last, 27, is split 16/11 over the replicas (tf.data
+    # rebatches each batch to 16 rows per worker);
     # "tokens": a masked loss per token, the replicas' real tokens
     # differ. Each replica's loss counts by its share of the step's rows
     # or real tokens, so training, the logged loss, evaluate and predict
@@ -58,7 +64,7 @@ def test_replicas_of_unequal_shares_match_single_device(
     flags = ["--model", model, "--partial", "--samples", "91"]
     if workers == 4:
         flags += ["--pipelined", "--config", json.dumps(
-            {"partitions": 2, "microbatches": 2,
+            {"partitions": 2, "microbatches": microbatches,
              "collective_timeout_seconds": 120})]
     launch(workers, fit_model(tmp_path, *flags))
     ref = reference("--model", model, "--partial", "--samples", "91")

@@ -60,7 +60,8 @@ def check_enough(tensor, m, what="The per-replica batch", advice=""):
                   f" (a microbatch needs at least one sample). {advice}")
 
 
-def check_last_batch(samples, batch_size, m, replicas=1):
+def check_last_batch(samples, batch_size, m, replicas=1,
+                     what="training data"):
     """Raises before training when data of `samples` rows, in batches of
     `batch_size`, ends with a batch some replica's part of which is
     smaller than `m` (a microbatch needs at least one sample): such a
@@ -68,6 +69,9 @@ def check_last_batch(samples, batch_size, m, replicas=1):
 
     Only a certain failure is raised: however a last batch of `r` rows is
     split over the replicas, one of them holds at most `r // replicas`.
+    (A larger last batch may still fail: TensorFlow splits a batch of `r`
+    rows over 3 or more replicas as `ceil(r / replicas)` rows to each in
+    turn, so 7 rows over 3 replicas are 3, 3 and 1.)
 
     Example:
 
@@ -84,17 +88,15 @@ def check_last_batch(samples, batch_size, m, replicas=1):
     last = samples % batch_size
     if not last or last // replicas >= m:
         return
-    fits = m * replicas
     raise ValueError(
-        f"The training data's last batch has {last} samples ({samples} "
+        f"The {what}'s last batch has {last} samples ({samples} "
         f"samples in batches of {batch_size}): "
         + (f"split over {replicas} replicas, a replica's part of it "
            if replicas > 1 else "it ")
         + f"{FEW_ERROR}={m} (a microbatch needs at least one sample), so "
-        "training would fail at the end of the first epoch. Use a "
-        f"batch_size whose last batch is empty or has at least "
-        f"microbatches x replicas = {fits} samples, or leave the last "
-        f"{last} samples out (x[:{samples - last}]).")
+        "training would fail at the end of the first epoch. Use a batch "
+        f"size that divides the {samples} samples, or leave the last "
+        f"{last} samples out.")
 
 
 def sizes(rows, m):

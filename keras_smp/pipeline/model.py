@@ -11,6 +11,7 @@ optimizer slots here; `keras_smp.pipeline.shards` saves them stage by stage.
 """
 
 import contextlib
+import inspect
 import os
 import warnings
 
@@ -458,8 +459,9 @@ class DistributedModel(keras.Model):
         self._smp_check_last_batch(args, kwargs)
         return super().fit(*args, **kwargs)
 
+    fit.__signature__ = inspect.signature(keras.Model.fit)
+
     def _smp_check_last_batch(self, args, kwargs):
-        import inspect
         import math
 
         import numpy as np
@@ -469,20 +471,40 @@ class DistributedModel(keras.Model):
                 self, *args, **kwargs).arguments
         except TypeError:
             return  # Keras will say what is wrong
-        x = given.get("x")
-        if x is None or given.get("steps_per_epoch") is not None:
-            return
-        first = next(iter(keras.tree.flatten(x)), None)
-        if not (isinstance(first, np.ndarray) or tf.is_tensor(first)) or (
-                not first.shape or first.shape[0] is None):
-            return  # datasets, generators: their batches are theirs
-        samples = int(first.shape[0])
+        if (self.num_microbatches == 1
+                and loss_shares.mean_with_sample_weight(self)):
+            return  # its batches need only divide by 1 (`run_step`)
+
+        def rows(data):
+            first = next(iter(keras.tree.flatten(data)), None)
+            if not (isinstance(first, np.ndarray) or tf.is_tensor(first)) or (
+                    not first.shape or first.shape[0] is None):
+                return None  # datasets, generators: their batches are theirs
+            return int(first.shape[0])
+
+        m = self.num_microbatches
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        batch_size = given.get("batch_size") or 32
+        samples = rows(given.get("x"))
+        validation = given.get("validation_data")
         split = given.get("validation_split") or 0.0
-        if split and given.get("validation_data") is None:
-            samples = int(math.floor(samples * (1.0 - split)))  # as Keras
-        microbatch.check_last_batch(
-            samples, given.get("batch_size") or 32, self.num_microbatches,
-            self.distribute_strategy.num_replicas_in_sync)
+        val_samples = None
+        if samples is not None and split and validation is None:
+            train = int(math.floor(samples * (1.0 - split)))  # as Keras
+            samples, val_samples = train, samples - train
+        elif validation is not None:
+            val_samples = rows(validation[0] if isinstance(
+                validation, (tuple, list)) else validation)
+        if samples is not None and given.get("steps_per_epoch") is None:
+            microbatch.check_last_batch(samples, batch_size, m, replicas)
+        # Evaluation pads a batch to whole microbatches, except when layers
+        # add losses (the padding's would count): then it splits as
+        # training does.
+        if (val_samples and self._smp_adds_losses()
+                and given.get("validation_steps") is None):
+            microbatch.check_last_batch(
+                val_samples, given.get("validation_batch_size") or batch_size,
+                m, replicas, what="validation data")
 
     def compile(self, *args, jit_compile="auto", **kwargs):
         """Keras' `compile`; `jit_compile=True` compiles stage by stage.

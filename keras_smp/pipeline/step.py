@@ -105,7 +105,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     # batch into unequal microbatches (`microbatch.sizes`, at least one
     # row each), each counting by its share of the batch's rows; a loss
     # with reduction="mean_with_sample_weight" cannot be shared so.
-    uneven = not pads and not (has_loss and _mean_with_sample_weight(model))
+    uneven = not pads and not (
+        has_loss and loss_shares.mean_with_sample_weight(model))
     advice = (
         "Use a batch size that is a multiple of microbatches x replicas "
         f"= {m * replicas}, and `drop_remainder=True` when batching a "
@@ -152,7 +153,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             "No loss to compute. Provide `y` and a `loss` argument in "
             "`compile()`, or add losses in layers' `call` (`add_loss()`).")
     loss_fn = (_loss_fn(model, ys, sws, sample_weight, m, training, flat_x,
-                        rows, share_batch, context)
+                        rows, share_batch, context, static is not None)
                if has_loss and training else None)
     if training and loss_fn is None:
         # The loss is what the layers add (compile() without a loss, as
@@ -542,12 +543,6 @@ def _pad_rows(tensor, rows):
     return tf.pad(tensor, [[0, extra]] + [[0, 0]] * (tensor.shape.rank - 1))
 
 
-def _mean_with_sample_weight(model):
-    """Whether a compiled loss divides by its sample weights' sum."""
-    return any(reduction_of(loss) == "mean_with_sample_weight"
-               for loss in keras_private.compiled_loss_objects(model))
-
-
 def _merged(graph, result):
     """The last stage's tensors (the flattened outputs, then their Keras
     masks) of the whole batch, merged from the microbatches."""
@@ -658,13 +653,15 @@ def _replay(model, graph, stage, m, batch=None):
 
 
 def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
-             batch, context=None):
+             batch, context=None, static=True):
     """The loss of one microbatch (last stage), weighted for the step.
 
     `rows`: each microbatch's rows when they are unequal or of unknown
     size (else None), of a batch of `batch` rows (with replicas, the
     average replica's). `context`: the replica context when the step has
-    several replicas (their masked losses count by their shares)."""
+    several replicas (their masked losses count by their shares).
+    `static`: whether the batch's size is known (the same in every
+    replica)."""
     graph = model.staged_graph
     compiled = keras_private.compiled_loss(model)
     entries = keras_private.compiled_loss_entries(model, ys[0],
@@ -691,11 +688,13 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
                 if t.shape.rank else t for t in out]
         y_pred = graph.pack_outputs(out)
         divisors = (loss_shares.replica_divisors(model, ys[mb], y_pred,
-                                                 rows is None)
+                                                 static)
                     if once else None)
         if divisors is not None:
-            share = (1.0 if rows is None
-                     else tf.cast(rows[0], tf.float32) / batch)
+            # The replica's share of the rows (its one microbatch is its
+            # batch): a batch of unknown size may be split unevenly.
+            share = (1.0 if static else
+                     tf.cast(tf.shape(flat_x[0])[0], tf.float32) / batch)
             loss, _ = loss_shares.shared_loss(
                 model, context, divisors, ys[mb], y_pred, sws[mb], None,
                 rows_share=share)

@@ -5,7 +5,8 @@ entries per row), or, under a Keras mask, the unmasked entries. A step
 whose batch is split computes each part's loss with the part's own
 divisor, so the parts' losses, averaged, equal the batch's only when the
 parts hold equal shares. They do not when a batch does not divide evenly
-(a partial last batch split 14/13 over two replicas) or when a mask keeps
+(a partial last batch of 27 rows split 14/13, or 16/11, over two
+replicas) or when a mask keeps
 different numbers of entries in each part (padded token sequences).
 
 Here a part's loss is scaled by `parts x its share of the divisor`: its
@@ -32,6 +33,13 @@ def reduction_of(loss):
     fn = getattr(loss, "fn", loss)
     return (getattr(fn, "reduction", None) or getattr(loss, "reduction", None)
             or "sum_over_batch_size")
+
+
+def mean_with_sample_weight(model):
+    """Whether a compiled loss of `model` divides by its sample weights'
+    sum (`reduction="mean_with_sample_weight"`)."""
+    return any(reduction_of(loss) == "mean_with_sample_weight"
+               for loss in keras_private.compiled_loss_objects(model))
 
 
 def scaled_sample_weights(model, entries, outputs, given, factors):

@@ -99,6 +99,26 @@ def array_last_batch_smaller_than_microbatches():
         raise
 
 
+def validation_last_batch_with_added_losses():
+    # An activity regularizer adds a loss in `call`, so evaluation splits
+    # its batches as training does (no padding): validation data of 34
+    # rows in batches of 30 ends with 4, fewer than microbatches=5.
+    # Refused before the first step.
+    with keras_smp.SMPStrategy(partitions=2, microbatches=5).scope():
+        model = keras_smp.DistributedModel(keras.Sequential([
+            keras.Input((8,)),
+            keras.layers.Dense(8, activity_regularizer="l2"),
+            keras.layers.Dense(2)]))
+        model.compile(optimizer="sgd", loss="mse")
+    try:
+        model.fit(X[:90], Y[:90], batch_size=30, epochs=1, verbose=0,
+                  validation_data=(X[86:], Y[86:]))
+    except ValueError:
+        if int(model.optimizer.iterations.numpy()) != 0:
+            raise AssertionError("fit trained before refusing the batch")
+        raise
+
+
 def indivisible_batch_mean_with_sample_weight():
     # Such a loss divides each microbatch by its own weight sum: equal
     # microbatches only (and no sample weights, see loss_weight).

@@ -17,7 +17,8 @@ Cases:
   keeps the weight regularizers whole.
 - two_masks: two per-token outputs with different masks (the embedding's
   and a `Masking` layer's), per-output sample weights given as a dict,
-  one output's loss a `"sum"`: weights and every log.
+  both losses means (each divides by its own mask's count): weights and
+  every log.
 """
 
 import json
@@ -83,7 +84,7 @@ def two_masks_model():
     tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
     h = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(tokens)
     a = keras.layers.Dense(3, name="a")(keras.layers.Dense(8)(h))
-    # Another mask: the positions whose first feature is not 0.25.
+    # Another mask: the positions whose features are not all 0.25.
     feats = keras.Input((SEQ, 2), name="feats")
     b = keras.layers.Dense(2, name="b")(
         keras.layers.Dense(8)(keras.layers.Masking(0.25)(feats)))
@@ -93,7 +94,7 @@ def two_masks_model():
         optimizer=keras.optimizers.SGD(0.3, momentum=0.9),
         loss={"a": keras.losses.SparseCategoricalCrossentropy(
                   from_logits=True),
-              "b": keras.losses.MeanSquaredError(reduction="sum")},
+              "b": keras.losses.MeanSquaredError()},
         loss_weights={"a": 1.0, "b": 0.1},
         metrics={"a": ["sparse_categorical_accuracy"]})
     return model
@@ -179,8 +180,8 @@ def empty_replica():
 
 def two_masks():
     feats = rng.randn(len(X), SEQ, 2).astype("float32")
-    feats[:, :, 0] = np.where(rng.rand(len(X), SEQ) < 0.3, 0.25,
-                              feats[:, :, 0])
+    masked = rng.rand(len(X), SEQ) < 0.3
+    feats[masked] = 0.25  # both features: Masking masks these positions
     data = {"tokens": X, "feats": feats}
     targets = {"a": Y, "b": rng.randn(len(X), SEQ, 2).astype("float32")}
     weights = {"a": SW, "b": np.ones(X.shape, "float32")}
