@@ -130,7 +130,15 @@ GROUPS = {
                 + _cases("tokens", (2,), ("1f1b",), (1, 4), "sgd",
                          devices=4)
                 + [dict(c, partial="odd") for c in _cases(
-                    "tokens", (2,), ("1f1b",), (1,), "sgd", devices=4)]),
+                    "tokens", (2,), ("1f1b",), (1,), "sgd", devices=4)]
+                # A "mean_with_sample_weight" loss (weighted 0) keeps
+                # microbatches equal, but the replicas' rows still differ
+                # (14/13; 4/4/2 over 3 replicas, 2+2, 2+2, 1+1): the other
+                # loss and the added ones count by each replica's share.
+                + [dict(c, partial="odd") for c in _cases(
+                    "mixed", (2,), ("1f1b",), (1,), "sgd", devices=4)]
+                + [dict(c, partial="thirds") for c in _cases(
+                    "mixed", (2,), ("1f1b",), (2,), "sgd", devices=6)]),
     # Activation checkpointing: every stage (or only stage 1) recomputes its
     # forward in its backward; the same bounds.
     "recompute": [dict(c, recompute=r) for c, r in zip(
@@ -386,12 +394,18 @@ ERROR_CASES = {
     # Array data whose last batch is too small: refused before training.
     "array_last_batch_smaller_than_microbatches": ("ValueError", [
         "last batch has 4 samples", "smaller than microbatches=5",
-        "end of the first epoch", "batch size that divides the 120",
+        "end of the first epoch", "batch_size that divides the 120",
         "leave the last 4 samples out"]),
+    # Equal microbatches needed: a last batch of 22 rows cannot divide
+    # into 4 (however the replicas split it).
+    "array_last_batch_mean_with_sample_weight": ("ValueError", [
+        "last batch has 22 samples", "does not divide into microbatches=4",
+        "mean_with_sample_weight", "batch_size that divides the 118"]),
     # Layers add losses: validation batches split too, checked as well.
     "validation_last_batch_with_added_losses": ("ValueError", [
         "validation data's last batch has 4 samples",
-        "smaller than microbatches=5"]),
+        "smaller than microbatches=5", "the first validation would fail",
+        "validation_batch_size that divides the 34"]),
     "indivisible_batch_mean_with_sample_weight": ("ValueError", [
         "30 samples does not divide into microbatches=4",
         "mean_with_sample_weight"]),
@@ -418,10 +432,15 @@ ERROR_CASES = {
 }
 
 
+# Data that trains: fit's early checks refuse only certain failures.
+ACCEPTED_CASES = ["unbuilt_subclass_with_validation",
+                  "validation_not_run_is_not_checked"]
+
+
 @pytest.fixture(scope="module")
 def errors():
     proc = run_python([os.path.join(WORKERS, "pipeline_errors.py"),
-                       *ERROR_CASES], timeout=300)
+                       *ERROR_CASES, *ACCEPTED_CASES], timeout=300)
     rows = [json.loads(l) for l in proc.stdout.splitlines()
             if l.startswith("{")]
     return {r["case"]: r for r in rows}
@@ -434,6 +453,11 @@ def test_bad_input_is_a_clear_error(errors, case):
     assert row["type"] == kind, row
     for fragment in fragments:
         assert fragment in row["message"], (fragment, row["message"])
+
+
+@pytest.mark.parametrize("case", ACCEPTED_CASES)
+def test_data_that_trains_is_not_refused(errors, case):
+    assert errors[case]["type"] is None, errors[case]
 
 
 @pytest.mark.slow

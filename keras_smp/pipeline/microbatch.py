@@ -61,17 +61,29 @@ def check_enough(tensor, m, what="The per-replica batch", advice=""):
 
 
 def check_last_batch(samples, batch_size, m, replicas=1,
-                     what="training data"):
+                     what="training data", divisible=False,
+                     batch_arg="batch_size", trim=True,
+                     fails="training would fail at the end of the first "
+                     "epoch"):
     """Raises before training when data of `samples` rows, in batches of
-    `batch_size`, ends with a batch some replica's part of which is
-    smaller than `m` (a microbatch needs at least one sample): such a
-    batch would fail at the end of the first epoch (`check_enough`).
+    `batch_size`, ends with a batch that would certainly fail at the end
+    of the first epoch (`check_enough`, `check_divisible`): some
+    replica's part of it is smaller than `m` (a microbatch needs at least
+    one sample), or, with `divisible` (a loss needing equal
+    microbatches), some part does not divide into `m`.
 
     Only a certain failure is raised: however a last batch of `r` rows is
-    split over the replicas, one of them holds at most `r // replicas`.
-    (A larger last batch may still fail: TensorFlow splits a batch of `r`
-    rows over 3 or more replicas as `ceil(r / replicas)` rows to each in
-    turn, so 7 rows over 3 replicas are 3, 3 and 1.)
+    split over the replicas, one of them holds at most `r // replicas`,
+    and parts that each divide into `m` add up to a multiple of `m`. (A
+    larger last batch may still fail: how TensorFlow splits a partial
+    batch depends on the strategy. Within a process each replica in turn
+    gets `ceil(r / replicas)` rows, so 7 rows over 3 replicas are 3, 3
+    and 1; across worker processes full per-replica batches come first,
+    so 17 rows in batches of 32 over 2 workers are 16 and 1.)
+
+    `batch_arg` names the argument to change, `trim=False` leaves out the
+    advice to drop the last samples (under `validation_split` that moves
+    the split), `fails` says what would fail.
 
     Example:
 
@@ -86,17 +98,27 @@ def check_last_batch(samples, batch_size, m, replicas=1,
     ```
     """
     last = samples % batch_size
-    if not last or last // replicas >= m:
+    if not last:
         return
+    if divisible:
+        if not last % m:
+            return
+        problem = (f"it does not divide into microbatches={m} (a loss with "
+                   "reduction='mean_with_sample_weight' needs equal "
+                   "microbatches)")
+    elif last // replicas >= m:
+        return
+    else:
+        problem = ((f"split over {replicas} replicas, a replica's part of "
+                    "it " if replicas > 1 else "it ")
+                   + f"{FEW_ERROR}={m} (a microbatch needs at least one "
+                   "sample)")
     raise ValueError(
-        f"The {what}'s last batch has {last} samples ({samples} "
-        f"samples in batches of {batch_size}): "
-        + (f"split over {replicas} replicas, a replica's part of it "
-           if replicas > 1 else "it ")
-        + f"{FEW_ERROR}={m} (a microbatch needs at least one sample), so "
-        "training would fail at the end of the first epoch. Use a batch "
-        f"size that divides the {samples} samples, or leave the last "
-        f"{last} samples out.")
+        f"The {what}'s last batch has {last} samples ({samples} samples in "
+        f"batches of {batch_size}): {problem}, so {fails}. Use a "
+        f"{batch_arg} that divides the "
+        f"{samples} samples"
+        + (f", or leave the last {last} samples out." if trim else "."))
 
 
 def sizes(rows, m):

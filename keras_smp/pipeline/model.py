@@ -462,6 +462,8 @@ class DistributedModel(keras.Model):
     fit.__signature__ = inspect.signature(keras.Model.fit)
 
     def _smp_check_last_batch(self, args, kwargs):
+        """Raises when array data's last batch would certainly fail in
+        `run_step` (`microbatch.check_last_batch`), before training."""
         import math
 
         import numpy as np
@@ -471,9 +473,6 @@ class DistributedModel(keras.Model):
                 self, *args, **kwargs).arguments
         except TypeError:
             return  # Keras will say what is wrong
-        if (self.num_microbatches == 1
-                and loss_shares.mean_with_sample_weight(self)):
-            return  # its batches need only divide by 1 (`run_step`)
 
         def rows(data):
             first = next(iter(keras.tree.flatten(data)), None)
@@ -484,27 +483,41 @@ class DistributedModel(keras.Model):
 
         m = self.num_microbatches
         replicas = self.distribute_strategy.num_replicas_in_sync
+        # With targets, such a loss needs equal microbatches (`run_step`).
+        mws = loss_shares.mean_with_sample_weight(self)
         batch_size = given.get("batch_size") or 32
         samples = rows(given.get("x"))
         validation = given.get("validation_data")
         split = given.get("validation_split") or 0.0
-        val_samples = None
+        val_samples, val_y = None, given.get("y") is not None
         if samples is not None and split and validation is None:
             train = int(math.floor(samples * (1.0 - split)))  # as Keras
             samples, val_samples = train, samples - train
         elif validation is not None:
-            val_samples = rows(validation[0] if isinstance(
-                validation, (tuple, list)) else validation)
+            parts = (validation if isinstance(validation, (tuple, list))
+                     else (validation,))
+            val_samples = rows(parts[0])
+            val_y = len(parts) > 1 and parts[1] is not None
         if samples is not None and given.get("steps_per_epoch") is None:
-            microbatch.check_last_batch(samples, batch_size, m, replicas)
+            microbatch.check_last_batch(
+                samples, batch_size, m, replicas,
+                divisible=mws and given.get("y") is not None,
+                trim=not split)
         # Evaluation pads a batch to whole microbatches, except when layers
         # add losses (the padding's would count): then it splits as
-        # training does.
-        if (val_samples and self._smp_adds_losses()
-                and given.get("validation_steps") is None):
+        # training does. (Not known before a subclassed model is built.)
+        epochs = range(given.get("initial_epoch") or 0,
+                       given.get("epochs") or 1)
+        freq = given.get("validation_freq") or 1
+        validates = any(((e + 1) % freq == 0) if isinstance(freq, int)
+                        else (e + 1) in freq for e in epochs)
+        if (val_samples and validates and given.get("validation_steps") is None
+                and self._smp_graph is not None and self._smp_adds_losses()):
             microbatch.check_last_batch(
                 val_samples, given.get("validation_batch_size") or batch_size,
-                m, replicas, what="validation data")
+                m, replicas, what="validation data", divisible=mws and val_y,
+                batch_arg="validation_batch_size", trim=not split,
+                fails="the first validation would fail")
 
     def compile(self, *args, jit_compile="auto", **kwargs):
         """Keras' `compile`; `jit_compile=True` compiles stage by stage.

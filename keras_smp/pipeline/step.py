@@ -186,7 +186,11 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             if s == 0:
                 fn = _model_inputs_constant(fn)
             fn = xla.compiled(fn, f"stage {s}", graph.stage_layers(s))
-        batch_rows = None if rows is None else share_batch
+        # Unequal microbatches, or replicas' batches of unknown size (a
+        # "mean_with_sample_weight" loss keeps equal microbatches, `rows`
+        # None, but the replicas' rows may still differ).
+        batch_rows = (share_batch if rows is not None or (
+            context is not None and static is None) else None)
         stages[s] = Stage(s, _adding_losses(model, graph, s, fn, training,
                                             m, added, batch_rows),
                           stage_vars[s] if training else [],
@@ -656,9 +660,9 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
              batch, context=None, static=True):
     """The loss of one microbatch (last stage), weighted for the step.
 
-    `rows`: each microbatch's rows when they are unequal or of unknown
-    size (else None), of a batch of `batch` rows (with replicas, the
-    average replica's). `context`: the replica context when the step has
+    `rows`: each microbatch's rows when they may be unequal (else None:
+    equal microbatches, as a "mean_with_sample_weight" loss needs), of a
+    batch of `batch` rows (with replicas, the average replica's). `context`: the replica context when the step has
     several replicas (their masked losses count by their shares).
     `static`: whether the batch's size is known (the same in every
     replica)."""
@@ -672,7 +676,7 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
     checks = []
     if m > 1:
         sws, checks = _microbatch_weights(model, entries, flat_x, m, sws,
-                                          rows, batch, context)
+                                          rows, batch, context, static)
     # One microbatch and several replicas: the replica's shares, from the
     # outputs' masks as the model made them (nothing computed ahead).
     once = m == 1 and context is not None
@@ -714,7 +718,7 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
 
 
 def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
-                        context=None):
+                        context=None, static=True):
     """`(sample weights, checks)` per microbatch that make each output's
     microbatch losses, weighted `1/m`, sum to Keras' loss of the batch.
 
@@ -731,7 +735,9 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
 
     With several replicas (`context`) the shares are of the whole
     step's: a masked output's unmasked entries are summed across the
-    replicas (one all-reduce), and `batch` is the average replica's rows.
+    replicas (one all-reduce), and `batch` is the average replica's rows
+    (a batch of unknown size, `static` False, may be split unevenly over
+    the replicas even when its microbatches are equal).
 
     Per-output losses ("cls_loss") then log Keras' values too. The
     weights are laid out as Keras' compiled loss looks them up (by each
@@ -769,6 +775,11 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
         elif rows is not None:
             factors[path] = [_share_factor(rows[i], m, batch)
                              for i in range(m)]
+        elif context is not None and not static:
+            # Equal microbatches (beside a "mean_with_sample_weight" loss)
+            # of this replica's rows, which may differ from the others'.
+            factors[path] = [_share_factor(
+                tf.shape(flat_x[0])[0] // m, m, batch)] * m
     if totals:
         # m x each microbatch's share of the step's unmasked entries
         # (with replicas: x replicas, of all replicas' entries).

@@ -99,6 +99,22 @@ def array_last_batch_smaller_than_microbatches():
         raise
 
 
+def array_last_batch_mean_with_sample_weight():
+    # Such a loss needs equal microbatches: 118 rows in batches of 48 end
+    # with 22, which does not divide into microbatches=4. Refused before
+    # the first step.
+    with keras_smp.SMPStrategy(partitions=2, microbatches=4).scope():
+        model = keras_smp.DistributedModel(mlp())
+        model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(
+            reduction="mean_with_sample_weight"))
+    try:
+        model.fit(X[:118], Y[:118], batch_size=48, epochs=1, verbose=0)
+    except ValueError:
+        if int(model.optimizer.iterations.numpy()) != 0:
+            raise AssertionError("fit trained before refusing the batch")
+        raise
+
+
 def validation_last_batch_with_added_losses():
     # An activity regularizer adds a loss in `call`, so evaluation splits
     # its batches as training does (no padding): validation data of 34
@@ -216,6 +232,33 @@ def masked_mean_with_sample_weight():
             keras.losses.SparseCategoricalCrossentropy(
                 from_logits=True, reduction="mean_with_sample_weight")))
     model.fit(TOKENS, TOKENS % 3, batch_size=16, epochs=1, verbose=0)
+
+
+# Accepted: data that trains is not refused by fit's early checks.
+
+def unbuilt_subclass_with_validation():
+    # A subclassed model is built by its first step: the validation check
+    # (which needs to know whether layers add losses) waits for it.
+    with keras_smp.SMPStrategy(partitions=2, microbatches=2,
+                               auto_partition=False).scope():
+        model = Scoped([0, 1])
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(X, Y[:, :1].repeat(8, axis=1), batch_size=30, epochs=1,
+              verbose=0, validation_data=(X[:34], Y[:34, :1].repeat(8, 1)))
+
+
+def validation_not_run_is_not_checked():
+    # validation_freq=2 over one epoch: the validation data (34 rows in
+    # batches of 30, the last too small for microbatches=5 with an added
+    # loss) is never used.
+    with keras_smp.SMPStrategy(partitions=2, microbatches=5).scope():
+        model = keras_smp.DistributedModel(keras.Sequential([
+            keras.Input((8,)),
+            keras.layers.Dense(8, activity_regularizer="l2"),
+            keras.layers.Dense(2)]))
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(X[:90], Y[:90], batch_size=30, epochs=1, verbose=0,
+              validation_data=(X[86:], Y[86:]), validation_freq=2)
 
 
 def devices_not_divisible():

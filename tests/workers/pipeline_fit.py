@@ -8,14 +8,16 @@ one device with the same global batch.
 Usage: pipeline_fit.py CASE [CASE ...], CASE = JSON object with keys
 model (mlp|cnn|skip|manual|penalized|penalized_ops|autoencoder:
 compiled without a loss|two_heads: a loss on one of two outputs, weight
-decay|tokens: padded token sequences, a loss per token under the
+decay|mixed: a mean loss and a "mean_with_sample_weight" one weighted
+0, an activity regularizer|tokens: padded token sequences, a loss per token under the
 embedding's mask), partitions, microbatches, pipeline,
 optimizer (sgd|adam), devices (logical CPUs, default = partitions),
 virtual_stages (model stages per rank, for interleaved_1f1b),
 recompute (activation_checkpointing), reduction (of the loss, default
 sum_over_batch_size; "sum": microbatch losses add up), partial (the data's
 last batch has 26 rows: unequal microbatches; "odd": 27 rows, unequal
-replicas too; "static": batches of 30 rows of a known size), xla (compile both models with
+replicas too; "thirds": 70 rows in batches of 30, the last split 4/4/2
+over 3 replicas; "static": batches of 30 rows of a known size), xla (compile both models with
 jit_compile=True; needs TF_DETERMINISTIC_OPS=0, which Keras requires for XLA).
 """
 
@@ -54,6 +56,7 @@ X_TOK = rng.randint(1, VOCAB, size=(N, SEQ)).astype("int32")
 for _i, _n in enumerate(rng.randint(1, SEQ + 1, size=N)):  # uneven padding
     X_TOK[_i, _n:] = 0
 Y_TOK = X_TOK % 5
+Y_AUX = rng.randn(N, 4).astype("float32")
 
 
 def mlp():
@@ -142,6 +145,24 @@ def two_heads():
     return keras.Model(inputs, {"cls": cls, "aux": aux})
 
 
+def mixed():
+    """Two outputs: "cls" with a mean loss, "aux" with a
+    `"mean_with_sample_weight"` one weighted 0 (each replica divides it by
+    its own rows, unlike one device: documented), and an activity
+    regularizer. Such a loss keeps equal microbatches, so a batch of
+    unknown size is not split unevenly into microbatches, but may still
+    be over the replicas: "cls" and the regularizer count by each
+    replica's share of the rows."""
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="tanh", name="d1",
+                           activity_regularizer="l2")(inputs)
+    h = keras.layers.Dense(16, activation="tanh", name="d2")(h)
+    aux = keras.layers.Dense(4, name="aux")(h)
+    h = keras.layers.Dense(16, activation="tanh", name="d3")(h)
+    cls = keras.layers.Dense(3, name="cls")(h)
+    return keras.Model(inputs, {"cls": cls, "aux": aux})
+
+
 def tokens():
     """A loss per token of padded sequences: the embedding's mask must
     cross every stage boundary to reach the loss and the metric, and each
@@ -193,6 +214,7 @@ def build(case, pipelined):
                  "penalized_ops": penalized_ops,
                  "autoencoder": autoencoder,
                  "two_heads": two_heads,
+                 "mixed": mixed,
                  "tokens": tokens}[kind]()
         if pipelined:
             if case.get("recompute_layers"):  # by layer index
@@ -214,6 +236,15 @@ def build(case, pipelined):
             loss={"cls": keras.losses.SparseCategoricalCrossentropy(
                 from_logits=True)})
         return model
+    if kind == "mixed":
+        model.compile(
+            optimizer=opt, jit_compile=case.get("xla", False),
+            loss={"cls": keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True),
+                  "aux": keras.losses.MeanSquaredError(
+                      reduction="mean_with_sample_weight")},
+            loss_weights={"cls": 1.0, "aux": 0.0})
+        return model
     model.compile(
         optimizer=opt, jit_compile=case.get("xla", False),
         loss=keras.losses.SparseCategoricalCrossentropy(
@@ -232,16 +263,22 @@ def run(case, pipelined):
         data = (x,)
     if case["model"] == "two_heads":
         data = (x, {"cls": Y})
+    if case["model"] == "mixed":
+        data = (x, {"cls": Y, "aux": Y_AUX})
     if case["model"] == "tokens":
         x = X_TOK
         data = (x, Y_TOK)
-    if case.get("partial"):  # a last batch of 26 rows (7+7+6+6 for m=4)
+    batch = GLOBAL_BATCH
+    if case.get("partial") == "thirds":  # 70 rows in batches of 30: the
+        batch, cut = 30, 70  # last, 10, split 4/4/2 over 3 replicas
+    elif case.get("partial"):  # a last batch of 26 rows (7+7+6+6 for m=4)
         # ("odd": 27 rows, split 14/13 over 2 replicas)
         cut = N - (5 if case["partial"] == "odd" else 6)
+    if case.get("partial"):
         data = tuple(keras.tree.map_structure(lambda t: t[:cut], d)
                      for d in data)
         x = data[0]
-    ds = tf.data.Dataset.from_tensor_slices(data).batch(GLOBAL_BATCH)
+    ds = tf.data.Dataset.from_tensor_slices(data).batch(batch)
     if case.get("partial") == "static":  # batches of 30 rows, shape known
         ds = tf.data.Dataset.from_tensor_slices(data).batch(
             GLOBAL_BATCH - 2, drop_remainder=True)
