@@ -84,6 +84,27 @@ def last_batch_smaller_than_microbatches():
     model.fit(ds, epochs=1, verbose=0)
 
 
+def regularized_model():
+    """An activity regularizer adds a loss in `call`, microbatches=5."""
+    with keras_smp.SMPStrategy(partitions=2, microbatches=5).scope():
+        model = keras_smp.DistributedModel(keras.Sequential([
+            keras.Input((8,)),
+            keras.layers.Dense(8, activity_regularizer="l2"),
+            keras.layers.Dense(2)]))
+        model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def refused_before_training(model, *args, **kwargs):
+    """`model.fit(*args, **kwargs)`, which must raise before a step."""
+    try:
+        model.fit(*args, **kwargs)
+    except ValueError:
+        if int(model.optimizer.iterations.numpy()) != 0:
+            raise AssertionError("fit trained before refusing the batch")
+        raise
+
+
 def array_last_batch_smaller_than_microbatches():
     # 120 rows of arrays in batches of 58: the last has 4, fewer than
     # microbatches=5. Refused before the first step (not at the end of
@@ -91,12 +112,7 @@ def array_last_batch_smaller_than_microbatches():
     with keras_smp.SMPStrategy(partitions=2, microbatches=5).scope():
         model = keras_smp.DistributedModel(mlp())
         model.compile(optimizer="sgd", loss="mse")
-    try:
-        model.fit(X, Y, batch_size=58, epochs=1, verbose=0)
-    except ValueError:
-        if int(model.optimizer.iterations.numpy()) != 0:
-            raise AssertionError("fit trained before refusing the batch")
-        raise
+    refused_before_training(model, X, Y, batch_size=58, epochs=1, verbose=0)
 
 
 def array_last_batch_mean_with_sample_weight():
@@ -107,12 +123,8 @@ def array_last_batch_mean_with_sample_weight():
         model = keras_smp.DistributedModel(mlp())
         model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(
             reduction="mean_with_sample_weight"))
-    try:
-        model.fit(X[:118], Y[:118], batch_size=48, epochs=1, verbose=0)
-    except ValueError:
-        if int(model.optimizer.iterations.numpy()) != 0:
-            raise AssertionError("fit trained before refusing the batch")
-        raise
+    refused_before_training(model, X[:118], Y[:118], batch_size=48,
+                            epochs=1, verbose=0)
 
 
 def validation_last_batch_with_added_losses():
@@ -120,19 +132,9 @@ def validation_last_batch_with_added_losses():
     # its batches as training does (no padding): validation data of 34
     # rows in batches of 30 ends with 4, fewer than microbatches=5.
     # Refused before the first step.
-    with keras_smp.SMPStrategy(partitions=2, microbatches=5).scope():
-        model = keras_smp.DistributedModel(keras.Sequential([
-            keras.Input((8,)),
-            keras.layers.Dense(8, activity_regularizer="l2"),
-            keras.layers.Dense(2)]))
-        model.compile(optimizer="sgd", loss="mse")
-    try:
-        model.fit(X[:90], Y[:90], batch_size=30, epochs=1, verbose=0,
-                  validation_data=(X[86:], Y[86:]))
-    except ValueError:
-        if int(model.optimizer.iterations.numpy()) != 0:
-            raise AssertionError("fit trained before refusing the batch")
-        raise
+    model = regularized_model()
+    refused_before_training(model, X[:90], Y[:90], batch_size=30, epochs=1,
+                            verbose=0, validation_data=(X[86:], Y[86:]))
 
 
 def indivisible_batch_mean_with_sample_weight():
@@ -251,12 +253,7 @@ def validation_not_run_is_not_checked():
     # validation_freq=2 over one epoch: the validation data (34 rows in
     # batches of 30, the last too small for microbatches=5 with an added
     # loss) is never used.
-    with keras_smp.SMPStrategy(partitions=2, microbatches=5).scope():
-        model = keras_smp.DistributedModel(keras.Sequential([
-            keras.Input((8,)),
-            keras.layers.Dense(8, activity_regularizer="l2"),
-            keras.layers.Dense(2)]))
-        model.compile(optimizer="sgd", loss="mse")
+    model = regularized_model()
     model.fit(X[:90], Y[:90], batch_size=30, epochs=1, verbose=0,
               validation_data=(X[86:], Y[86:]), validation_freq=2)
 
