@@ -137,8 +137,9 @@ GROUPS = {
                 # loss and the added ones count by each replica's share.
                 + [dict(c, partial="odd") for c in _cases(
                     "mixed", (2,), ("1f1b",), (1,), "sgd", devices=4)]
-                + [dict(c, partial="thirds") for c in _cases(
-                    "mixed", (2,), ("1f1b",), (2,), "sgd", devices=6)]),
+                + [dict(c, partial="thirds", recompute=r) for c in _cases(
+                    "mixed", (2,), ("1f1b",), (2,), "sgd", devices=6)
+                   for r in (False, True)]),
     # Activation checkpointing: every stage (or only stage 1) recomputes its
     # forward in its backward; the same bounds.
     "recompute": [dict(c, recompute=r) for c, r in zip(

@@ -103,9 +103,10 @@ def check_last_batch(samples, batch_size, m, replicas=1,
     if divisible:
         if not last % m:
             return
-        problem = (f"it does not divide into microbatches={m} (a loss with "
-                   "reduction='mean_with_sample_weight' needs equal "
-                   "microbatches)")
+        problem = ((f"split over {replicas} replicas, its parts cannot all "
+                    "divide" if replicas > 1 else "it does not divide")
+                   + f" into microbatches={m} (a loss with reduction="
+                   "'mean_with_sample_weight' needs equal microbatches)")
     elif last // replicas >= m:
         return
     else:

@@ -48,6 +48,17 @@ from keras_smp.tensor.layers import current_group_of
 from keras_smp.tensor.layers import tensor_parallel_layers
 
 
+def _validates(freq, epochs):
+    """Whether Keras' `fit` validates after any of `epochs` (0-based) with
+    `validation_freq=freq` (as `Trainer._should_eval`: an int or a list;
+    anything else is Keras' error to raise)."""
+    if isinstance(freq, int):
+        return bool(freq) and any((e + 1) % freq == 0 for e in epochs)
+    if isinstance(freq, list):
+        return any(e + 1 in freq for e in epochs)
+    return False
+
+
 @keras.saving.register_keras_serializable(package="keras_smp")
 class DistributedModel(keras.Model):
     """A Keras model trained, evaluated and run as a microbatch pipeline.
@@ -506,11 +517,8 @@ class DistributedModel(keras.Model):
         # Evaluation pads a batch to whole microbatches, except when layers
         # add losses (the padding's would count): then it splits as
         # training does. (Not known before a subclassed model is built.)
-        epochs = range(given.get("initial_epoch") or 0,
-                       given.get("epochs") or 1)
-        freq = given.get("validation_freq") or 1
-        validates = any(((e + 1) % freq == 0) if isinstance(freq, int)
-                        else (e + 1) in freq for e in epochs)
+        validates = _validates(given.get("validation_freq", 1), range(
+            given.get("initial_epoch", 0), given.get("epochs", 1)))
         if (val_samples and validates and given.get("validation_steps") is None
                 and self._smp_graph is not None and self._smp_adds_losses()):
             microbatch.check_last_batch(

@@ -189,8 +189,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         # Unequal microbatches, or replicas' batches of unknown size (a
         # "mean_with_sample_weight" loss keeps equal microbatches, `rows`
         # None, but the replicas' rows may still differ).
-        batch_rows = (share_batch if rows is not None or (
-            context is not None and static is None) else None)
+        batch_rows = (share_batch if rows is not None
+                      or share_batch is not true_batch else None)
         stages[s] = Stage(s, _adding_losses(model, graph, s, fn, training,
                                             m, added, batch_rows),
                           stage_vars[s] if training else [],
@@ -662,8 +662,9 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
 
     `rows`: each microbatch's rows when they may be unequal (else None:
     equal microbatches, as a "mean_with_sample_weight" loss needs), of a
-    batch of `batch` rows (with replicas, the average replica's). `context`: the replica context when the step has
-    several replicas (their masked losses count by their shares).
+    batch of `batch` rows (with replicas, the average replica's).
+    `context`: the replica context when the step has several replicas
+    (their masked losses count by their shares).
     `static`: whether the batch's size is known (the same in every
     replica)."""
     graph = model.staged_graph

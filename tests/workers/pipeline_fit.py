@@ -5,20 +5,20 @@ JSON line per case with the largest differences from the reference:
 the same model, same initial weights and data, trained by plain Keras on
 one device with the same global batch.
 
-Usage: pipeline_fit.py CASE [CASE ...], CASE = JSON object with keys
-model (mlp|cnn|skip|manual|penalized|penalized_ops|autoencoder:
-compiled without a loss|two_heads: a loss on one of two outputs, weight
-decay|mixed: a mean loss and a "mean_with_sample_weight" one weighted
-0, an activity regularizer|tokens: padded token sequences, a loss per token under the
-embedding's mask), partitions, microbatches, pipeline,
-optimizer (sgd|adam), devices (logical CPUs, default = partitions),
-virtual_stages (model stages per rank, for interleaved_1f1b),
-recompute (activation_checkpointing), reduction (of the loss, default
-sum_over_batch_size; "sum": microbatch losses add up), partial (the data's
-last batch has 26 rows: unequal microbatches; "odd": 27 rows, unequal
-replicas too; "thirds": 70 rows in batches of 30, the last split 4/4/2
-over 3 replicas; "static": batches of 30 rows of a known size), xla (compile both models with
-jit_compile=True; needs TF_DETERMINISTIC_OPS=0, which Keras requires for XLA).
+Usage: pipeline_fit.py CASE [CASE ...], CASE = JSON object with keys model
+(mlp|cnn|skip|manual|penalized|penalized_ops|autoencoder: compiled without a
+loss|two_heads: a loss on one of two outputs, weight decay|mixed: a mean loss
+and a "mean_with_sample_weight" one weighted 0, an activity regularizer|tokens:
+padded token sequences, a loss per token under the embedding's mask),
+partitions, microbatches, pipeline, optimizer (sgd|adam), devices (logical
+CPUs, default = partitions), virtual_stages (model stages per rank, for
+interleaved_1f1b), recompute (activation_checkpointing), reduction (of the
+loss, default sum_over_batch_size; "sum": microbatch losses add up), partial
+(the data's last batch has 26 rows: unequal microbatches; "odd": 27 rows,
+unequal replicas too; "thirds": 70 rows in batches of 30, the last split 4/4/2
+over 3 replicas; "static": batches of 30 rows of a known size), xla (compile
+both models with jit_compile=True; needs TF_DETERMINISTIC_OPS=0, which Keras
+requires for XLA).
 """
 
 import json
