@@ -186,9 +186,10 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             if s == 0:
                 fn = _model_inputs_constant(fn)
             fn = xla.compiled(fn, f"stage {s}", graph.stage_layers(s))
-        # Unequal microbatches, or replicas' batches of unknown size (a
-        # "mean_with_sample_weight" loss keeps equal microbatches, `rows`
-        # None, but the replicas' rows may still differ).
+        # Unequal microbatches, or replicas' batches of unknown size whose
+        # rows were all-reduced above (a "mean_with_sample_weight" loss
+        # keeps equal microbatches, `rows` None, but the replicas' rows
+        # may still differ).
         batch_rows = (share_batch if rows is not None
                       or share_batch is not true_batch else None)
         stages[s] = Stage(s, _adding_losses(model, graph, s, fn, training,

@@ -6,8 +6,8 @@ whose batch is split computes each part's loss with the part's own
 divisor, so the parts' losses, averaged, equal the batch's only when the
 parts hold equal shares. They do not when a batch does not divide evenly
 (a partial last batch of 27 rows split 14/13, or 16/11, over two
-replicas) or when a mask keeps
-different numbers of entries in each part (padded token sequences).
+replicas) or when a mask keeps different numbers of entries in each part
+(padded token sequences).
 
 Here a part's loss is scaled by `parts x its share of the divisor`: its
 output's sample weights for the compiled loss (a scalar scales any loss
