@@ -15,7 +15,8 @@ one device (tests/workers/keras_features.py):
   replica in its own context.
 - callbacks: `EarlyStopping(restore_best_weights=True)`, `SwapEMAWeights`
   (which with one stage per process failed: it swapped the other stages'
-  weights too), `ModelCheckpoint(save_best_only=True)` into a `.keras`
+  weights too), also with a `LossScaleOptimizer` around the averaging
+  optimizer, `ModelCheckpoint(save_best_only=True)` into a `.keras`
   file loaded by plain Keras; `validation_freq`. Their `History`s (every
   key, every epoch) must match too.
 - a model compiled without a loss (an autoencoder: its loss is what its
@@ -59,6 +60,7 @@ CASES = ("arrays", "tf.data", "generator", "PyDataset",
          "frozen_stage_accumulation_global_clipnorm",
          "loss_scale_ema_frozen_stage_accumulation",
          "early_stopping_restore_best_weights", "swap_ema_weights",
+         "swap_ema_weights_loss_scale",
          "model_checkpoint_best_keras", "validation_freq",
          "added_loss_only", "partial_loss_weight_decay", "partial_last_batch")
 

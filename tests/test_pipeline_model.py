@@ -419,6 +419,10 @@ ERROR_CASES = {
     "plain_model_under_pipeline": ("ValueError", [
         "keras_smp.DistributedModel(model)", "partitions=2"]),
     "unknown_split_point": ("ValueError", ["no_such_layer"]),
+    # Keras' own error (and words), before a step.
+    "no_trainable_weight_reaches_the_loss": ("ValueError", [
+        "No gradients provided for any variable", "aux/kernel",
+        "reaches a loss", "compile(loss=...)"]),
     "added_loss_outside_class_with_unused_head": ("NotImplementedError", [
         "outside its class's methods", "some weights reach no loss",
         "Call add_loss() in the layer's own call"]),
@@ -459,6 +463,24 @@ def test_bad_input_is_a_clear_error(errors, case):
 @pytest.mark.parametrize("case", ACCEPTED_CASES)
 def test_data_that_trains_is_not_refused(errors, case):
     assert errors[case]["type"] is None, errors[case]
+
+
+@pytest.mark.slow
+def test_no_weight_reaching_a_loss_fails_on_every_stage_process():
+    # Plain Keras raises "No gradients provided for any variable"; with one
+    # stage per process each stage would otherwise step without gradients
+    # and fit would silently train nothing. Every rank raises, before a
+    # step (found from the graph each process holds whole).
+    proc = launch(2, [os.path.join(WORKERS, "unreached.py")], timeout=240,
+                  check=False)
+    rows = [json.loads(l.split("] ", 1)[1]) for l in proc.stdout.splitlines()
+            if "] {" in l]
+    assert sorted(r["rank"] for r in rows) == [0, 1], proc.stdout[-3000:]
+    for row in rows:
+        assert row["type"] == "ValueError", row
+        assert "No gradients provided for any variable" in row["message"]
+        assert "aux/kernel" in row["message"], row
+        assert row["iterations"] == 0, row
 
 
 @pytest.mark.slow

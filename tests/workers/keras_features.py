@@ -209,6 +209,13 @@ CALLBACKS = {
         lambda: keras.optimizers.SGD(0.1, momentum=0.9, use_ema=True),
         fit_with(lambda m: keras.callbacks.SwapEMAWeights(
             swap_on_epoch=True), epochs=2)),
+    # ... with a loss-scale optimizer around the moving averages (mixed
+    # precision training with EMA weights).
+    "swap_ema_weights_loss_scale": (
+        lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(
+            0.1, momentum=0.9, use_ema=True)),
+        fit_with(lambda m: keras.callbacks.SwapEMAWeights(
+            swap_on_epoch=True), epochs=2)),
     "model_checkpoint_best_keras": (momentum_sgd, fit_with(
         lambda m: keras.callbacks.ModelCheckpoint(
             checkpoint_path(m), monitor="val_loss", save_best_only=True))),

@@ -215,6 +215,20 @@ def added_loss_outside_class_with_unused_head():
     model.fit(X, {"out": Y}, batch_size=32, epochs=1, verbose=0)
 
 
+def no_trainable_weight_reaches_the_loss():
+    # The loss names "cls", computed by frozen layers only; "aux", the
+    # one trainable head, reaches no loss. Keras raises "No gradients
+    # provided"; so does every pipeline mode (in one process and, where
+    # each stage would otherwise take an empty step, across processes:
+    # tests/test_pipeline_model.py).
+    from unreached import build
+    with keras_smp.SMPStrategy(partitions=2).scope():
+        model = keras_smp.DistributedModel(build())
+        model.compile(optimizer="sgd", loss={"cls": "mse"})
+    refused_before_training(model, X, {"cls": Y}, batch_size=32,
+                            epochs=1, verbose=0)
+
+
 TOKENS = np.random.RandomState(2).randint(0, 9, size=(32, 6))
 
 
