@@ -76,6 +76,8 @@ GROUPS = {
              # add_loss) on every stage.
              + _cases("penalized", (2, 4), BOTH, (4,), "sgd")
              + _cases("penalized", (2,), ("1f1b",), (2,), "adam")
+             # ... added from a helper function (not seen in the class)
+             + _cases("penalized_helper", (2,), ("gpipe",), (4,), "sgd")
              # Compiled without a loss: the loss is what layers add.
              + _cases("autoencoder", (2,), BOTH, (4,), "adam")
              # ... stage 1 of 4 adds none
@@ -179,6 +181,9 @@ GROUPS = {
             + _cases("penalized", (2,), ("1f1b",), (4,), "sgd")
             # a compiled stage starting with a keras.ops node
             + _cases("penalized_ops", (2,), ("1f1b",), (2,), "sgd")
+            # layers adding losses from a helper function (once TF's
+            # "out of scope" error: the loss was left in the compiled graph)
+            + _cases("penalized_helper", (2,), ("1f1b",), (4,), "sgd")
             # compiled stages give an unused head zero gradients: none
             + _cases("two_heads", (4,), ("1f1b",), (4,), "sgd")
             + _cases("tokens", (2,), ("1f1b",), (4,), "sgd")]
@@ -791,8 +796,10 @@ def test_xla_with_batchnorm_and_dropout_in_every_mode(tmp_path):
     # BatchNormalization sees the whole batch) equal plain Keras compiled
     # whole, Dropout masks included (XLA draws the same numbers from the
     # same seeds); data parallelism equals itself without XLA (no Dropout:
-    # each replica would draw its own masks; an activity regularizer, whose
-    # loss is added inside the compiled call, counts). Suite bounds (rtol
+    # each replica would draw its own masks; a functional model whose
+    # layers add losses inside the compiled call, an activity regularizer
+    # and a helper function's add_loss, which once failed: Keras'
+    # functional models do not implement add_loss). Suite bounds (rtol
     # 1e-5, atol 1e-6 x magnitude).
     worker = os.path.join(WORKERS, "xla_stateful.py")
     run_python([worker, "plain", str(tmp_path)])

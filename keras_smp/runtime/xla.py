@@ -94,12 +94,27 @@ def compiled(fn, name, layers=()):
             "jit_compile=False to silence this.", stacklevel=3)
         return fn
     state = layer_state(layers)
-    if not state and not keras_private.may_add_losses(layers):
+    owner = _loss_owner(layers)
+    if not state and owner is None:  # nothing to pass in or collect
         return tf.function(fn, jit_compile=True, autograph=False)
-    # Losses are added to a layer of `fn` (a `keras.ops` node has none).
-    owner = next((layer for layer in layers if hasattr(layer, "add_loss")),
-                 None)
+    # Any layer may add a loss, from its class's code or from a helper
+    # function called in it (which `keras_private.may_add_losses` cannot
+    # see): collected inside, so none is left in the compiled graph.
     return _with_state_outside(fn, state, owner)
+
+
+def _loss_owner(layers):
+    """The layer of `layers` the losses added inside a compiled function
+    are added to again outside it, where Keras collects them: one whose
+    `add_loss` is Keras' own (a functional model's raises), else any with
+    one; `None` when none has (`keras.ops` nodes add no losses)."""
+    import keras
+
+    own = keras.layers.Layer.add_loss
+    return next((layer for layer in layers
+                 if getattr(type(layer), "add_loss", None) is own),
+                next((layer for layer in layers
+                      if hasattr(layer, "add_loss")), None))
 
 
 def layer_state(layers):

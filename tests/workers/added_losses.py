@@ -23,3 +23,19 @@ class Reconstruction(keras.layers.Layer):
         x, x_hat = inputs
         self.add_loss(ops.mean(ops.square(x - x_hat)))
         return x_hat
+
+
+def _penalize(layer, x):
+    """Adds 0.01 x the mean square of `x` as a loss of `layer`: `add_loss()`
+    called from a helper function, outside the layer's class."""
+    layer.add_loss(0.01 * ops.mean(ops.square(x)))
+
+
+@keras.saving.register_keras_serializable(package="added_losses")
+class HelperPenalty(keras.layers.Layer):
+    """`Penalty`, whose loss a helper function adds (its class's code does
+    not show the `add_loss()` call)."""
+
+    def call(self, x):
+        _penalize(self, x)
+        return x

@@ -6,7 +6,8 @@ the same model, same initial weights and data, trained by plain Keras on
 one device with the same global batch.
 
 Usage: pipeline_fit.py CASE [CASE ...], CASE = JSON object with keys model
-(mlp|cnn|skip|manual|penalized|penalized_ops|autoencoder: compiled without a
+(mlp|cnn|skip|manual|penalized|penalized_ops|penalized_helper: losses added
+from a helper function|autoencoder: compiled without a
 loss|two_heads: a loss on one of two outputs, weight decay|mixed: a mean loss
 and a "mean_with_sample_weight" one weighted 0, an activity regularizer|tokens:
 padded token sequences, a loss per token under the embedding's mask),
@@ -41,6 +42,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_smp  # noqa: E402
+from added_losses import HelperPenalty  # noqa: E402
 from added_losses import Penalty  # noqa: E402
 from added_losses import Reconstruction  # noqa: E402
 
@@ -106,6 +108,18 @@ def penalized():
     merged = keras.layers.Add(name="skip_add")([h1, h4])
     return keras.Model(inputs, keras.layers.Dense(
         3, name="out", activity_regularizer=reg.L2(1e-3))(merged))
+
+
+def penalized_helper():
+    """Layers adding losses from a helper function (not seen in their
+    class's code), on both stages; no activity regularizer, no state."""
+    inputs = keras.Input((8,))
+    h = HelperPenalty(name="p1")(
+        keras.layers.Dense(16, activation="tanh", name="d1")(inputs))
+    h = keras.layers.Dense(16, activation="tanh", name="d2")(h)
+    h = HelperPenalty(name="p2")(
+        keras.layers.Dense(16, activation="tanh", name="d3")(h))
+    return keras.Model(inputs, keras.layers.Dense(3, name="out")(h))
 
 
 def penalized_ops():
@@ -212,6 +226,7 @@ def build(case, pipelined):
         model = {"mlp": mlp, "cnn": cnn, "skip": skip,
                  "penalized": penalized,
                  "penalized_ops": penalized_ops,
+                 "penalized_helper": penalized_helper,
                  "autoencoder": autoencoder,
                  "two_heads": two_heads,
                  "mixed": mixed,

@@ -3,7 +3,8 @@
     xla_stateful.py MODE OUT [--no-xla] [--no-dropout]
 
 MODE: plain (Keras, no strategy), dp (data parallel, one replica per
-process; the first Dense has an activity regularizer), pp (2 stages, one per process, `keras-smp launch -n 2`), local
+process; a functional model whose layers add losses inside the compiled
+call: an activity regularizer, a helper function's `add_loss()`), pp (2 stages, one per process, `keras-smp launch -n 2`), local
 (2 stages on 2 logical CPUs of one process). Pipelines use 1 microbatch,
 so BatchNormalization normalises over the whole batch as plain Keras does.
 Rank 0 writes OUT/MODE[-noxla].npz: the weights (moving statistics
@@ -42,16 +43,32 @@ import numpy as np  # noqa: E402
 x = np.random.RandomState(0).randn(64, 8).astype("float32")
 y = np.random.RandomState(1).randn(64, 1).astype("float32")
 keras.utils.set_random_seed(0)
+
+def functional_with_added_losses():
+    """Data parallel: a functional model (whose own `add_loss` Keras does
+    not implement) with losses added inside the compiled call: an activity
+    regularizer and a layer's `add_loss()` from a helper function."""
+    from added_losses import HelperPenalty
+
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="relu",
+                           activity_regularizer=keras.regularizers.L2(0.01))(
+        inputs)
+    h = keras.layers.BatchNormalization()(h)
+    if dropout:
+        h = keras.layers.Dropout(0.25)(h)
+    h = HelperPenalty()(keras.layers.Dense(16, activation="tanh")(h))
+    return keras.Model(inputs, keras.layers.Dense(1)(h))
+
+
 with strategy.scope() if strategy else contextlib.nullcontext():
-    model = keras.Sequential(
-        # Data parallel: an activity regularizer too (a loss added inside
-        # the compiled call; pipelines refuse them).
-        [keras.Input((8,)), keras.layers.Dense(
-            16, activation="relu", activity_regularizer=(
-                keras.regularizers.L2(0.01) if mode == "dp" else None)),
-         keras.layers.BatchNormalization()]
-        + ([keras.layers.Dropout(0.25)] if dropout else [])
-        + [keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+    model = functional_with_added_losses() if mode == "dp" else (
+        keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+             keras.layers.BatchNormalization()]
+            + ([keras.layers.Dropout(0.25)] if dropout else [])
+            + [keras.layers.Dense(16, activation="tanh"),
+               keras.layers.Dense(1)]))
     if mode in ("pp", "local"):
         model = keras_smp.DistributedModel(model, split_points=[
             model.layers[3 if dropout else 2].name])
