@@ -1111,7 +1111,9 @@ class DistributedModel(keras.Model):
         """Measures when each stage ran each microbatch, for one batch.
 
         Runs the pipelined forward and backward pass of the batch `runs`
-        times (no weight update; only forward without `y`) and returns the
+        times (no weight update; only forward without `y`, except for a
+        model compiled without a loss, whose layers add it: `x` alone
+        trains it, as in `fit`) and returns the
         last run as a `keras_smp.pipeline.schedule.Timeline` in
         milliseconds: per stage, `(start, end, action)` of every forward
         (`F`, including the copy of its inputs from the previous stage) and

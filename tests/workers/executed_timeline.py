@@ -37,5 +37,22 @@ for name, args in (("train", (x, y)), ("forward", (x,))):
         t.to_chrome_trace(os.path.join(sys.argv[2], f"{name}.json"))
 result["weights_unchanged"] = all(
     np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+if keras_smp.size() == 1:
+    # Compiled without a loss (its loss is what a layer adds, as `fit(x)`
+    # trains it): `executed_timeline(x)` times the training step.
+    from added_losses import Reconstruction
+
+    with strategy.scope():
+        inputs = keras.Input((64,))
+        h = keras.layers.Dense(32, activation="tanh")(inputs)
+        h = keras.layers.Dense(64)(keras.layers.Dense(32)(h))
+        auto = keras_smp.DistributedModel(
+            keras.Model(inputs, Reconstruction()([inputs, h])))
+        auto.compile(optimizer="sgd")
+    t = auto.executed_timeline(x)
+    result["added_loss_only"] = {
+        "entries": [[[s, e, str(a)] for s, e, a in stage]
+                    for stage in t.entries],
+        "bubble": t.bubble_fraction(), "makespan": t.makespan}
 result["rank"] = keras_smp.rank()
 print("RESULT " + json.dumps(result), flush=True)
