@@ -30,7 +30,8 @@ def executed_timeline(model, x, y=None, sample_weight=None, runs=3):
             "model.compile(optimizer, loss) first, or pass no y to time "
             "the forward pass only.")
     # Compiled without a loss (its layers add it): x alone trains, as in fit.
-    training = y is not None or model._smp_added_loss_only()
+    training = y is not None or (model.compiled
+                                 and model._smp_added_loss_only())
     recorded = []
     p = model.num_stages
     links = model._smp_links() if model._smp_multi_process() else None

@@ -258,8 +258,8 @@ def checkpointed(call, layer):
             v.assign(value)
         if counts[0]:  # the layer's losses, as its own call adds them
             outs, losses = outs[:-counts[0]], outs[-counts[0]:]
-            for loss in losses:
-                layer.add_loss(loss)
+            for loss in losses:  # Keras' own (a functional model's raises)
+                keras.layers.Layer.add_loss(layer, loss)
         inner = tree.flatten(out_structure[0])
         for t, o in zip(inner, outs):
             mask = keras_private.keras_mask(t)

@@ -174,7 +174,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     unreached, covered = (_reaching_no_loss(model, graph, has_loss)
                           if training else (set(), None))
     if unreached:
-        _check_some_weight_trains(graph, unreached)
+        _check_some_weight_trains(model, unreached)
     stages = {}
     added = []  # the forwards' added losses, as logged
     for s in held:
@@ -332,31 +332,34 @@ def _reaching_no_loss(model, graph, has_loss):
     return unreached, covered
 
 
-def _check_some_weight_trains(graph, unreached):
-    """Raises Keras' "No gradients provided for any variable" when the
-    model has trainable weights and none reaches a loss (the compiled
-    loss, a loss a layer adds, a weight regularizer): Keras raises it in
-    its optimizer, but with one stage per process every stage would take
-    a step without gradients and training would silently change
-    nothing. The same answer on every stage process (each holds the
-    whole graph), so every one raises before a collective."""
-    trainable = [w for s in range(graph.num_stages)
-                 for w in graph.stage_weights(s) if w.trainable]
+def _check_some_weight_trains(model, unreached):
+    """Raises with Keras' words ("No gradients provided for any variable")
+    when the model has trainable weights and none reaches a loss (the
+    compiled loss, a loss a layer adds, a weight regularizer): Keras
+    raises it in its optimizer, but with one stage per process every
+    stage would take a step without gradients and training would
+    silently change nothing. The same answer on every stage process
+    (each holds the whole graph), so every one raises before a
+    collective."""
+    trainable = model.trainable_weights
     if not trainable or any(
             id(w) not in unreached
             or getattr(w, "regularizer", None) is not None
             for w in trainable):
         return
-    names = ", ".join(sorted({w.path for w in trainable}))
+    names = ", ".join(sorted({getattr(w, "path", w.name) for w in trainable}))
     if len(names) > 200:
         names = names[:200] + "..."
     raise ValueError(
         "No gradients provided for any variable: no trainable weight of "
         f"the model ({names}) reaches a loss (the compiled loss's "
-        "outputs, a loss a layer adds, a weight regularizer), so "
-        "training would change nothing (plain Keras raises the same). "
-        "Name in `compile(loss=...)` an output those weights compute, or "
-        "make trainable the layers the loss depends on.")
+        "outputs, a loss a layer adds in its class's code, a weight "
+        "regularizer), so training would change nothing (plain Keras "
+        "raises the same words). Name in `compile(loss=...)` an output "
+        "those weights compute, or make trainable the layers the loss "
+        "depends on. If a layer adds its loss from a helper function "
+        "outside its class's methods (which the pipeline cannot see "
+        "before the step), call add_loss() in the layer's own call.")
 
 
 def _refusing_unforeseen_losses(fn, graph, stage, covered):

@@ -105,16 +105,14 @@ def compiled(fn, name, layers=()):
 
 def _loss_owner(layers):
     """The layer of `layers` the losses added inside a compiled function
-    are added to again outside it, where Keras collects them: one whose
-    `add_loss` is Keras' own (a functional model's raises), else any with
-    one; `None` when none has (`keras.ops` nodes add no losses)."""
+    are added to again outside it (with Keras' own `Layer.add_loss`, which
+    a functional model overrides to raise), where Keras collects them:
+    the first Keras layer; `None` when there is none (`keras.ops` nodes
+    add no losses)."""
     import keras
 
-    own = keras.layers.Layer.add_loss
     return next((layer for layer in layers
-                 if getattr(type(layer), "add_loss", None) is own),
-                next((layer for layer in layers
-                      if hasattr(layer, "add_loss")), None))
+                 if isinstance(layer, keras.layers.Layer)), None)
 
 
 def layer_state(layers):
@@ -148,6 +146,16 @@ def _with_state_outside(fn, state, owner):
                     state_mapping=list(zip(variables, values)),
                     collect_losses=True) as scope:
                 out = fn(*args, **kwargs)
+            passed = {id(v) for v in variables}
+            lost = [k for k in scope.state_mapping if k not in passed]
+            if lost:  # assigned inside, but not state the caller writes
+                raise NotImplementedError(
+                    "jit_compile=True: a layer assigned a variable that is "
+                    "not one of its non-trainable variables inside its "
+                    "call; keras-smp cannot carry that assignment out of "
+                    "a compiled stage. Compile with jit_compile=False, or "
+                    "keep the variable in the layer's "
+                    "`non_trainable_variables`.")
             updates = {}
             for i, (v, before) in enumerate(zip(variables, values)):
                 value = scope.get_current_value(v)
@@ -173,7 +181,7 @@ def _with_state_outside(fn, state, owner):
         for i, value in sorted(updates.items()):
             variables[i].assign(value)
         for loss in losses:  # only layers add losses: `owner` exists
-            owner.add_loss(loss)
+            keras.layers.Layer.add_loss(owner, loss)
         return out
 
     return run

@@ -49,7 +49,10 @@ if keras_smp.size() == 1:
         auto = keras_smp.DistributedModel(
             keras.Model(inputs, Reconstruction()([inputs, h])))
         auto.compile(optimizer="sgd")
+    start = [w.copy() for w in auto.get_weights()]
     t = auto.executed_timeline(x)
+    result["weights_unchanged"] = result["weights_unchanged"] and all(
+        np.array_equal(a, b) for a, b in zip(start, auto.get_weights()))
     result["added_loss_only"] = {
         "entries": [[[s, e, str(a)] for s, e, a in stage]
                     for stage in t.entries],

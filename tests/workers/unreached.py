@@ -5,7 +5,7 @@ layers compute, and "aux", the one trainable head, reaches no loss. Plain
 Keras raises "No gradients provided for any variable" in fit.
 
 Run as a script under `keras-smp launch -n 2` (one pipeline stage per
-process), it fits such a model and prints one JSON line per process:
+process), it fits such a model and prints one line per process, "ROW " and JSON:
 {"rank", "type", "message", "iterations"} ("type" null when fit returned).
 """
 
@@ -44,4 +44,4 @@ if __name__ == "__main__":
     except Exception as e:  # noqa: BLE001 - reported to the test
         row.update(type=type(e).__name__, message=str(e))
     row["iterations"] = int(model.optimizer.iterations.numpy())
-    print(json.dumps(row), flush=True)
+    print("ROW " + json.dumps(row), flush=True)
