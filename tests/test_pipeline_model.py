@@ -181,9 +181,6 @@ GROUPS = {
             + _cases("penalized", (2,), ("1f1b",), (4,), "sgd")
             # a compiled stage starting with a keras.ops node
             + _cases("penalized_ops", (2,), ("1f1b",), (2,), "sgd")
-            # layers adding losses from a helper function (once TF's
-            # "out of scope" error: the loss was left in the compiled graph)
-            + _cases("penalized_helper", (2,), ("1f1b",), (4,), "sgd")
             # compiled stages give an unused head zero gradients: none
             + _cases("two_heads", (4,), ("1f1b",), (4,), "sgd")
             + _cases("tokens", (2,), ("1f1b",), (4,), "sgd")]
@@ -428,6 +425,14 @@ ERROR_CASES = {
     "no_trainable_weight_reaches_the_loss": ("ValueError", [
         "No gradients provided for any variable", "aux/kernel",
         "reaches a loss", "compile(loss=...)"]),
+    # Under XLA a loss added from a helper function (unseen before the
+    # stage is compiled) is refused by name (it was TensorFlow's "out of
+    # scope" error); so is an assignment a compiled stage would lose.
+    "xla_stage_with_helper_add_loss": ("NotImplementedError", [
+        "jit_compile=True", "stage 1", "helper function",
+        "jit_compile=False"]),
+    "xla_stateful_stage_assigning_a_weight": ("NotImplementedError", [
+        "jit_compile=True", "assigned a variable", "jit_compile=False"]),
     "added_loss_outside_class_with_unused_head": ("NotImplementedError", [
         "outside its class's methods", "some weights reach no loss",
         "Call add_loss() in the layer's own call"]),
@@ -444,7 +449,10 @@ ERROR_CASES = {
 
 # Data that trains: fit's early checks refuse only certain failures.
 ACCEPTED_CASES = ["unbuilt_subclass_with_validation",
-                  "validation_not_run_is_not_checked"]
+                  "validation_not_run_is_not_checked",
+                  # a compiled stage assigning its weight (without state):
+                  # equal to plain Keras compiled whole
+                  "xla_stage_assigning_a_trainable_weight"]
 
 
 @pytest.fixture(scope="module")

@@ -94,13 +94,32 @@ def compiled(fn, name, layers=()):
             "jit_compile=False to silence this.", stacklevel=3)
         return fn
     state = layer_state(layers)
-    owner = _loss_owner(layers)
-    if not state and owner is None:  # nothing to pass in or collect
-        return tf.function(fn, jit_compile=True, autograph=False)
-    # Any layer may add a loss, from its class's code or from a helper
-    # function called in it (which `keras_private.may_add_losses` cannot
-    # see): collected inside, so none is left in the compiled graph.
-    return _with_state_outside(fn, state, owner)
+    if not state and not keras_private.may_add_losses(layers):
+        return tf.function(_refusing_helper_losses(fn, name, layers),
+                           jit_compile=True, autograph=False)
+    return _with_state_outside(fn, state, _loss_owner(layers))
+
+
+def _refusing_helper_losses(fn, name, layers):
+    """`fn`, raising (when traced) if one of `layers` adds a loss: none
+    was foreseen from their classes' code (`may_add_losses`), so the
+    compiled function would keep it inside its graph (TensorFlow's "out
+    of scope" error later)."""
+    def run(*args, **kwargs):
+        before = {id(t) for t in keras_private.added_losses(layers)}
+        out = fn(*args, **kwargs)
+        if any(id(t) not in before
+               for t in keras_private.added_losses(layers)):
+            raise NotImplementedError(
+                f"jit_compile=True: a layer of {name} added a loss "
+                "(add_loss()) from code outside its class's methods (a "
+                "helper function), which keras-smp does not see before "
+                "compiling the stage. Call add_loss() in the layer's own "
+                "call (or a method of its class), or compile with "
+                "jit_compile=False.")
+        return out
+
+    return run
 
 
 def _loss_owner(layers):
@@ -141,21 +160,23 @@ def _with_state_outside(fn, state, owner):
     compiled_for = {}
 
     def compiled_with(variables):
+        passed = {id(v) for v in variables}
+
         def pure(args, kwargs, values):
             with keras.StatelessScope(
                     state_mapping=list(zip(variables, values)),
                     collect_losses=True) as scope:
                 out = fn(*args, **kwargs)
-            passed = {id(v) for v in variables}
-            lost = [k for k in scope.state_mapping if k not in passed]
-            if lost:  # assigned inside, but not state the caller writes
+            if any(key not in passed for key in scope.state_mapping):
+                # Recorded by the scope, it would be lost.
                 raise NotImplementedError(
                     "jit_compile=True: a layer assigned a variable that is "
-                    "not one of its non-trainable variables inside its "
-                    "call; keras-smp cannot carry that assignment out of "
-                    "a compiled stage. Compile with jit_compile=False, or "
-                    "keep the variable in the layer's "
-                    "`non_trainable_variables`.")
+                    "not one of its non-trainable variables (a weight) "
+                    "inside its call, in a compiled stage whose layers "
+                    "hold state or add losses; keras-smp cannot carry "
+                    "that assignment out of it. Compile with "
+                    "jit_compile=False, or move the layer to a stage of "
+                    "its own.")
             updates = {}
             for i, (v, before) in enumerate(zip(variables, values)):
                 value = scope.get_current_value(v)

@@ -4,6 +4,7 @@ Each case prints one JSON line {"case", "type", "message"} ("type" is null
 when no error was raised).
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -227,6 +228,56 @@ def no_trainable_weight_reaches_the_loss():
         model.compile(optimizer="sgd", loss={"cls": "mse"})
     refused_before_training(model, X, {"cls": Y}, batch_size=32,
                             epochs=1, verbose=0)
+
+
+class AssignsItsKernel(keras.layers.Dense):
+    """Assigns a trainable weight in `call` (not its non-trainable state)."""
+
+    def call(self, x):
+        self.kernel.assign(self.kernel * 0.5)
+        return super().call(x)
+
+
+def xla_stage_assigning_a_trainable_weight():
+    # Inside a compiled stage the assignment is recorded, then carried out
+    # (it is not lost): the same as plain Keras compiled whole.
+    weights = []
+    for pipelined in (False, True):
+        keras.utils.set_random_seed(3)
+        with (keras_smp.SMPStrategy(partitions=2).scope() if pipelined
+              else contextlib.nullcontext()):
+            model = keras.Sequential(
+                [keras.Input((8,)), keras.layers.Dense(8, activation="tanh"),
+                 AssignsItsKernel(2)])
+            if pipelined:
+                model = keras_smp.DistributedModel(model)
+            model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+        model.fit(X, Y, batch_size=32, epochs=1, verbose=0)
+        weights.append(model.get_weights())
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def xla_stage_with_helper_add_loss():
+    with keras_smp.SMPStrategy(partitions=2).scope():
+        inputs = keras.Input((8,))
+        h = keras.layers.Dense(8, name="d1")(inputs)
+        h = HelperPenalty()(keras.layers.Dense(8, name="d2")(h))
+        model = keras_smp.DistributedModel(keras.Model(
+            inputs, keras.layers.Dense(2, name="out")(h)),
+            split_points=["d2"])
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    model.fit(X, Y, batch_size=32, epochs=1, verbose=0)
+
+
+def xla_stateful_stage_assigning_a_weight():
+    with keras_smp.SMPStrategy(partitions=2).scope():
+        model = keras_smp.DistributedModel(keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(8, activation="tanh"),
+             keras.layers.BatchNormalization(), AssignsItsKernel(2)]),
+            split_points=["batch_normalization"])
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    model.fit(X, Y, batch_size=32, epochs=1, verbose=0)
 
 
 TOKENS = np.random.RandomState(2).randint(0, 9, size=(32, 6))
