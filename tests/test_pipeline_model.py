@@ -432,7 +432,8 @@ ERROR_CASES = {
         "jit_compile=True", "stage 1", "helper function",
         "jit_compile=False"]),
     "xla_stateful_stage_assigning_a_weight": ("NotImplementedError", [
-        "jit_compile=True", "assigned a variable", "jit_compile=False"]),
+        "jit_compile=True", "assigns_its_kernel/kernel",
+        "would be lost", "jit_compile=False"]),
     "added_loss_outside_class_with_unused_head": ("NotImplementedError", [
         "outside its class's methods", "some weights reach no loss",
         "Call add_loss() in the layer's own call"]),

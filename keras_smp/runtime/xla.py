@@ -97,7 +97,7 @@ def compiled(fn, name, layers=()):
     if not state and not keras_private.may_add_losses(layers):
         return tf.function(_refusing_helper_losses(fn, name, layers),
                            jit_compile=True, autograph=False)
-    return _with_state_outside(fn, state, _loss_owner(layers))
+    return _with_state_outside(fn, state, _loss_owner(layers), layers)
 
 
 def _refusing_helper_losses(fn, name, layers):
@@ -134,6 +134,32 @@ def _loss_owner(layers):
                  if isinstance(layer, keras.layers.Layer)), None)
 
 
+def _check_nothing_lost(scope, passed, layers):
+    """Raises if the compiled call assigned a variable the caller does not
+    write back (`passed`): the scope recorded the assignment, and it
+    would be lost (a weight, a stateful RNN's states, a metric's
+    variables). Keras' global seed generator, made by the first unseeded
+    `keras.random` call inside, is let through: from the next call on it
+    is passed in (its first advance is not kept)."""
+    seeds = keras_private.global_seed_state()
+    lost = {key for key in scope.state_mapping if key not in passed
+            and (seeds is None or key != id(seeds))}
+    if not lost:
+        return
+    names = sorted({getattr(v, "path", getattr(v, "name", "?"))
+                    for layer in layers
+                    for v in list(getattr(layer, "variables", None) or [])
+                    + list(getattr(layer, "metrics_variables", None) or [])
+                    if id(v) in lost}) or ["a variable outside the layers"]
+    raise NotImplementedError(
+        f"jit_compile=True: the call assigned {', '.join(names)}, which "
+        "keras-smp does not carry out of a compiled stage (or a compiled "
+        "model call) whose layers hold state or add losses: only their "
+        "non-trainable variables are written back, so the assignment "
+        "would be lost. Compile with jit_compile=False, or move the "
+        "layer to a stage of its own.")
+
+
 def layer_state(layers):
     """The distinct non-trainable variables of `layers` (moving statistics,
     seed generators): what a compiled function or a recomputation of
@@ -147,7 +173,7 @@ def layer_state(layers):
     return state
 
 
-def _with_state_outside(fn, state, owner):
+def _with_state_outside(fn, state, owner, layers=()):
     """`fn` compiled with `state` (Keras variables) passed in as values
     and the values it assigns returned, then assigned by the caller (in
     the step's own graph, where Keras' non-compiled layers assign them).
@@ -167,16 +193,7 @@ def _with_state_outside(fn, state, owner):
                     state_mapping=list(zip(variables, values)),
                     collect_losses=True) as scope:
                 out = fn(*args, **kwargs)
-            if any(key not in passed for key in scope.state_mapping):
-                # Recorded by the scope, it would be lost.
-                raise NotImplementedError(
-                    "jit_compile=True: a layer assigned a variable that is "
-                    "not one of its non-trainable variables (a weight) "
-                    "inside its call, in a compiled stage whose layers "
-                    "hold state or add losses; keras-smp cannot carry "
-                    "that assignment out of it. Compile with "
-                    "jit_compile=False, or move the layer to a stage of "
-                    "its own.")
+            _check_nothing_lost(scope, passed, layers)
             updates = {}
             for i, (v, before) in enumerate(zip(variables, values)):
                 value = scope.get_current_value(v)
