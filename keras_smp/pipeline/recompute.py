@@ -30,7 +30,7 @@ from keras import tree
 
 from keras_smp import tensor
 from keras_smp.runtime import keras_private
-from keras_smp.runtime import xla
+from keras_smp.runtime import tracing
 
 # TensorFlow's stateful random ops: a recomputation would draw new values.
 STATEFUL_RANDOM = {
@@ -44,7 +44,7 @@ STATEFUL_RANDOM = {
 
 def state_of(operations):
     """The distinct non-trainable variables of `operations` (layers)."""
-    return xla.layer_state(operations)
+    return tracing.layer_state(operations)
 
 
 def snapshot(state):

@@ -32,9 +32,11 @@ from keras_smp.pipeline.transport import CollectiveTransport
 from keras_smp.pipeline.transport import LocalTransport
 from keras_smp.runtime import keras_private
 from keras_smp.runtime import loss_shares
+from keras_smp.runtime import tracing
 from keras_smp.runtime import xla
 from keras_smp.runtime.loss_shares import reduction_of
 from keras_smp.tensor.layers import current_group_of
+from keras_smp.tensor.layers import is_tensor_parallel
 
 
 @dataclasses.dataclass
@@ -177,6 +179,11 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         _check_some_weight_trains(model, unreached)
     stages = {}
     added = []  # the forwards' added losses, as logged
+    # Between processes sends block until the peer posts the receive:
+    # receives are moved to their posting points.
+    lists = schedule.posted_actions if links else schedule.actions
+    split = ({a.stage for r in ranks for a in lists(r) if a.kind == "I"}
+             if training else set())
     for s in held:
         whole = training and (checkpointing is True
                               or s in (checkpointing or ()))
@@ -188,6 +195,19 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             if s == 0:
                 fn = _model_inputs_constant(fn)
             fn = xla.compiled(fn, f"stage {s}", graph.stage_layers(s))
+        elif not whole and s not in split and not unreached and not any(
+                recompute.marked(node.operation, layer_names)
+                or is_tensor_parallel(node.operation)
+                for node in graph.stage_nodes(s)):
+            # One trace per stage, called per microbatch (not m copies of
+            # its ops). Inline where the backward needs the forward's ops
+            # (split, recomputed), where the check for unforeseen losses
+            # must see which layer added one, and around tensor-parallel
+            # collectives (keys fixed when traced).
+            if s == 0:
+                fn = _model_inputs_constant(fn)
+            fn = tracing.once_per_shape(fn, f"stage {s}",
+                                        graph.stage_layers(s))
         # Unequal microbatches, or replicas' batches of unknown size whose
         # rows were all-reduced above (a "mean_with_sample_weight" loss
         # keeps equal microbatches, `rows` None, but the replicas' rows
@@ -224,9 +244,6 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         trackers = [(v, tf.identity(v.value)) for m in
                     keras_private.loss_output_trackers(model)
                     for v in m.variables]
-    # Between processes sends block until the peer posts the receive:
-    # receives are moved to their posting points.
-    lists = schedule.posted_actions if links else schedule.actions
     result = execute({r: lists(r) for r in ranks}, stages,
                      transport, p, xs, loss_fn, forward_only=not training,
                      times=times)

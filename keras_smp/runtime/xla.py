@@ -33,6 +33,7 @@ import warnings
 import tensorflow as tf
 
 from keras_smp.runtime import keras_private
+from keras_smp.runtime import tracing
 
 
 def wanted(model):
@@ -82,8 +83,8 @@ def compiled(fn, name, layers=()):
 
     The layers' non-trainable state (`BatchNormalization`'s moving
     statistics, `Dropout`'s seed) is read and updated outside the compiled
-    function (`_with_state_outside`): a strategy's variables cannot be
-    assigned inside a nested `tf.function` in a replica context."""
+    function (`tracing.with_state_outside`): a strategy's variables cannot
+    be assigned inside a nested `tf.function` in a replica context."""
     layers = list(layers)
     blocking = blocking_layers(layers)
     if blocking:
@@ -93,11 +94,12 @@ def compiled(fn, name, layers=()):
             "Move them to a stage of their own, or compile with "
             "jit_compile=False to silence this.", stacklevel=3)
         return fn
-    state = layer_state(layers)
+    state = tracing.layer_state(layers)
     if not state and not keras_private.may_add_losses(layers):
         return tf.function(_refusing_helper_losses(fn, name, layers),
                            jit_compile=True, autograph=False)
-    return _with_state_outside(fn, state, _loss_owner(layers), layers)
+    return tracing.with_state_outside(fn, state, tracing.loss_owner(layers),
+                                      layers)
 
 
 def _refusing_helper_losses(fn, name, layers):
@@ -117,109 +119,6 @@ def _refusing_helper_losses(fn, name, layers):
                 "compiling the stage. Call add_loss() in the layer's own "
                 "call (or a method of its class), or compile with "
                 "jit_compile=False.")
-        return out
-
-    return run
-
-
-def _loss_owner(layers):
-    """The layer of `layers` the losses added inside a compiled function
-    are added to again outside it (with Keras' own `Layer.add_loss`, which
-    a functional model overrides to raise), where Keras collects them:
-    the first Keras layer; `None` when there is none (`keras.ops` nodes
-    add no losses)."""
-    import keras
-
-    return next((layer for layer in layers
-                 if isinstance(layer, keras.layers.Layer)), None)
-
-
-def _check_nothing_lost(scope, passed, layers):
-    """Raises if the compiled call assigned a variable the caller does not
-    write back (`passed`): the scope recorded the assignment, and it
-    would be lost (a weight, a stateful RNN's states, a metric's
-    variables). Keras' global seed generator, made by the first unseeded
-    `keras.random` call inside, is let through: from the next call on it
-    is passed in (its first advance is not kept)."""
-    seeds = keras_private.global_seed_state()
-    lost = {key for key in scope.state_mapping if key not in passed
-            and (seeds is None or key != id(seeds))}
-    if not lost:
-        return
-    names = sorted({getattr(v, "path", getattr(v, "name", "?"))
-                    for layer in layers
-                    for v in list(getattr(layer, "variables", None) or [])
-                    + list(getattr(layer, "metrics_variables", None) or [])
-                    if id(v) in lost}) or ["a variable outside the layers"]
-    raise NotImplementedError(
-        f"jit_compile=True: the call assigned {', '.join(names)}, which "
-        "keras-smp does not carry out of a compiled stage (or a compiled "
-        "model call) whose layers hold state or add losses: only their "
-        "non-trainable variables are written back, so the assignment "
-        "would be lost. Compile with jit_compile=False, or move the "
-        "layer to a stage of its own.")
-
-
-def layer_state(layers):
-    """The distinct non-trainable variables of `layers` (moving statistics,
-    seed generators): what a compiled function or a recomputation of
-    them must be given and must write back."""
-    state, seen = [], set()
-    for layer in layers:
-        for v in getattr(layer, "non_trainable_variables", None) or []:
-            if id(v) not in seen:
-                seen.add(id(v))
-                state.append(v)
-    return state
-
-
-def _with_state_outside(fn, state, owner, layers=()):
-    """`fn` compiled with `state` (Keras variables) passed in as values
-    and the values it assigns returned, then assigned by the caller (in
-    the step's own graph, where Keras' non-compiled layers assign them).
-    Keras' global seed generator (unseeded `keras.random` calls), when it
-    exists, is state too. Losses layers add with `add_loss()` inside are
-    returned and added to `owner` (a layer of `fn`), where Keras collects
-    them as it would have."""
-    import keras
-
-    compiled_for = {}
-
-    def compiled_with(variables):
-        passed = {id(v) for v in variables}
-
-        def pure(args, kwargs, values):
-            with keras.StatelessScope(
-                    state_mapping=list(zip(variables, values)),
-                    collect_losses=True) as scope:
-                out = fn(*args, **kwargs)
-            _check_nothing_lost(scope, passed, layers)
-            updates = {}
-            for i, (v, before) in enumerate(zip(variables, values)):
-                value = scope.get_current_value(v)
-                if value is not None and value is not before:  # assigned
-                    updates[i] = value
-            return out, updates, list(scope.losses)
-
-        return tf.function(pure, jit_compile=True, autograph=False)
-
-    def run(*args, **kwargs):
-        variables = list(state)
-        seeds = keras_private.global_seed_state()
-        if seeds is not None and all(seeds is not v for v in variables):
-            variables.append(seeds)
-        key = tuple(id(v) for v in variables)
-        if key not in compiled_for:
-            compiled_for[key] = compiled_with(variables)
-        # Tensors, not variables: a compiled function reads a variable
-        # argument as a resource, which XLA cannot do across devices (a
-        # stage on another device than the layer's seed generator).
-        values = [tf.identity(v.value) for v in variables]
-        out, updates, losses = compiled_for[key](args, kwargs, values)
-        for i, value in sorted(updates.items()):
-            variables[i].assign(value)
-        for loss in losses:  # only layers add losses: `owner` exists
-            keras.layers.Layer.add_loss(owner, loss)
         return out
 
     return run

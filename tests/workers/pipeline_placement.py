@@ -1,19 +1,34 @@
 """Where a pipelined model's variables and ops live (used by tests).
 
 2 model replicas x 2 stages on 4 logical CPUs (or PARTITIONS stages on
-PARTITIONS CPUs; with PIPELINE zb_v, 2 model stages per rank). Fits one step, then inspects the traced train step graph:
-prints one JSON object with the placement of every variable copy and of
-every compute op, grouped by (replica, stage, forward/backward), and the
+PARTITIONS CPUs; with PIPELINE zb_v, 2 model stages per rank). Fits one
+step with TensorFlow's placement log on: prints one JSON object with the
+placement of every variable copy and of every compute op placed in a
+graph (where TensorFlow put it, inside function calls too), grouped by
+(replica, stage, forward/backward), and the
 variables created while the model was built and then thrown away
 ("discarded": a weight first made on another device, then moved).
 """
 
+import ctypes
 import json
 import os
 import re
 import sys
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow's placer prints where it places each op of a graph function,
+# nested functions' bodies included (a stage traced once runs as a function
+# call), on the process's stdout (C level): captured in a file until the
+# result is printed. (Must be on before TensorFlow's context starts.)
+PLACED = tempfile.TemporaryFile(mode="w+")
+sys.stdout.flush()
+STDOUT = os.dup(1)
+os.dup2(PLACED.fileno(), 1)
+import tensorflow as tf  # noqa: E402
+
+tf.debugging.set_log_device_placement(True)
 import keras_smp  # noqa: E402
 
 PARTITIONS = int(sys.argv[1]) if len(sys.argv) > 1 else 2
@@ -25,7 +40,6 @@ strategy = keras_smp.SMPStrategy(
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 COMPUTE = {"MatMul", "BiasAdd", "BiasAddGrad", "Tanh", "TanhGrad", "Relu",
            "ReluGrad", "Conv2D", "Conv2DBackpropFilter",
@@ -53,16 +67,6 @@ with strategy.scope(), tf.variable_creator_scope(log_creation):
                       else None))  # (every model stage computes something)
     model.compile(optimizer="adam", loss="mse")
 
-graphs = []
-train_step = model.train_step
-
-
-def recording_train_step(data):
-    graphs.append(tf.compat.v1.get_default_graph())
-    return train_step(data)
-
-
-model.train_step = recording_train_step
 x = np.random.RandomState(0).randn(32, 8, 8, 1).astype("float32")
 y = np.random.RandomState(1).randn(32, 2).astype("float32")
 model.fit(x, y, batch_size=16, epochs=1, verbose=0)
@@ -82,20 +86,28 @@ for w in model.optimizer.variables:
 
 ops = {}
 unscoped = []
-# Split backwards (zb_v) run as `i_mb` (input gradients) and `w_mb`.
+# Split backwards (zb_v) run as `i_mb` (input gradients) and `w_mb`. A
+# placed op's name holds the names of the function calls it was inlined
+# from (Keras' step function, a stage's forward, its gradient).
 pattern = re.compile(
-    r"^(?:replica_(\d+)/)?.*?stage(\d+)/(fwd|bwd|i|w)_mb\d+/")
-for op in graphs[0].get_operations():
-    if op.type not in COMPUTE:
+    r"^(?:.*?replica_(\d+)/)?.*?stage(\d+)/(fwd|bwd|i|w)_mb\d+/")
+line = re.compile(r"^(\S+): \((\w+)\): (\S+)$")
+ctypes.CDLL(None).fflush(None)
+os.dup2(STDOUT, 1)
+PLACED.seek(0)
+for text in PLACED.read().splitlines():
+    found = line.match(text.strip())
+    if not found or found.group(2) not in COMPUTE:
         continue
-    match = pattern.match(op.name)
+    name, device = found.group(1), found.group(3)
+    match = pattern.match(name)
     if not match:
-        unscoped.append(op.name)
+        unscoped.append(name)
         continue
     replica = int(match.group(1) or 0)
     kind = "fwd" if match.group(3) == "fwd" else "bwd"
     key = f"{replica}/{match.group(2)}/{kind}"
-    ops.setdefault(key, set()).add(op.device)
+    ops.setdefault(key, set()).add(device)
 kept = {id(part) for w in model.variables + model.optimizer.variables
         for part in getattr(w.value, "values", (w.value,))}
 discarded = [{"device": v.device, "shape": list(v.shape)} for v in created
