@@ -46,7 +46,8 @@ LAYERS = {
         "keras_smp.runtime.process", "keras_smp.runtime.errors",
         "keras_smp.runtime.patches", "keras_smp.runtime.tf_private",
         "keras_smp.runtime.keras_private", "keras_smp.runtime.deferred",
-        "keras_smp.runtime.xla", "keras_smp.runtime.shutdown",
+        "keras_smp.runtime.xla", "keras_smp.runtime.tracing",
+        "keras_smp.runtime.shutdown",
         "keras_smp.runtime.loss_shares",
     ],
     2: [

@@ -197,8 +197,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             fn = xla.compiled(fn, f"stage {s}", graph.stage_layers(s))
         elif not whole and s not in split and not unreached and not any(
                 recompute.marked(node.operation, layer_names)
-                or is_tensor_parallel(node.operation)
-                for node in graph.stage_nodes(s)):
+                for node in graph.stage_nodes(s)) and not any(
+                is_tensor_parallel(layer) for layer in graph.stage_layers(s)):
             # One trace per stage, called per microbatch (not m copies of
             # its ops). Inline where the backward needs the forward's ops
             # (split, recomputed), where the check for unforeseen losses
@@ -486,9 +486,10 @@ def _model_inputs_constant(fn):
     """Stage 0's function with the model's inputs held constant inside it.
 
     Nothing differentiates the batch itself, but TensorFlow differentiates
-    a call of a compiled function with respect to every input of the call:
-    the compiled backward would compute the first layer's input gradient
-    (one matmul per microbatch for a `Dense` layer) and throw it away.
+    a call of a compiled (or traced-once) function with respect to every
+    input of the call: its backward would compute the first layer's input
+    gradient (one matmul per microbatch for a `Dense` layer) and throw it
+    away (XLA cannot prune it).
     """
 
     def run(tensors):

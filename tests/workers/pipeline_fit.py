@@ -336,6 +336,7 @@ from replays import count as _replays  # noqa: E402  (counts recomputations)
 from replays import layer_count as _layer_replays  # noqa: E402
 from splits import count as _splits  # noqa: E402  (split backwards traced)
 from splits import fallbacks as _split_fallbacks  # noqa: E402
+from traced import wrappers as _traced  # noqa: E402  (stages traced once)
 
 references = {}
 for case in CASES:
@@ -361,6 +362,7 @@ for case in CASES:
     strategy = keras_smp.SMPStrategy(**config)
     _replays[0] = _compiled[0] = _layer_replays[0] = 0
     _splits[0] = _split_fallbacks[0] = 0
+    del _traced[:]
     with strategy.scope():
         model, got = run(case, pipelined=True)
     graph = model.staged_graph
@@ -383,5 +385,7 @@ for case in CASES:
         jit_compile=model.jit_compile,
         splits=_splits[0],
         split_fallbacks=_split_fallbacks[0],
+        # per stage function traced once: [pipeline calls, forward runs]
+        traced=[list(c) for c in _traced],
     )
     print(json.dumps(row), flush=True)
