@@ -28,7 +28,10 @@ inline, as before (`once_per_shape`; `NotTraceable`):
   `keras.random` call): its first advance would be lost;
 - its trace holds collective ops (tensor parallelism's, or a user
   layer's): a collective's instance key is fixed when it is traced, and
-  m calls of one trace would reuse it within a step.
+  m calls of one trace would reuse it within a step;
+- a layer synchronises the replicas in its call (a synchronized
+  `BatchNormalization`): TensorFlow refuses a replica context's
+  `merge_call` inside a nested `tf.function`.
 """
 
 import tensorflow as tf
@@ -125,8 +128,8 @@ def with_state_outside(fn, state, owner, layers=(), jit_compile=True,
 
     Raises (when traced) `NotImplementedError` if the call assigns another
     variable; without `jit_compile`, `NotTraceable` for that, and if it
-    makes Keras' global seed generator or holds collective ops. `what`
-    starts the message."""
+    makes Keras' global seed generator, holds collective ops or
+    synchronises replicas. `what` starts the message."""
     import keras
 
     compiled_for = {}
@@ -138,7 +141,17 @@ def with_state_outside(fn, state, owner, layers=(), jit_compile=True,
             with keras.StatelessScope(
                     state_mapping=list(zip(variables, values)),
                     collect_losses=True) as scope:
-                out = fn(*args, **kwargs)
+                try:
+                    out = fn(*args, **kwargs)
+                except RuntimeError as e:
+                    if jit_compile or "merge_call" not in str(e):
+                        raise
+                    # A layer synchronising replicas (a synchronized
+                    # BatchNormalization's all-reduce): TensorFlow allows
+                    # it only in the step's own graph.
+                    raise NotTraceable(
+                        f"{what}: a layer synchronises the replicas "
+                        "(merge_call) in its call.") from e
             _check_nothing_lost(
                 scope, passed, layers, what, new_seeds_ok=jit_compile,
                 error=NotImplementedError if jit_compile else NotTraceable)
