@@ -95,3 +95,35 @@ def test_same_action_list_runs_across_processes_with_collectives():
         _check_fidelity(row)
         # 3 microbatches: activations one way, their gradients the other.
         assert row["sends"] == 3 and row["recvs"] == 3, row
+
+
+def test_a_stage_traced_once_equals_the_stage_built_inline():
+    # tests/workers/trace_once.py: a stage's forward on 3 microbatches in
+    # one step, traced once (`tracing.once_per_shape`) and built inline.
+    # Bound: 1e-6 x the largest value compared (float32 rounding of the
+    # same ops, fused or ordered differently across a function call;
+    # observed <= 5e-8 x).
+    proc = run_python([os.path.join(WORKERS, "trace_once.py")], timeout=300)
+    rows = {r["check"]: r for r in (
+        json.loads(line.split("ROW ", 1)[1])
+        for line in proc.stdout.splitlines() if line.startswith("ROW "))}
+    assert sorted(rows) == sorted([
+        "dense", "batchnorm_dropout", "activity_regularizer",
+        "seeded_tf_random", "assigns_a_weight"]), proc.stdout
+    for row in rows.values():
+        assert row["inline_runs"] == 3, row
+        assert row["diff"] <= 1e-6 * max(1.0, row["scale"]), row
+        assert row["draws"] == 3, row  # microbatches differ
+    # Traced once, gradients, state (moving statistics, dropout seeds)
+    # and added losses as inline.
+    for check in ("dense", "batchnorm_dropout", "activity_regularizer"):
+        assert rows[check]["runs"] == 1, rows[check]
+        assert rows[check]["grads"] > 0, rows[check]
+    assert rows["batchnorm_dropout"]["state_moved"] > 1e-3, rows
+    assert rows["activity_regularizer"]["added"] > 1e-3, rows
+    # Run inline after one dropped trace: seeded TensorFlow random ops
+    # (one trace would draw the same noise for every microbatch) and a
+    # layer assigning a weight that is not state (counted 3 calls).
+    assert rows["seeded_tf_random"]["runs"] == 4, rows
+    assert rows["assigns_a_weight"]["runs"] == 4, rows
+    assert rows["assigns_a_weight"]["counted"] == [3.0], rows

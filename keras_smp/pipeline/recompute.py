@@ -32,15 +32,6 @@ from keras_smp import tensor
 from keras_smp.runtime import keras_private
 from keras_smp.runtime import tracing
 
-# TensorFlow's stateful random ops: a recomputation would draw new values.
-STATEFUL_RANDOM = {
-    "RandomUniform", "RandomUniformInt", "RandomStandardNormal",
-    "TruncatedNormal", "RandomShuffle", "Multinomial", "RandomGamma",
-    "RandomPoisson", "RandomPoissonV2", "StatefulUniform",
-    "StatefulUniformInt", "StatefulUniformFullInt",
-    "StatefulStandardNormalV2", "StatefulTruncatedNormal",
-    "RngReadAndSkip"}
-
 
 def state_of(operations):
     """The distinct non-trainable variables of `operations` (layers)."""
@@ -80,7 +71,7 @@ def run_stateless(state, snap, fn, what, fix, collect_losses=False):
         out = fn()
     now = keras_private.global_seed_state()
     stateful = sorted({op.type for op in graph.get_operations()[first:]
-                       if op.type in STATEFUL_RANDOM})
+                       if op.type in tracing.STATEFUL_RANDOM})
     if stateful or (seeds is None and now is not None
                     and scope.get_current_value(now) is not None):
         raise ValueError(

@@ -31,7 +31,12 @@ inline, as before (`once_per_shape`; `NotTraceable`):
   m calls of one trace would reuse it within a step;
 - a layer synchronises the replicas in its call (a synchronized
   `BatchNormalization`): TensorFlow refuses a replica context's
-  `merge_call` inside a nested `tf.function`.
+  `merge_call` inside a nested `tf.function`;
+- it holds TensorFlow's stateful random ops with a fixed seed
+  (`tf.random.uniform` in a custom layer after `tf.random.set_seed` or
+  `keras.utils.set_random_seed`): each inline copy had its own seed, and
+  every call of one trace would draw the same numbers. (Keras' layers
+  draw through seed generators, which are state and advance per call.)
 """
 
 import tensorflow as tf
@@ -42,9 +47,18 @@ from keras_smp.runtime import keras_private
 # 2026-11-28), for comparisons (`benchmarks/first_step.py`) and debugging.
 TRACE_ONCE = True
 
-# Op types of TensorFlow's collectives and of its cross-device transfers.
+# Op types of TensorFlow's collectives.
 _COLLECTIVE_PREFIXES = ("Collective", "Nccl")
-_TRANSFERS = {"Send", "Recv", "_Send", "_Recv", "_HostSend", "_HostRecv"}
+
+# TensorFlow's stateful random ops: a recomputation would draw new values;
+# with a fixed seed, every call of one trace the same ones.
+STATEFUL_RANDOM = {
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal",
+    "TruncatedNormal", "RandomShuffle", "Multinomial", "RandomGamma",
+    "RandomPoisson", "RandomPoissonV2", "StatefulUniform",
+    "StatefulUniformInt", "StatefulUniformFullInt",
+    "StatefulStandardNormalV2", "StatefulTruncatedNormal",
+    "RngReadAndSkip"}
 
 
 class NotTraceable(NotImplementedError):
@@ -52,15 +66,32 @@ class NotTraceable(NotImplementedError):
     module docstring); the message says why."""
 
 
+def _nodes(graph):
+    """The `NodeDef`s of `graph` (a `tf.Graph`) and of the functions it
+    calls."""
+    graph_def = graph.as_graph_def()
+    yield from graph_def.node
+    for function in graph_def.library.function:
+        yield from function.node_def
+
+
 def collective_ops(graph):
     """Sorted op types of collectives in `graph` (a `tf.Graph`), functions
     it calls included."""
-    graph_def = graph.as_graph_def()
-    types = {node.op for node in graph_def.node}
-    for function in graph_def.library.function:
-        types.update(node.op for node in function.node_def)
-    return sorted(t for t in types
-                  if t.startswith(_COLLECTIVE_PREFIXES) or t in _TRANSFERS)
+    return sorted({node.op for node in _nodes(graph)
+                   if node.op.startswith(_COLLECTIVE_PREFIXES)})
+
+
+def seeded_random_ops(graph):
+    """Sorted op types of `graph`'s stateful random ops with a fixed seed
+    (`tf.random.uniform` and the like after `tf.random.set_seed`, which
+    `keras.utils.set_random_seed` calls): traced once and called m times,
+    every call would draw the same numbers (inline, each copy had its own
+    seed). Keras' own layers draw through seed generators (state), which
+    advance per call."""
+    return sorted({node.op for node in _nodes(graph)
+                   if node.op in STATEFUL_RANDOM
+                   and (node.attr["seed"].i or node.attr["seed2"].i)})
 
 
 def layer_state(layers):
@@ -128,8 +159,8 @@ def with_state_outside(fn, state, owner, layers=(), jit_compile=True,
 
     Raises (when traced) `NotImplementedError` if the call assigns another
     variable; without `jit_compile`, `NotTraceable` for that, and if it
-    makes Keras' global seed generator, holds collective ops or
-    synchronises replicas. `what` starts the message."""
+    makes Keras' global seed generator, holds collective ops or seeded
+    random ops, or synchronises replicas. `what` starts the message."""
     import keras
 
     compiled_for = {}
@@ -156,11 +187,18 @@ def with_state_outside(fn, state, owner, layers=(), jit_compile=True,
                 scope, passed, layers, what, new_seeds_ok=jit_compile,
                 error=NotImplementedError if jit_compile else NotTraceable)
             if not jit_compile:
-                found = collective_ops(tf.compat.v1.get_default_graph())
+                graph = tf.compat.v1.get_default_graph()
+                found = collective_ops(graph)
                 if found:
                     raise NotTraceable(
                         f"{what}: holds collective ops ({', '.join(found)}), "
                         "whose keys are fixed when traced.")
+                found = seeded_random_ops(graph)
+                if found:
+                    raise NotTraceable(
+                        f"{what}: holds seeded random ops "
+                        f"({', '.join(found)}): every call would draw the "
+                        "same numbers.")
             updates = {}
             for i, (v, before) in enumerate(zip(variables, values)):
                 value = scope.get_current_value(v)
