@@ -26,7 +26,8 @@ from conftest import launch
 from conftest import load
 from conftest import run_python
 
-CASES = ["custom_loop", "super_train_step", "empty_replica", "two_masks"]
+CASES = ["custom_loop", "super_train_step", "empty_replica", "two_masks",
+         "mean_with_sample_weight", "mean_with_sample_weight_unweighted"]
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,21 @@ def in_process():
 def test_two_local_replicas_match_single_device(in_process, case):
     # See tests/workers/replica_shares.py for each case.
     assert in_process[case]["atol"] <= ATOL, in_process[case]
+
+
+def test_pipeline_replicas_divide_by_all_sample_weights():
+    # tests/workers/replica_shares.py pipelined_mean_with_sample_weight:
+    # a 2-stage DistributedModel (microbatches=1) with 2 replicas, losses
+    # of reduction="mean_with_sample_weight" with per-token and per-row
+    # sample weights, fit and validation against one device (Keras' own
+    # division, by each replica's weights, was off by 1e-2 here).
+    case = "pipelined_mean_with_sample_weight"
+    proc = run_python([os.path.join(WORKERS, "replica_shares.py"), case],
+                      timeout=300)
+    rows = [json.loads(l) for l in proc.stdout.splitlines()
+            if l.startswith("{")]
+    assert [r["case"] for r in rows] == [case], proc.stdout
+    assert rows[0]["atol"] <= ATOL, rows
 
 
 @pytest.mark.slow

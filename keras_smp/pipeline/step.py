@@ -411,7 +411,8 @@ def _whole_batch_loss(model, y, y_pred, sample_weight, context=None,
     `runtime.loss_shares`; `rows_share`: the replica's share of the rows,
     `None` when they are equal)."""
     divisors = (loss_shares.replica_divisors(model, y, y_pred,
-                                             static is not None)
+                                             static is not None,
+                                             sample_weight is not None)
                 if context is not None else None)
     if divisors is None:
         return keras_private.compiled_loss(model)(y, y_pred, sample_weight)
@@ -744,7 +745,7 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
                 if t.shape.rank else t for t in out]
         y_pred = graph.pack_outputs(out)
         divisors = (loss_shares.replica_divisors(model, ys[mb], y_pred,
-                                                 static)
+                                                 static, sws[mb] is not None)
                     if once else None)
         if divisors is not None:
             # The replica's share of the rows (its one microbatch is its

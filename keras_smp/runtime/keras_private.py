@@ -99,6 +99,50 @@ def compiled_loss_entries(model, y_true=None, y_pred=None):
     return [(tuple(entry.path), entry.loss) for entry in loss._flat_losses]
 
 
+def compiled_loss_replacing(model, wrap, which):
+    """A copy of `model`'s compiled loss (the same per-output loss
+    trackers) whose entries whose `Loss` passes `which(loss)` call
+    `wrap(loss)` instead; `model` is unchanged. Keras' `CompileLoss`
+    calls each entry as `loss(y, y_pred, sample_weight)` after resolving
+    the output's target and weights."""
+    loss = compiled_loss(model)
+    out = object.__new__(type(loss))  # (Keras' copy needs its get_config)
+    out.__dict__.update(loss.__dict__)
+    out.__dict__["_flat_losses"] = [
+        entry._replace(loss=wrap(entry.loss)) if which(entry.loss)
+        else entry for entry in loss._flat_losses]
+    return out
+
+
+def loss_weights_and_mask(loss, values, y_pred, sample_weight):
+    """`(values, sample weight)` as Keras' `Loss.__call__` reduces them
+    (`values`: what `loss.call` returned, `y_pred` as given to the loss):
+    the output's and the values' Keras masks merged into the sample
+    weights (`apply_mask`, for `loss.reduction`), both brought to the
+    same rank; the weights are None without weights or masks."""
+    from keras.src.losses import loss as loss_lib
+    from keras import ops
+
+    in_mask = keras_mask(y_pred)
+    out_mask = keras_mask(values)
+    if in_mask is not None and out_mask is not None:
+        mask = in_mask & out_mask
+    else:
+        mask = in_mask if in_mask is not None else out_mask
+    values = ops.convert_to_tensor(values, dtype=loss.dtype)
+    dtype = values.dtype
+    if sample_weight is not None:
+        sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
+    if mask is not None:
+        mask = ops.convert_to_tensor(mask, dtype=dtype)
+    weights = loss_lib.apply_mask(sample_weight, mask, dtype=dtype,
+                                  reduction=loss.reduction)
+    if weights is None:
+        return values, None
+    weights = ops.cast(weights, dtype)
+    return loss_lib.squeeze_or_expand_to_same_rank(values, weights)
+
+
 def compiled_loss_layout(model, outputs):
     """The structure the compiled loss looks each output up in (by the
     paths of `compiled_loss_entries`): the outputs' (`outputs`, any

@@ -12,7 +12,10 @@ replicas) or when a mask keeps different numbers of entries in each part
 Here a part's loss is scaled by `parts x its share of the divisor`: its
 output's sample weights for the compiled loss (a scalar scales any loss
 shape), the rows' share for losses layers add in `call` (activity
-regularizers are divided by the batch's rows). The shares of replicas are
+regularizers are divided by the batch's rows). A loss dividing by its
+sample weights' sum (`"mean_with_sample_weight"`) cannot be scaled through
+its weights (the scale cancels): each replica's divides by all replicas'
+sum instead (`divided_by_all_weights`). The shares of replicas are
 summed across them (one small all-reduce per step, only where a share
 can differ). Loss-weight bookkeeping only: what the losses are, which
 outputs they use and how Keras lays out sample weights is read through
@@ -93,6 +96,7 @@ def scaled_sample_weights(model, entries, outputs, given, factors):
 
 
 ROWS = "rows"
+WEIGHTS = "sample weights"  # (key) "mean_with_sample_weight" losses
 
 
 def replica_context(strategy):
@@ -108,20 +112,23 @@ def replica_context(strategy):
     return tf.distribute.get_replica_context()
 
 
-def replica_divisors(model, y, y_pred, static):
+def replica_divisors(model, y, y_pred, static, weighted=False):
     """What each mean loss of `model` divides by in this replica's part
     of the batch: `{path: divisor}` (`ROWS` for a loss divided by the
     part's rows), or `None` when every replica's part holds the same
-    share (no output has a Keras mask and the rows are `static`, the
-    same in every replica).
+    share (no output has a Keras mask, the rows are `static`, the same
+    in every replica, and no `"mean_with_sample_weight"` loss is given
+    sample weights: `weighted`).
 
     A masked output (its `y_pred` holds a Keras mask) divides by its
     unmasked entries; any other mean loss by its rows times its entries
     per row, assumed the same in every replica (a dataset that pads each
     replica's sequences to its own length breaks this). `"sum"` losses
-    add up across replicas as they are; a `"mean_with_sample_weight"` one
-    is left as Keras computes it (each replica divides by its own
-    weights' sum).
+    add up across replicas as they are. A `"mean_with_sample_weight"`
+    loss divides by its sample weights' sum (without weights: its masked
+    or all entries), which differs between the replicas: the key
+    `WEIGHTS` (True) says `shared_loss` divides it by all replicas' sum
+    (`divided_by_all_weights`).
     """
     compiled = keras_private.compiled_loss(model)
     entries = (keras_private.compiled_loss_entries(model, y, y_pred)
@@ -132,9 +139,13 @@ def replica_divisors(model, y, y_pred, static):
         index = keras_private.compiled_loss_output_index(model, y_pred,
                                                          len(flat))
         for path, loss in entries:
+            mask = keras_private.keras_mask(flat[index[path]])
+            if _divides_by_weights(loss):
+                if weighted or mask is not None or not static:
+                    divisors[WEIGHTS] = masked = True
+                continue
             if reduction_of(loss) not in MEANS:
                 continue
-            mask = keras_private.keras_mask(flat[index[path]])
             if mask is not None:
                 masked = True
                 divisors[path] = tf.reduce_sum(tf.cast(mask, tf.float32))
@@ -143,6 +154,15 @@ def replica_divisors(model, y, y_pred, static):
     if not masked and static:
         return None
     return divisors
+
+
+def _divides_by_weights(loss):
+    """Whether `loss` (a compiled Keras loss) is reduced by Keras'
+    `Loss.__call__` with `reduction="mean_with_sample_weight"` (a
+    subclass overriding `__call__` reduces as it likes: left as it is)."""
+    return (reduction_of(loss) == "mean_with_sample_weight"
+            and isinstance(loss, keras.losses.Loss)
+            and type(loss).__call__ is keras.losses.Loss.__call__)
 
 
 def shared_loss(model, context, divisors, y, y_pred, sample_weight, rows,
@@ -155,7 +175,8 @@ def shared_loss(model, context, divisors, y, y_pred, sample_weight, rows,
     The masked divisors (and the `rows`, unless their share is given)
     are summed across the replicas of `context` in one all-reduce; none
     when there is nothing to sum."""
-    local = {path: d for path, d in divisors.items() if d is not ROWS}
+    local = {path: d for path, d in divisors.items()
+             if path is not WEIGHTS and d is not ROWS}
     if rows_share is None:
         local[ROWS] = rows
     shares = global_shares(context, local)
@@ -167,12 +188,69 @@ def shared_loss(model, context, divisors, y, y_pred, sample_weight, rows,
         entries = keras_private.compiled_loss_entries(model, y, y_pred)
         factors = {path: (tf.cast(rows_share, keras.config.floatx())
                           if d is ROWS else shares[path])
-                   for path, d in divisors.items()}
+                   for path, d in divisors.items() if path is not WEIGHTS}
         weights = (scaled_sample_weights(model, entries, y_pred,
                                          sample_weight, factors)
                    if factors else sample_weight)
+        if divisors.get(WEIGHTS):
+            compiled = keras_private.compiled_loss_replacing(
+                model, divided_by_all_weights(context), _divides_by_weights)
         loss = compiled(y, y_pred, weights)
     return loss, rows_share
+
+
+def divided_by_all_weights(context):
+    """`wrap(loss) -> fn(y_true, y_pred, sample_weight)`: the replica's
+    part of a `"mean_with_sample_weight"` loss, its weighted sum divided
+    by the sample weights' sum over all replicas of `context` (one
+    all-reduce), as one device divides the batch's. Keras divides each
+    replica's by its own sum, and scaling the weights cannot change that
+    (the scale cancels). The parts, summed over the replicas, are the
+    batch's loss, as the shared mean losses' are. Without weights or
+    masks Keras divides by the loss values' entries: so does this, by all
+    replicas' entries.
+
+    Example (one replica, where this is Keras' loss):
+
+    ```python
+    import keras
+    import tensorflow as tf
+    from keras_smp.runtime.loss_shares import divided_by_all_weights
+
+    mse = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+    y, p = tf.zeros([4, 1]), tf.constant([[1.], [2.], [3.], [4.]])
+    w = tf.constant([1., 1., 2., 4.])  # (1 + 4 + 18 + 64) / 8
+    part = divided_by_all_weights(tf.distribute.get_replica_context())(mse)
+    assert abs(float(part(y, p, w)) - 10.875) < 1e-6
+    assert abs(float(mse(y, p, w)) - 10.875) < 1e-6
+    ```
+    """
+    def wrap(loss):
+        def part(y_true, y_pred, sample_weight=None):
+            with tf.name_scope(loss.name):
+                convert = lambda t: keras.ops.convert_to_tensor(  # noqa: E731
+                    t, dtype=loss.dtype)
+                values = loss.call(keras.tree.map_structure(convert, y_true),
+                                   keras.tree.map_structure(convert, y_pred))
+                values, weights = keras_private.loss_weights_and_mask(
+                    loss, values, y_pred, sample_weight)
+                # (Keras leaves a scalar loss value unreduced; here it
+                # counts as one entry: the replicas' parts sum to their
+                # mean.)
+                if weights is None:
+                    local = tf.cast(tf.size(values), tf.float32)
+                else:
+                    values = values * weights
+                    local = tf.reduce_sum(tf.cast(weights, tf.float32))
+                # Summed in float32 (a float16 loss's sum could overflow).
+                total = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                           local)
+                return tf.math.divide_no_nan(
+                    tf.reduce_sum(values), tf.cast(total, values.dtype))
+
+        return part
+
+    return wrap
 
 
 def logged_value(total, rows_share, unshared=None):

@@ -213,7 +213,8 @@ def _global_share_loss(model, original, context, x, y, y_pred,
                         training=training)
     rows = tf.shape(first)[0]
     divisors = loss_shares.replica_divisors(model, y, y_pred,
-                                            first.shape[0] is not None)
+                                            first.shape[0] is not None,
+                                            sample_weight is not None)
     added = list(model.losses)
     if divisors is None or (keras_private.compiled_loss(model) is None
                             and not added):

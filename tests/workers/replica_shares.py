@@ -19,6 +19,17 @@ Cases:
   and a `Masking` layer's), per-output sample weights given as a dict,
   both losses means (each divides by its own mask's count): weights and
   every log.
+- mean_with_sample_weight: two outputs whose losses divide by their
+  sample weights' sum (`reduction="mean_with_sample_weight"`), per-token
+  weights under the embedding's mask and per-row weights (each replica's
+  sum differs from the others'), with validation: weights and every log.
+- mean_with_sample_weight_unweighted: the same without sample weights:
+  such a loss divides by its (unmasked) entries, which differ between the
+  replicas in the last batch (27 rows: 14/13).
+- pipelined_mean_with_sample_weight: the same as a 2-stage
+  `DistributedModel` (`microbatches=1`) with 2 replicas (a process of its
+  own: `local_devices=4`); its `evaluate` computes the loss on the whole
+  batch.
 """
 
 import json
@@ -30,7 +41,11 @@ os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
 
 import keras_smp  # noqa: E402
 
-strategy = keras_smp.SMPStrategy(local_devices=2)
+# "pipelined" cases: 2 replicas of a 2-stage pipeline (4 logical CPUs).
+PIPELINED = any(name.startswith("pipelined_") for name in sys.argv[1:])
+strategy = keras_smp.SMPStrategy(
+    **(dict(partitions=2, microbatches=1, local_devices=4) if PIPELINED
+       else dict(local_devices=2)))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -195,7 +210,53 @@ def two_masks():
                    train(two_masks_model, fit, False))
 
 
+def mean_with_sample_weight(pipelined=False, weighted=True):
+    rows = rng.uniform(0.1, 3.0, size=len(X)).astype("float32")
+    targets = {"a": Y, "b": rng.randn(len(X), 2).astype("float32")}
+    weights = {"a": SW, "b": rows} if weighted else None
+
+    def build():
+        keras.utils.set_random_seed(7)
+        tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
+        h = keras.layers.Dense(8, activation="tanh", name="h")(
+            keras.layers.Embedding(VOCAB, 8, mask_zero=True)(tokens))
+        a = keras.layers.Dense(3, name="a")(h)
+        b = keras.layers.Dense(2, name="b")(
+            keras.layers.GlobalAveragePooling1D()(h))
+        model = keras.Model(tokens, {"a": a, "b": b})
+        if pipelined and tf.distribute.has_strategy():
+            model = keras_smp.DistributedModel(model, split_points=["h"])
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.3, momentum=0.9),
+            loss={"a": keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True, reduction="mean_with_sample_weight"),
+                  "b": keras.losses.MeanSquaredError(
+                      reduction="mean_with_sample_weight")},
+            loss_weights={"a": 1.0, "b": 0.5})
+        return model
+
+    kinds = []
+
+    def fit(model):
+        kinds.append(type(model).__name__)
+        return model.fit(X, targets, sample_weight=weights, batch_size=32,
+                         epochs=2, shuffle=False, verbose=0,
+                         validation_data=(X, targets, weights)
+                         if weighted else (X, targets))
+
+    worst = compare(train(build, fit, True), train(build, fit, False))
+    want = "DistributedModel" if pipelined else "Functional"
+    assert kinds == [want, "Functional"], kinds
+    return worst
+
+
 CASES = {"custom_loop": custom_loop, "super_train_step": super_train_step,
-         "empty_replica": empty_replica, "two_masks": two_masks}
-for name in sys.argv[1:] or CASES:
+         "empty_replica": empty_replica, "two_masks": two_masks,
+         "mean_with_sample_weight": mean_with_sample_weight,
+         "mean_with_sample_weight_unweighted":
+             lambda: mean_with_sample_weight(weighted=False),
+         "pipelined_mean_with_sample_weight":
+             lambda: mean_with_sample_weight(pipelined=True)}
+for name in sys.argv[1:] or [c for c in CASES
+                             if not c.startswith("pipelined_")]:
     print(json.dumps({"case": name, "atol": CASES[name]()}), flush=True)
