@@ -104,7 +104,10 @@ GROUPS = {
                 _cases("skip", (2,), ("1f1b",), (4,), "sgd")
                 + _cases("penalized", (4,), ("gpipe",), (4,), "sgd")
                 + _cases("autoencoder", (2,), ("1f1b",), (4,), "sgd")
-                + _cases("tokens", (2,), ("1f1b",), (4,), "sgd")]
+                + _cases("tokens", (2,), ("1f1b",), (4,), "sgd")
+                # (and a "mean_with_sample_weight" loss, divided by the
+                # step's entries)
+                + _cases("mixed", (2,), ("gpipe",), (4,), "sgd")]
              # Batches of 30 rows of a known size (8+8+7+7).
              + [dict(c, partial="static") for c in
                 _cases("tokens", (2,), ("1f1b",), (4,), "adam")]),
@@ -133,12 +136,14 @@ GROUPS = {
                          devices=4)
                 + [dict(c, partial="odd") for c in _cases(
                     "tokens", (2,), ("1f1b",), (1,), "sgd", devices=4)]
-                # A "mean_with_sample_weight" loss (weighted 0) keeps
-                # microbatches equal, but the replicas' rows still differ
-                # (14/13; 4/4/2 over 3 replicas, 2+2, 2+2, 1+1): the other
-                # loss and the added ones count by each replica's share.
+                # A "mean_with_sample_weight" loss beside a mean one and
+                # an activity regularizer, in parts of unequal rows (14/13
+                # over 2 replicas, 4+4+3+3 and 4+3+3+3 microbatches; 4/4/2
+                # over 3 replicas, 2+2, 2+2, 1+1): each part's counts by
+                # its share of the step's rows (the first divided by all
+                # parts' entries).
                 + [dict(c, partial="odd") for c in _cases(
-                    "mixed", (2,), ("1f1b",), (1,), "sgd", devices=4)]
+                    "mixed", (2,), ("1f1b",), (1, 4), "sgd", devices=4)]
                 + [dict(c, partial="thirds", recompute=r) for c in _cases(
                     "mixed", (2,), ("1f1b",), (2,), "sgd", devices=6)
                    for r in (False, True)]),
@@ -414,11 +419,13 @@ ERROR_CASES = {
         "last batch has 4 samples", "smaller than microbatches=5",
         "end of the first epoch", "batch_size that divides the 120",
         "leave the last 4 samples out"]),
-    # Equal microbatches needed: a last batch of 22 rows cannot divide
-    # into 4 (however the replicas split it).
+    # A "mean_with_sample_weight" loss overriding Loss.__call__ needs
+    # equal microbatches: a last batch of 22 rows cannot divide into 4
+    # (however the replicas split it).
     "array_last_batch_mean_with_sample_weight": ("ValueError", [
         "last batch has 22 samples", "does not divide into microbatches=4",
-        "mean_with_sample_weight", "batch_size that divides the 118"]),
+        "mean_with_sample_weight", "overrides `Loss.__call__`",
+        "batch_size that divides the 118"]),
     # Layers add losses: validation batches split too, checked as well.
     "validation_last_batch_with_added_losses": ("ValueError", [
         "validation data's last batch has 4 samples",
@@ -426,7 +433,7 @@ ERROR_CASES = {
         "validation_batch_size that divides the 34"]),
     "indivisible_batch_mean_with_sample_weight": ("ValueError", [
         "30 samples does not divide into microbatches=4",
-        "mean_with_sample_weight"]),
+        "mean_with_sample_weight", "overrides `Loss.__call__`"]),
     "partition_index_out_of_range": ("ValueError", [
         "partition(2)", "partitions=2"]),
     "empty_stage": ("ValueError", ["[1]", "no layers"]),
@@ -454,8 +461,8 @@ ERROR_CASES = {
         "Call add_loss() in the layer's own call"]),
     "devices_not_divisible": ("ValueError", ["partitions=3", "4 local"]),
     "masked_mean_with_sample_weight": ("ValueError", [
-        "mean_with_sample_weight", "masked entries left out",
-        "microbatches=1"]),
+        "SelfReducingSCCE", "mean_with_sample_weight", "overrides",
+        "masked entries left out", "microbatches=1"]),
     # Stages on devices of one process: weights made outside the scope are
     # not on their stages' devices (once an AssertionError in the update).
     "layers_built_outside_the_scope": ("ValueError", [
@@ -468,7 +475,10 @@ ACCEPTED_CASES = ["unbuilt_subclass_with_validation",
                   "validation_not_run_is_not_checked",
                   # a compiled stage assigning its weight (without state):
                   # equal to plain Keras compiled whole
-                  "xla_stage_assigning_a_trainable_weight"]
+                  "xla_stage_assigning_a_trainable_weight",
+                  # Keras-reduced "mean_with_sample_weight" losses: unequal
+                  # microbatches, a mask and sample weights
+                  "mean_with_sample_weight_reduced_by_keras"]
 
 
 @pytest.fixture(scope="module")

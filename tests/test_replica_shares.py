@@ -45,29 +45,41 @@ def test_two_local_replicas_match_single_device(in_process, case):
     assert in_process[case]["atol"] <= ATOL, in_process[case]
 
 
-def test_pipeline_replicas_divide_by_all_sample_weights():
-    # tests/workers/replica_shares.py pipelined_mean_with_sample_weight:
-    # a 2-stage DistributedModel (microbatches=1) with 2 replicas, losses
-    # of reduction="mean_with_sample_weight" with per-token and per-row
-    # sample weights, fit and validation against one device (Keras' own
-    # division, by each replica's weights, was off by 1e-2 here).
-    case = "pipelined_mean_with_sample_weight"
-    proc = run_python([os.path.join(WORKERS, "replica_shares.py"), case],
+@pytest.mark.parametrize("cases", [
+    ["pipelined_mean_with_sample_weight"],
+    ["pipelined_m4_mean_with_sample_weight",
+     "pipelined_m4_mean_with_sample_weight_unweighted"]])
+def test_pipeline_replicas_divide_by_all_sample_weights(cases):
+    # tests/workers/replica_shares.py pipelined_*: a 2-stage
+    # DistributedModel with 2 replicas, losses of
+    # reduction="mean_with_sample_weight" with per-token and per-row
+    # sample weights (and without: divided by the masked or all
+    # entries), fit and validation against one device. microbatches=1:
+    # Keras' own division, by each replica's weights, was off by 1e-2;
+    # microbatches=4 (unequal in the 27-row last batch, 14/13 per
+    # replica) was refused, each microbatch dividing by its own weights
+    # (off by 2.7e-2 and 1.6e-2 when let through).
+    proc = run_python([os.path.join(WORKERS, "replica_shares.py"), *cases],
                       timeout=300)
     rows = [json.loads(l) for l in proc.stdout.splitlines()
             if l.startswith("{")]
-    assert [r["case"] for r in rows] == [case], proc.stdout
-    assert rows[0]["atol"] <= ATOL, rows
+    assert [r["case"] for r in rows] == cases, proc.stdout
+    for r in rows:
+        assert r["atol"] <= ATOL, r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,workers,microbatches", [
-    ("tokens", 2, None), ("mlp", 2, None), ("tokens", 4, 2), ("mlp", 4, 2),
+@pytest.mark.parametrize("model,workers,microbatches,reduction", [
+    ("tokens", 2, None, None), ("mlp", 2, None, None),
+    ("tokens", 4, 2, None), ("mlp", 4, 2, None),
     # One microbatch: the shares come from the outputs' masks as the
     # model makes them (none computed ahead).
-    ("tokens", 4, 1)])
+    ("tokens", 4, 1, None),
+    # Divided by the step's per-token weights under the mask, summed
+    # ahead by every stage process (microbatches 8+8 and 6+5).
+    ("tokens", 4, 2, "mean_with_sample_weight")])
 def test_replicas_of_unequal_shares_match_single_device(
-        tmp_path, reference, workers, model, microbatches):
+        tmp_path, reference, workers, model, microbatches, reduction):
     # Worker processes as data-parallel replicas: 2 plain Keras replicas,
     # or 4 = 2 replicas x 2 pipeline stages, one per process (each
     # stage's data-parallel peers sum among themselves). 91 samples in
@@ -78,12 +90,15 @@ def test_replicas_of_unequal_shares_match_single_device(
     # or real tokens, so training, the logged loss, evaluate and predict
     # equal one device's (stock Keras averages the replicas' own means).
     flags = ["--model", model, "--partial", "--samples", "91"]
+    if reduction:
+        flags += ["--reduction", reduction]
     if workers == 4:
         flags += ["--pipelined", "--config", json.dumps(
             {"partitions": 2, "microbatches": microbatches,
              "collective_timeout_seconds": 120})]
     launch(workers, fit_model(tmp_path, *flags))
-    ref = reference("--model", model, "--partial", "--samples", "91")
+    ref = reference("--model", model, "--partial", "--samples", "91",
+                    *(["--reduction", reduction] if reduction else []))
     for r in range(workers):
         got = load(tmp_path, r)
         assert int(got["replicas"]) == 2

@@ -106,7 +106,8 @@ def check_last_batch(samples, batch_size, m, replicas=1,
         problem = ((f"split over {replicas} replicas, its parts cannot all "
                     "divide" if replicas > 1 else "it does not divide")
                    + f" into microbatches={m} (a loss with reduction="
-                   "'mean_with_sample_weight' needs equal microbatches)")
+                   "'mean_with_sample_weight' that overrides "
+                   "`Loss.__call__` needs equal microbatches)")
     elif last // replicas >= m:
         return
     else:

@@ -494,8 +494,9 @@ class DistributedModel(keras.Model):
 
         m = self.num_microbatches
         replicas = self.distribute_strategy.num_replicas_in_sync
-        # With targets, such a loss needs equal microbatches (`run_step`).
-        mws = loss_shares.mean_with_sample_weight(self)
+        # With targets, a "mean_with_sample_weight" loss overriding
+        # `Loss.__call__` needs equal microbatches (`run_step`).
+        mws = loss_shares.custom_mean_with_sample_weight(self)
         batch_size = given.get("batch_size") or 32
         samples = rows(given.get("x"))
         validation = given.get("validation_data")

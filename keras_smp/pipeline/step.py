@@ -106,9 +106,10 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     # Training (and an evaluation whose layers add losses) splits such a
     # batch into unequal microbatches (`microbatch.sizes`, at least one
     # row each), each counting by its share of the batch's rows; a loss
-    # with reduction="mean_with_sample_weight" cannot be shared so.
+    # with reduction="mean_with_sample_weight" overriding `Loss.__call__`
+    # cannot be shared so.
     uneven = not pads and not (
-        has_loss and loss_shares.mean_with_sample_weight(model))
+        has_loss and loss_shares.custom_mean_with_sample_weight(model))
     advice = (
         "Use a batch size that is a multiple of microbatches x replicas "
         f"= {m * replicas}, and `drop_remainder=True` when batching a "
@@ -121,7 +122,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                   "the last batch of the data is smaller (tf.data), or "
                   "`steps_per_epoch` that leaves it out.")) if uneven
               else microbatch.check_divisible(flat_x[0], m, advice=advice + (
-                  " (reduction='mean_with_sample_weight' needs equal "
+                  " (a loss with reduction='mean_with_sample_weight' "
+                  "that overrides `Loss.__call__` needs equal "
                   "microbatches)")))
     with tf.control_dependencies(checks):
         true_batch = tf.shape(flat_x[0])[0]
@@ -209,9 +211,9 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             fn = tracing.once_per_shape(fn, f"stage {s}",
                                         graph.stage_layers(s))
         # Unequal microbatches, or replicas' batches of unknown size whose
-        # rows were all-reduced above (a "mean_with_sample_weight" loss
-        # keeps equal microbatches, `rows` None, but the replicas' rows
-        # may still differ).
+        # rows were all-reduced above (a custom "mean_with_sample_weight"
+        # loss keeps equal microbatches, `rows` None, but the replicas'
+        # rows may still differ).
         batch_rows = (share_batch if rows is not None
                       or share_batch is not true_batch else None)
         stages[s] = Stage(s, _adding_losses(model, graph, s, fn, training,
@@ -654,18 +656,23 @@ def loss_weight(compiled_losses, m, sample_weight, masked=False):
     add up), a mean-like one by `m` times the microbatch's share of what
     Keras divides by when the shares are unequal (a partial batch, a
     mask: `masked`). `compiled_losses`: the compiled Keras loss objects.
-    A `"mean_with_sample_weight"` loss divides by each microbatch's own
-    weight sum: refused with sample weights or a mask.
+    A `"mean_with_sample_weight"` loss is divided by the step's weights
+    (`loss_shares.divided_by`), except one overriding `Loss.__call__`:
+    it divides by each microbatch's own weight sum, refused with sample
+    weights or a mask.
     """
-    reductions = {reduction_of(loss) for loss in compiled_losses}
-    if "mean_with_sample_weight" in reductions and m > 1 and (
-            sample_weight is not None or masked):
+    custom = [loss for loss in compiled_losses
+              if reduction_of(loss) == "mean_with_sample_weight"
+              and not loss_shares.divides_by_weights(loss)]
+    if custom and m > 1 and (sample_weight is not None or masked):
         raise ValueError(
-            "A loss with reduction='mean_with_sample_weight' cannot be "
-            "split into microbatches exactly (each microbatch divides by "
-            "its own weight sum" + (", masked entries left out" if masked
-                                    else "") + "). Use "
-            "reduction='sum_over_batch_size' or microbatches=1.")
+            f"The loss {type(custom[0]).__name__} (reduction="
+            "'mean_with_sample_weight') overrides `Loss.__call__`, so it "
+            "cannot be split into microbatches exactly (each microbatch "
+            "would divide by its own weight sum" + (
+                ", masked entries left out" if masked else "") + "). "
+            "Compute the loss in `call` and let `Loss.__call__` reduce it, "
+            "or use reduction='sum_over_batch_size' or microbatches=1.")
     return 1.0 / m
 
 
@@ -713,8 +720,9 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
     """The loss of one microbatch (last stage), weighted for the step.
 
     `rows`: each microbatch's rows when they may be unequal (else None:
-    equal microbatches, as a "mean_with_sample_weight" loss needs), of a
-    batch of `batch` rows (with replicas, the average replica's).
+    equal microbatches, as a custom "mean_with_sample_weight" loss
+    needs), of a batch of `batch` rows (with replicas, the average
+    replica's).
     `context`: the replica context when the step has several replicas
     (their masked losses count by their shares).
     `static`: whether the batch's size is known (the same in every
@@ -726,10 +734,10 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
     masked = m > 1 and any(graph.output_masks())
     weight = loss_weight([loss for _, loss in entries], m, sample_weight,
                          masked)
-    checks = []
+    checks, step_divisors = [], None
     if m > 1:
-        sws, checks = _microbatch_weights(model, entries, flat_x, m, sws,
-                                          rows, batch, context, static)
+        sws, checks, step_divisors = _microbatch_weights(
+            model, entries, flat_x, m, sws, rows, batch, context, static)
     # One microbatch and several replicas: the replica's shares, from the
     # outputs' masks as the model made them (nothing computed ahead).
     once = m == 1 and context is not None
@@ -757,9 +765,15 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
                 rows_share=share)
             loss = loss * weight
         else:
+            # "mean_with_sample_weight" losses: divided by the step's
+            # weights, not the microbatch's.
+            this = (compiled if step_divisors is None else
+                    keras_private.compiled_loss_replacing(
+                        model, loss_shares.divided_by(step_divisors[mb]),
+                        loss_shares.divides_by_weights))
             with tf.control_dependencies(checks[mb](y_pred) if checks
                                          else []):
-                loss = compiled(ys[mb], y_pred, sws[mb]) * weight
+                loss = this(ys[mb], y_pred, sws[mb]) * weight
         if loss_fn.logged[mb] is None:  # not a recomputation's
             loss_fn.logged[mb] = loss
         if training and model.optimizer is not None:
@@ -772,8 +786,9 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
 
 def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
                         context=None, static=True):
-    """`(sample weights, checks)` per microbatch that make each output's
-    microbatch losses, weighted `1/m`, sum to Keras' loss of the batch.
+    """`(sample weights, checks, divisors)` per microbatch that make each
+    output's microbatch losses, weighted `1/m`, sum to Keras' loss of the
+    batch.
 
     - A `"sum"` loss: its sample weights scaled by `m`.
     - A mean loss divides by the batch's entries, a masked one by its
@@ -785,12 +800,21 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
       (`StagedGraph.output_mask_fn`: 1F1B runs the first microbatch's
       backward before the last one's forward); `checks[i](y_pred)` gives
       the assertions that microbatch `i`'s masks are those.
+    - A `"mean_with_sample_weight"` loss divides by its sample weights'
+      sum (the mask's product with them; without either, its entries):
+      scaling the weights cancels out, so the microbatch's weighted sum
+      is divided by `1/m` of the step's (`divisors[i]`, for
+      `loss_shares.divided_by`), summed ahead from the given weights and
+      the masks computed ahead (without weights or masks: the
+      microbatch's entries per row times the step's rows). None when the
+      model has no such loss.
 
     With several replicas (`context`) the shares are of the whole
-    step's: a masked output's unmasked entries are summed across the
-    replicas (one all-reduce), and `batch` is the average replica's rows
-    (a batch of unknown size, `static` False, may be split unevenly over
-    the replicas even when its microbatches are equal).
+    step's: a masked output's unmasked entries (and the weights' sums)
+    are summed across the replicas (one all-reduce), and `batch` is the
+    average replica's rows (a batch of unknown size, `static` False, may
+    be split unevenly over the replicas even when its microbatches are
+    equal).
 
     Per-output losses ("cls_loss") then log Keras' values too. The
     weights are laid out as Keras' compiled loss looks them up (by each
@@ -802,59 +826,110 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
     floatx = keras.config.floatx()
     index = keras_private.compiled_loss_output_index(
         model, graph.outputs_struct, len(graph.outputs))
-    # (the masks of the outputs whose loss is a mean)
+    divides = {path for path, loss in entries
+               if loss_shares.divides_by_weights(loss)}
+    # (the masks of the outputs whose loss is a mean or divides by them)
     means = {index[path] for path, loss in entries if reduction_of(loss)
-             in ("sum_over_batch_size", "mean")}
+             in ("sum_over_batch_size", "mean") or path in divides}
     masks = (graph.output_mask_fn(model._smp_multi_process(), means)(flat_x)
              if any(graph.output_masks()[k] for k in means)
              else [None] * len(graph.outputs))
+
+    def split(t):
+        return tf.split(t, m if rows is None else rows, axis=0, num=m)
+
     factors = {}  # path -> per microbatch, its factor
     parts = {}  # output index -> its mask's microbatch parts
-    totals = {}  # path -> its microbatches' unmasked entries, summed
+    totals = {}  # (kind, path) -> summed over microbatches (and replicas)
     for path, loss in entries:
         k = index[path]
         reduction = reduction_of(loss)
         if reduction == "sum":
             factors[path] = [float(m)] * m
+        elif path in divides:
+            given = [loss_shares.weights_at(path, sw) for sw in sws]
+            if masks[k] is not None:
+                parts[k] = split(masks[k])
+            if masks[k] is not None or given[0] is not None:
+                totals[("weights", path)] = tf.add_n([tf.reduce_sum(tf.cast(
+                    keras_private.merged_loss_weights(
+                        loss, w, parts[k][i] if k in parts else None),
+                    tf.float32)) for i, w in enumerate(given)])
         elif reduction == "mean_with_sample_weight":
-            continue  # (equal microbatches, no weights, no mask: checked)
+            continue  # (a custom one: equal microbatches, no weights, no
+            # mask: checked)
         elif masks[k] is not None:
-            parts[k] = tf.split(masks[k], m if rows is None else rows,
-                                axis=0, num=m)
+            parts[k] = split(masks[k])
             counts = [tf.reduce_sum(tf.cast(p, tf.float32))
                       for p in parts[k]]
             factors[path] = counts
-            totals[path] = tf.add_n(counts)
+            totals[("mask", path)] = tf.add_n(counts)
         elif rows is not None:
             factors[path] = [_share_factor(rows[i], m, batch)
                              for i in range(m)]
         elif context is not None and not static:
-            # Equal microbatches (beside a "mean_with_sample_weight" loss)
-            # of this replica's rows, which may differ from the others'.
+            # Equal microbatches (beside a custom "mean_with_sample_weight"
+            # loss) of this replica's rows, which may differ from the
+            # others'.
             factors[path] = [_share_factor(
                 tf.shape(flat_x[0])[0] // m, m, batch)] * m
-    if totals:
-        # m x each microbatch's share of the step's unmasked entries
-        # (with replicas: x replicas, of all replicas' entries).
-        scale = float(m)
-        if context is not None:
-            summed = context.all_reduce(
-                tf.distribute.ReduceOp.SUM,
-                tf.stack([totals[path] for path in totals]))
-            totals = {path: summed[i] for i, path in enumerate(totals)}
-            scale *= float(context.num_replicas_in_sync)
-        for path, total in totals.items():
+    replicas = 1
+    if totals and context is not None:
+        keys = sorted(totals, key=repr)
+        summed = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                    tf.stack([totals[key] for key in keys]))
+        totals = {key: summed[i] for i, key in enumerate(keys)}
+    if context is not None:
+        replicas = context.num_replicas_in_sync
+    for (kind, path), total in totals.items():
+        if kind == "mask":
+            # m x each microbatch's share of the step's unmasked entries
+            # (with replicas: x replicas, of all replicas' entries).
+            scale = float(m * replicas)
             factors[path] = [
                 tf.cast(scale * tf.math.divide_no_nan(c, total), floatx)
                 for c in factors[path]]
+    divisors = None
+    if divides:
+        # The step's rows (all replicas'): `batch` is the average's.
+        step_rows = tf.cast(batch, tf.float32) * float(replicas)
+        divisors = [functools.partial(
+            _step_divisor, {path: total for (kind, path), total
+                            in totals.items() if kind == "weights"},
+            divides, m, step_rows,
+            rows[i] if rows is not None else tf.shape(flat_x[0])[0] // m)
+            for i in range(m)]
     checks = [_mask_checks(graph, parts, i) for i in range(m)]
     if not factors:
-        return sws, (checks if parts else [])
+        return sws, (checks if parts else []), divisors
     out = [loss_shares.scaled_sample_weights(
         model, entries, graph.outputs_struct, given,
         {path: f[i] for path, f in factors.items()})
         for i, given in enumerate(sws)]
-    return out, checks
+    return out, checks, divisors
+
+
+def _step_divisor(weighted, divides, m, step_rows, mb_rows, path, values,
+                  weights):
+    """`1/m` of what a `"mean_with_sample_weight"` loss at `path` divides
+    the step's batch by (`loss_shares.divided_by`'s `divisor` for one
+    microbatch of `mb_rows` rows): its weights' sum over the step
+    (`weighted[path]`, summed ahead) or, without weights or masks, the
+    microbatch's entries per row times the step's rows."""
+    if path not in divides:
+        raise AssertionError(f"no divisor planned for the loss at {path}")
+    if (path in weighted) != (weights is not None):
+        raise ValueError(
+            f"The loss at output {path} (reduction="
+            "'mean_with_sample_weight') returned values with a Keras mask "
+            "of their own, which the pipeline cannot count ahead of the "
+            "microbatches: use microbatches=1, or return unmasked values "
+            "and give sample weights.")
+    if weights is not None:
+        return weighted[path] / float(m)
+    per_row = tf.cast(tf.size(values), tf.float32) / tf.cast(
+        tf.maximum(mb_rows, 1), tf.float32)
+    return per_row * step_rows / float(m)
 
 
 def _mask_checks(graph, parts, i):

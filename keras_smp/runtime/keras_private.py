@@ -102,16 +102,34 @@ def compiled_loss_entries(model, y_true=None, y_pred=None):
 def compiled_loss_replacing(model, wrap, which):
     """A copy of `model`'s compiled loss (the same per-output loss
     trackers) whose entries whose `Loss` passes `which(loss)` call
-    `wrap(loss)` instead; `model` is unchanged. Keras' `CompileLoss`
-    calls each entry as `loss(y, y_pred, sample_weight)` after resolving
-    the output's target and weights."""
+    `wrap(loss, path)` instead (`path`: as `compiled_loss_entries`
+    gives it); `model` is unchanged. Keras' `CompileLoss` calls each
+    entry as `loss(y, y_pred, sample_weight)` after resolving the
+    output's target and weights."""
     loss = compiled_loss(model)
     out = object.__new__(type(loss))  # (Keras' copy needs its get_config)
     out.__dict__.update(loss.__dict__)
     out.__dict__["_flat_losses"] = [
-        entry._replace(loss=wrap(entry.loss)) if which(entry.loss)
-        else entry for entry in loss._flat_losses]
+        entry._replace(loss=wrap(entry.loss, tuple(entry.path)))
+        if which(entry.loss) else entry for entry in loss._flat_losses]
     return out
+
+
+def merged_loss_weights(loss, sample_weight, mask):
+    """The sample weights Keras' `Loss.__call__` reduces with, given an
+    output's `sample_weight` and Keras `mask` (either may be None; None
+    when both are): the mask merged in as `apply_mask` does for
+    `loss.reduction` (with `"mean_with_sample_weight"`, their product)."""
+    from keras.src.losses import loss as loss_lib
+    from keras import ops
+
+    dtype = loss.dtype
+    if sample_weight is not None:
+        sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
+    if mask is not None:
+        mask = ops.convert_to_tensor(mask, dtype=dtype)
+    return loss_lib.apply_mask(sample_weight, mask, dtype=dtype,
+                               reduction=loss.reduction)
 
 
 def loss_weights_and_mask(loss, values, y_pred, sample_weight):
@@ -130,16 +148,10 @@ def loss_weights_and_mask(loss, values, y_pred, sample_weight):
     else:
         mask = in_mask if in_mask is not None else out_mask
     values = ops.convert_to_tensor(values, dtype=loss.dtype)
-    dtype = values.dtype
-    if sample_weight is not None:
-        sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
-    if mask is not None:
-        mask = ops.convert_to_tensor(mask, dtype=dtype)
-    weights = loss_lib.apply_mask(sample_weight, mask, dtype=dtype,
-                                  reduction=loss.reduction)
+    weights = merged_loss_weights(loss, sample_weight, mask)
     if weights is None:
         return values, None
-    weights = ops.cast(weights, dtype)
+    weights = ops.cast(weights, values.dtype)
     return loss_lib.squeeze_or_expand_to_same_rank(values, weights)
 
 

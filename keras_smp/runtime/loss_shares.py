@@ -14,8 +14,9 @@ output's sample weights for the compiled loss (a scalar scales any loss
 shape), the rows' share for losses layers add in `call` (activity
 regularizers are divided by the batch's rows). A loss dividing by its
 sample weights' sum (`"mean_with_sample_weight"`) cannot be scaled through
-its weights (the scale cancels): each replica's divides by all replicas'
-sum instead (`divided_by_all_weights`). The shares of replicas are
+its weights (the scale cancels): each part (a replica's, a microbatch's)
+divides by all parts' sum instead (`divided_by`,
+`divided_by_all_weights`). The shares of replicas are
 summed across them (one small all-reduce per step, only where a share
 can differ). Loss-weight bookkeeping only: what the losses are, which
 outputs they use and how Keras lays out sample weights is read through
@@ -38,11 +39,33 @@ def reduction_of(loss):
             or "sum_over_batch_size")
 
 
-def mean_with_sample_weight(model):
-    """Whether a compiled loss of `model` divides by its sample weights'
-    sum (`reduction="mean_with_sample_weight"`)."""
+def custom_mean_with_sample_weight(model):
+    """Whether a compiled loss of `model` with
+    `reduction="mean_with_sample_weight"` reduces itself (overrides
+    `Loss.__call__`): its parts cannot be divided by the whole batch's
+    weights (`divided_by`), so it needs equal parts without weights or
+    masks."""
     return any(reduction_of(loss) == "mean_with_sample_weight"
+               and not divides_by_weights(loss)
                for loss in keras_private.compiled_loss_objects(model))
+
+
+def divides_by_weights(loss):
+    """Whether `loss` (a compiled Keras loss) is reduced by Keras'
+    `Loss.__call__` with `reduction="mean_with_sample_weight"` (a
+    subclass overriding `__call__` reduces as it likes: left as it is)."""
+    return (reduction_of(loss) == "mean_with_sample_weight"
+            and isinstance(loss, keras.losses.Loss)
+            and type(loss).__call__ is keras.losses.Loss.__call__)
+
+
+def weights_at(path, given):
+    """The sample weights Keras' compiled loss gives the loss at `path`
+    (from `compiled_loss_entries`) of the step's `given` ones: None, the
+    same array for every output, or its entry of a structure."""
+    if given is not None and keras.tree.is_nested(given):
+        return keras_private.resolve_path(path, given)
+    return given
 
 
 def scaled_sample_weights(model, entries, outputs, given, factors):
@@ -81,9 +104,7 @@ def scaled_sample_weights(model, entries, outputs, given, factors):
     floatx = keras.config.floatx()
     weights = {}
     for path, _ in entries:
-        w = (keras_private.resolve_path(path, given)
-             if given is not None and keras.tree.is_nested(given)
-             else given)
+        w = weights_at(path, given)
         if path in factors:
             f = factors[path]
             w = f if w is None else tf.cast(w, floatx) * f
@@ -140,7 +161,7 @@ def replica_divisors(model, y, y_pred, static, weighted=False):
                                                          len(flat))
         for path, loss in entries:
             mask = keras_private.keras_mask(flat[index[path]])
-            if _divides_by_weights(loss):
+            if divides_by_weights(loss):
                 if weighted or mask is not None or not static:
                     divisors[WEIGHTS] = masked = True
                 continue
@@ -154,15 +175,6 @@ def replica_divisors(model, y, y_pred, static, weighted=False):
     if not masked and static:
         return None
     return divisors
-
-
-def _divides_by_weights(loss):
-    """Whether `loss` (a compiled Keras loss) is reduced by Keras'
-    `Loss.__call__` with `reduction="mean_with_sample_weight"` (a
-    subclass overriding `__call__` reduces as it likes: left as it is)."""
-    return (reduction_of(loss) == "mean_with_sample_weight"
-            and isinstance(loss, keras.losses.Loss)
-            and type(loss).__call__ is keras.losses.Loss.__call__)
 
 
 def shared_loss(model, context, divisors, y, y_pred, sample_weight, rows,
@@ -194,19 +206,19 @@ def shared_loss(model, context, divisors, y, y_pred, sample_weight, rows,
                    if factors else sample_weight)
         if divisors.get(WEIGHTS):
             compiled = keras_private.compiled_loss_replacing(
-                model, divided_by_all_weights(context), _divides_by_weights)
+                model, divided_by_all_weights(context), divides_by_weights)
         loss = compiled(y, y_pred, weights)
     return loss, rows_share
 
 
 def divided_by_all_weights(context):
-    """`wrap(loss) -> fn(y_true, y_pred, sample_weight)`: the replica's
-    part of a `"mean_with_sample_weight"` loss, its weighted sum divided
-    by the sample weights' sum over all replicas of `context` (one
-    all-reduce), as one device divides the batch's. Keras divides each
-    replica's by its own sum, and scaling the weights cannot change that
-    (the scale cancels). The parts, summed over the replicas, are the
-    batch's loss, as the shared mean losses' are. Without weights or
+    """`wrap(loss, path) -> fn(y_true, y_pred, sample_weight)`: the
+    replica's part of a `"mean_with_sample_weight"` loss, its weighted sum
+    divided by the sample weights' sum over all replicas of `context`
+    (one all-reduce), as one device divides the batch's. Keras divides
+    each replica's by its own sum, and scaling the weights cannot change
+    that (the scale cancels). The parts, summed over the replicas, are
+    the batch's loss, as the shared mean losses' are. Without weights or
     masks Keras divides by the loss values' entries: so does this, by all
     replicas' entries.
 
@@ -220,12 +232,45 @@ def divided_by_all_weights(context):
     mse = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
     y, p = tf.zeros([4, 1]), tf.constant([[1.], [2.], [3.], [4.]])
     w = tf.constant([1., 1., 2., 4.])  # (1 + 4 + 18 + 64) / 8
-    part = divided_by_all_weights(tf.distribute.get_replica_context())(mse)
+    part = divided_by_all_weights(tf.distribute.get_replica_context())(
+        mse, ())
     assert abs(float(part(y, p, w)) - 10.875) < 1e-6
     assert abs(float(mse(y, p, w)) - 10.875) < 1e-6
     ```
     """
-    def wrap(loss):
+    def divisor(path, values, weights):
+        local = (tf.cast(tf.size(values), tf.float32) if weights is None
+                 else tf.reduce_sum(tf.cast(weights, tf.float32)))
+        # Summed in float32 (a float16 loss's sum could overflow).
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+
+    return divided_by(divisor)
+
+
+def divided_by(divisor):
+    """`wrap(loss, path) -> fn(y_true, y_pred, sample_weight)`: a
+    `"mean_with_sample_weight"` loss (at `path` of the compiled loss's
+    entries) whose weighted sum is divided by `divisor(path, values,
+    weights)` (a float32 scalar; `values` as `loss.call` returned them,
+    `weights` as Keras merges the sample weights and masks, None without
+    either), not by the part's own weights: how parts of a batch
+    (replicas, microbatches) sum to the batch's loss.
+
+    Example (the batch's own weights: Keras' loss):
+
+    ```python
+    import keras
+    import tensorflow as tf
+    from keras_smp.runtime.loss_shares import divided_by
+
+    mse = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+    y, p = tf.zeros([2, 1]), tf.constant([[1.], [3.]])
+    w = tf.constant([1., 3.])  # (1 + 27) / 4 = 7
+    own = divided_by(lambda path, values, weights: tf.reduce_sum(weights))
+    assert abs(float(own(mse, ())(y, p, w)) - 7.0) < 1e-6
+    ```
+    """
+    def wrap(loss, path):
         def part(y_true, y_pred, sample_weight=None):
             with tf.name_scope(loss.name):
                 convert = lambda t: keras.ops.convert_to_tensor(  # noqa: E731
@@ -235,16 +280,10 @@ def divided_by_all_weights(context):
                 values, weights = keras_private.loss_weights_and_mask(
                     loss, values, y_pred, sample_weight)
                 # (Keras leaves a scalar loss value unreduced; here it
-                # counts as one entry: the replicas' parts sum to their
-                # mean.)
-                if weights is None:
-                    local = tf.cast(tf.size(values), tf.float32)
-                else:
+                # counts as one entry: the parts sum to their mean.)
+                total = divisor(path, values, weights)
+                if weights is not None:
                     values = values * weights
-                    local = tf.reduce_sum(tf.cast(weights, tf.float32))
-                # Summed in float32 (a float16 loss's sum could overflow).
-                total = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                           local)
                 return tf.math.divide_no_nan(
                     tf.reduce_sum(values), tf.cast(total, values.dtype))
 

@@ -44,6 +44,9 @@ p.add_argument("--seed-by-rank", action="store_true",
                "strategy must broadcast rank 0's initial weights")
 p.add_argument("--pipelined", action="store_true",
                help="wrap the model in keras_smp.DistributedModel")
+p.add_argument("--reduction", default="sum_over_batch_size",
+               help="the loss's reduction (mean_with_sample_weight: divided "
+               "by the batch's sample weights)")
 p.add_argument("--xla", action="store_true",
                help="compile(jit_compile=True) (op determinism off: Keras "
                "refuses XLA with it)")
@@ -148,7 +151,8 @@ def build():
         opt = keras.optimizers.Adam(learning_rate=1e-2)
     model.compile(
         optimizer=opt, jit_compile=args.xla,
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=args.reduction),
         metrics=[] if args.no_metrics else ["sparse_categorical_accuracy"])
     return model
 

@@ -116,13 +116,28 @@ def array_last_batch_smaller_than_microbatches():
     refused_before_training(model, X, Y, batch_size=58, epochs=1, verbose=0)
 
 
+class SelfReducingMSE(keras.losses.MeanSquaredError):
+    """A "mean_with_sample_weight" loss that reduces itself (overrides
+    `Loss.__call__`): keras-smp cannot divide its parts by the batch's
+    weights, so it needs equal microbatches without weights or masks (a
+    loss reduced by Keras' `Loss.__call__` needs neither)."""
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        return super().__call__(y_true, y_pred, sample_weight)
+
+
+class SelfReducingSCCE(keras.losses.SparseCategoricalCrossentropy):
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        return super().__call__(y_true, y_pred, sample_weight)
+
+
 def array_last_batch_mean_with_sample_weight():
-    # Such a loss needs equal microbatches: 118 rows in batches of 48 end
-    # with 22, which does not divide into microbatches=4. Refused before
-    # the first step.
+    # Such a loss (reducing itself) needs equal microbatches: 118 rows in
+    # batches of 48 end with 22, which does not divide into
+    # microbatches=4. Refused before the first step.
     with keras_smp.SMPStrategy(partitions=2, microbatches=4).scope():
         model = keras_smp.DistributedModel(mlp())
-        model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(
+        model.compile(optimizer="sgd", loss=SelfReducingMSE(
             reduction="mean_with_sample_weight"))
     refused_before_training(model, X[:118], Y[:118], batch_size=48,
                             epochs=1, verbose=0)
@@ -139,11 +154,12 @@ def validation_last_batch_with_added_losses():
 
 
 def indivisible_batch_mean_with_sample_weight():
-    # Such a loss divides each microbatch by its own weight sum: equal
-    # microbatches only (and no sample weights, see loss_weight).
+    # Such a loss (reducing itself) divides each microbatch by its own
+    # weight sum: equal microbatches only (and no sample weights, see
+    # loss_weight).
     with keras_smp.SMPStrategy(partitions=2, microbatches=4).scope():
         model = keras_smp.DistributedModel(mlp())
-        model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(
+        model.compile(optimizer="sgd", loss=SelfReducingMSE(
             reduction="mean_with_sample_weight"))
     model.fit(X, Y, batch_size=30, epochs=1, verbose=0)
 
@@ -285,13 +301,12 @@ def _masked_tagger():
 
 
 def masked_mean_with_sample_weight():
-    # Such a loss divides by each microbatch's own count of unmasked
-    # entries (its sample-weight sum under the mask).
+    # Such a loss (reducing itself) divides by each microbatch's own count
+    # of unmasked entries (its sample-weight sum under the mask).
     with keras_smp.SMPStrategy(partitions=2, microbatches=2).scope():
         model = keras_smp.DistributedModel(_masked_tagger())
-        model.compile(optimizer="sgd", loss=(
-            keras.losses.SparseCategoricalCrossentropy(
-                from_logits=True, reduction="mean_with_sample_weight")))
+        model.compile(optimizer="sgd", loss=SelfReducingSCCE(
+            from_logits=True, reduction="mean_with_sample_weight"))
     model.fit(TOKENS, TOKENS % 3, batch_size=16, epochs=1, verbose=0)
 
 
@@ -315,6 +330,24 @@ def validation_not_run_is_not_checked():
     model = regularized_model()
     model.fit(X[:90], Y[:90], batch_size=30, epochs=1, verbose=0,
               validation_data=(X[86:], Y[86:]), validation_freq=2)
+
+
+def mean_with_sample_weight_reduced_by_keras():
+    # The same data as the refused cases above with Keras' own losses:
+    # each microbatch is divided by the step's weights (the values are
+    # compared with one device in tests/test_replica_shares.py).
+    with keras_smp.SMPStrategy(partitions=2, microbatches=4).scope():
+        model = keras_smp.DistributedModel(mlp())
+        model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(
+            reduction="mean_with_sample_weight"))
+    model.fit(X[:118], Y[:118], batch_size=48, epochs=1, verbose=0)
+    with keras_smp.SMPStrategy(partitions=2, microbatches=2).scope():
+        model = keras_smp.DistributedModel(_masked_tagger())
+        model.compile(optimizer="sgd", loss=(
+            keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, reduction="mean_with_sample_weight")))
+    model.fit(TOKENS, TOKENS % 3, sample_weight=np.ones(TOKENS.shape),
+              batch_size=16, epochs=1, verbose=0)
 
 
 def devices_not_divisible():

@@ -9,7 +9,7 @@ Usage: pipeline_fit.py CASE [CASE ...], CASE = JSON object with keys model
 (mlp|cnn|skip|manual|penalized|penalized_ops|penalized_helper: losses added
 from a helper function|autoencoder: compiled without a
 loss|two_heads: a loss on one of two outputs, weight decay|mixed: a mean loss
-and a "mean_with_sample_weight" one weighted 0, an activity regularizer|tokens:
+and a "mean_with_sample_weight" one, an activity regularizer|tokens:
 padded token sequences, a loss per token under the embedding's mask),
 partitions, microbatches, pipeline, optimizer (sgd|adam), devices (logical
 CPUs, default = partitions), virtual_stages (model stages per rank, for
@@ -161,12 +161,11 @@ def two_heads():
 
 def mixed():
     """Two outputs: "cls" with a mean loss, "aux" with a
-    `"mean_with_sample_weight"` one weighted 0 (each replica divides it by
-    its own rows, unlike one device: documented), and an activity
-    regularizer. Such a loss keeps equal microbatches, so a batch of
-    unknown size is not split unevenly into microbatches, but may still
-    be over the replicas: "cls" and the regularizer count by each
-    replica's share of the rows."""
+    `"mean_with_sample_weight"` one (without sample weights: divided by
+    the step's entries, each microbatch's and replica's sum by all of
+    theirs), and an activity regularizer. A batch of unknown size may be
+    split unevenly, into microbatches and over the replicas: "cls" and
+    the regularizer count by each part's share of the rows."""
     inputs = keras.Input((8,))
     h = keras.layers.Dense(16, activation="tanh", name="d1",
                            activity_regularizer="l2")(inputs)
@@ -258,7 +257,7 @@ def build(case, pipelined):
                       from_logits=True),
                   "aux": keras.losses.MeanSquaredError(
                       reduction="mean_with_sample_weight")},
-            loss_weights={"cls": 1.0, "aux": 0.0})
+            loss_weights={"cls": 1.0, "aux": 0.5})
         return model
     model.compile(
         optimizer=opt, jit_compile=case.get("xla", False),

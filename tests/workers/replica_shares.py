@@ -30,6 +30,11 @@ Cases:
   `DistributedModel` (`microbatches=1`) with 2 replicas (a process of its
   own: `local_devices=4`); its `evaluate` computes the loss on the whole
   batch.
+- pipelined_m4_mean_with_sample_weight (and its `_unweighted` twin):
+  the same with `microbatches=4`: each microbatch's weighted sum is
+  divided by the step's weights (all microbatches', all replicas'), the
+  last batch's 14/13 rows in unequal microbatches (4+4+3+3, 4+3+3+3).
+  The cases of one process share one `microbatches`.
 """
 
 import json
@@ -41,11 +46,15 @@ os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
 
 import keras_smp  # noqa: E402
 
-# "pipelined" cases: 2 replicas of a 2-stage pipeline (4 logical CPUs).
+# "pipelined" cases: 2 replicas of a 2-stage pipeline (4 logical CPUs),
+# "pipelined_m4_": with 4 microbatches.
 PIPELINED = any(name.startswith("pipelined_") for name in sys.argv[1:])
+MICROBATCHES = {4 if name.startswith("pipelined_m4_") else 1
+                for name in sys.argv[1:] if name.startswith("pipelined_")}
+assert len(MICROBATCHES) <= 1, "one microbatches per process"
 strategy = keras_smp.SMPStrategy(
-    **(dict(partitions=2, microbatches=1, local_devices=4) if PIPELINED
-       else dict(local_devices=2)))
+    **(dict(partitions=2, microbatches=MICROBATCHES.pop(), local_devices=4)
+       if PIPELINED else dict(local_devices=2)))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -256,7 +265,12 @@ CASES = {"custom_loop": custom_loop, "super_train_step": super_train_step,
          "mean_with_sample_weight_unweighted":
              lambda: mean_with_sample_weight(weighted=False),
          "pipelined_mean_with_sample_weight":
-             lambda: mean_with_sample_weight(pipelined=True)}
+             lambda: mean_with_sample_weight(pipelined=True),
+         "pipelined_m4_mean_with_sample_weight":
+             lambda: mean_with_sample_weight(pipelined=True),
+         "pipelined_m4_mean_with_sample_weight_unweighted":
+             lambda: mean_with_sample_weight(pipelined=True,
+                                             weighted=False)}
 for name in sys.argv[1:] or [c for c in CASES
                              if not c.startswith("pipelined_")]:
     print(json.dumps({"case": name, "atol": CASES[name]()}), flush=True)
