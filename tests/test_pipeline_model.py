@@ -460,6 +460,11 @@ ERROR_CASES = {
         "outside its class's methods", "some weights reach no loss",
         "Call add_loss() in the layer's own call"]),
     "devices_not_divisible": ("ValueError", ["partitions=3", "4 local"]),
+    # A mask the loss's call attaches to its values (Keras divides by the
+    # weights under it): unknown before the step's microbatches.
+    "values_masked_mean_with_sample_weight": ("ValueError", [
+        "mean_with_sample_weight", "not computed ahead",
+        "microbatches=1"]),
     "masked_mean_with_sample_weight": ("ValueError", [
         "SelfReducingSCCE", "mean_with_sample_weight", "overrides",
         "masked entries left out", "microbatches=1"]),

@@ -910,7 +910,7 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
 
 
 def _step_divisor(weighted, divides, m, step_rows, mb_rows, path, values,
-                  weights):
+                  weights, values_masked=False):
     """`1/m` of what a `"mean_with_sample_weight"` loss at `path` divides
     the step's batch by (`loss_shares.divided_by`'s `divisor` for one
     microbatch of `mb_rows` rows): its weights' sum over the step
@@ -918,13 +918,17 @@ def _step_divisor(weighted, divides, m, step_rows, mb_rows, path, values,
     microbatch's entries per row times the step's rows."""
     if path not in divides:
         raise AssertionError(f"no divisor planned for the loss at {path}")
-    if (path in weighted) != (weights is not None):
+    if values_masked or (path in weighted) != (weights is not None):
+        where = ("output " + "/".join(map(str, path)) if path
+                 else "the model's output")
         raise ValueError(
-            f"The loss at output {path} (reduction="
-            "'mean_with_sample_weight') returned values with a Keras mask "
-            "of their own, which the pipeline cannot count ahead of the "
-            "microbatches: use microbatches=1, or return unmasked values "
-            "and give sample weights.")
+            f"The loss at {where} (reduction="
+            "'mean_with_sample_weight') is masked by a Keras mask that was "
+            "not computed ahead of the microbatches (one its `call` "
+            "attached to the loss values, or one the output got only when "
+            "the model ran), so the step's weight sum is unknown before "
+            "the first microbatch's backward: use microbatches=1, or "
+            "return unmasked values and give sample weights.")
     if weights is not None:
         return weighted[path] / float(m)
     per_row = tf.cast(tf.size(values), tf.float32) / tf.cast(

@@ -238,7 +238,7 @@ def divided_by_all_weights(context):
     assert abs(float(mse(y, p, w)) - 10.875) < 1e-6
     ```
     """
-    def divisor(path, values, weights):
+    def divisor(path, values, weights, values_masked=False):
         local = (tf.cast(tf.size(values), tf.float32) if weights is None
                  else tf.reduce_sum(tf.cast(weights, tf.float32)))
         # Summed in float32 (a float16 loss's sum could overflow).
@@ -251,10 +251,11 @@ def divided_by(divisor):
     """`wrap(loss, path) -> fn(y_true, y_pred, sample_weight)`: a
     `"mean_with_sample_weight"` loss (at `path` of the compiled loss's
     entries) whose weighted sum is divided by `divisor(path, values,
-    weights)` (a float32 scalar; `values` as `loss.call` returned them,
-    `weights` as Keras merges the sample weights and masks, None without
-    either), not by the part's own weights: how parts of a batch
-    (replicas, microbatches) sum to the batch's loss.
+    weights, values_masked)` (a float32 scalar; `values` as `loss.call`
+    returned them, `weights` as Keras merges the sample weights and masks,
+    None without either; `values_masked`: the values carry a Keras mask of
+    their own, merged into `weights`), not by the part's own weights: how
+    parts of a batch (replicas, microbatches) sum to the batch's loss.
 
     Example (the batch's own weights: Keras' loss):
 
@@ -266,7 +267,8 @@ def divided_by(divisor):
     mse = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
     y, p = tf.zeros([2, 1]), tf.constant([[1.], [3.]])
     w = tf.constant([1., 3.])  # (1 + 27) / 4 = 7
-    own = divided_by(lambda path, values, weights: tf.reduce_sum(weights))
+    own = divided_by(lambda path, values, weights, values_masked:
+                     tf.reduce_sum(weights))
     assert abs(float(own(mse, ())(y, p, w)) - 7.0) < 1e-6
     ```
     """
@@ -277,11 +279,12 @@ def divided_by(divisor):
                     t, dtype=loss.dtype)
                 values = loss.call(keras.tree.map_structure(convert, y_true),
                                    keras.tree.map_structure(convert, y_pred))
+                masked = keras_private.keras_mask(values) is not None
                 values, weights = keras_private.loss_weights_and_mask(
                     loss, values, y_pred, sample_weight)
                 # (Keras leaves a scalar loss value unreduced; here it
                 # counts as one entry: the parts sum to their mean.)
-                total = divisor(path, values, weights)
+                total = divisor(path, values, weights, masked)
                 if weights is not None:
                     values = values * weights
                 return tf.math.divide_no_nan(

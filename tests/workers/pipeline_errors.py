@@ -332,6 +332,27 @@ def validation_not_run_is_not_checked():
               validation_data=(X[86:], Y[86:]), validation_freq=2)
 
 
+class MaskingMSE(keras.losses.MeanSquaredError):
+    """Returns its values with a Keras mask of their own (rows whose
+    target is all zeros left out): not known before the step."""
+
+    def call(self, y_true, y_pred):
+        values = super().call(y_true, y_pred)
+        values._keras_mask = tf.reduce_any(tf.not_equal(y_true, 0), axis=-1)
+        return values
+
+
+def values_masked_mean_with_sample_weight():
+    # Keras merges that mask into the weights it divides by; the pipeline
+    # sums the step's weights before the microbatches run.
+    with keras_smp.SMPStrategy(partitions=2, microbatches=2).scope():
+        model = keras_smp.DistributedModel(mlp())
+        model.compile(optimizer="sgd", loss=MaskingMSE(
+            reduction="mean_with_sample_weight"))
+    model.fit(X[:32], Y[:32], sample_weight=np.ones(32), batch_size=32,
+              epochs=1, verbose=0)
+
+
 def mean_with_sample_weight_reduced_by_keras():
     # The same data as the refused cases above with Keras' own losses:
     # each microbatch is divided by the step's weights (the values are
