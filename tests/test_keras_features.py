@@ -65,10 +65,15 @@ CASES = ("arrays", "tf.data", "generator", "PyDataset",
          "added_loss_only", "partial_loss_weight_decay", "partial_last_batch")
 
 
-def _check(report):
-    assert re.search(r"no_such_format", report["export_failure"] or ""), (
-        report["export_failure"])
-    for name in CASES:
+# In one process, the cases split over 2 processes: all of them took 206 s
+# of a 300 s timeout with 2 pipelines of 2 stages (Intel Xeon, 2 cores, the
+# suite's other file running beside), too close on a slower CPU.
+HALVES = (CASES[:9], CASES[9:] + ("inference",))
+
+
+def _check(report, only=CASES + ("inference",)):
+    assert report["ran"] == sorted(only), (report["ran"], only)
+    for name in (name for name in CASES if name in only):
         row = report[name]
         assert row["steps"][0] == row["steps"][1], (name, row)
         bound = (RTOL + ATOL) * max(1.0, row["scale"])
@@ -78,8 +83,14 @@ def _check(report):
         assert row["epochs"][0] == row["epochs"][1], (name, row)
         assert row["history_diff"] is not None and row["history_diff"] <= (
             RTOL + ATOL) * max(1.0, row["history_scale"]), (name, row)
-    # EarlyStopping stopped after 2 of 4 epochs (so restoring mattered).
-    assert report["early_stopping_restore_best_weights"]["epochs"] == [2, 2]
+    if "early_stopping_restore_best_weights" in only:
+        # EarlyStopping stopped after 2 of 4 epochs (restoring mattered).
+        assert report["early_stopping_restore_best_weights"][
+            "epochs"] == [2, 2]
+    if "inference" not in only:
+        return
+    assert re.search(r"no_such_format", report["export_failure"] or ""), (
+        report["export_failure"])
     for name in ("predict_on_batch", "predict_on_batch_two_inputs",
                  "export", "partial_batches"):
         row = report[name]
@@ -89,12 +100,14 @@ def _check(report):
             name, row)
 
 
+@pytest.mark.parametrize("half", [1, 2])
 @pytest.mark.parametrize("mode", ["dp", "pp_dp"])
-def test_keras_features_in_one_process(mode, tmp_path):
+def test_keras_features_in_one_process(mode, half, tmp_path):
     # dp: 2 replicas of a plain model; pp_dp: 2 pipelines of 2 stages.
-    run_python([WORKER, mode, str(tmp_path)], timeout=300)
+    only = HALVES[half - 1]
+    run_python([WORKER, mode, str(tmp_path), ",".join(only)], timeout=300)
     with open(os.path.join(tmp_path, "rank0.json")) as f:
-        _check(json.load(f))
+        _check(json.load(f), only)
 
 
 @pytest.mark.slow

@@ -26,13 +26,17 @@ Each case trains twice from scratch (plain, then under the strategy) and
 reports the largest weight difference, the weights' magnitude, both
 optimizers' step counts and both `History`s (every key, every epoch).
 
-    keras_features.py MODE OUT
+    keras_features.py MODE OUT [ONLY]
 
 MODE: `dp` (a plain model, `local_devices=2`: 2 data-parallel replicas),
 `pp_dp` (a `DistributedModel`, `partitions=2, local_devices=4`: 2
 pipelines of 2 stages in one process); under `keras-smp launch -n 2`:
 `mp` (one stage per process), `mp_dp` (a plain model, 2 data-parallel
-processes). Writes OUT/rank{R}.json.
+processes). Writes OUT/rank{R}.json. ONLY (default: everything) is a
+comma-separated list of training cases and/or `inference` (predict_on_batch,
+partial batches, export, and with `mp` another stage's layer), so that the
+cases split over several processes, each well inside its test's timeout;
+the report lists what ran under `ran`.
 
 Before keras-smp handled them: Keras builds a model under a strategy by
 drawing a batch from a new iterator over the data and dropping it (a
@@ -51,6 +55,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras_smp  # noqa: E402
 
 MODE, OUT = sys.argv[1], sys.argv[2]
+ONLY = sys.argv[3].split(",") if len(sys.argv) > 3 else None
 CONFIGS = {"dp": dict(local_devices=2),
            "pp_dp": dict(partitions=2, microbatches=2, local_devices=4),
            "mp": dict(partitions=2, microbatches=2),
@@ -254,7 +259,15 @@ CASES.update({name: (optimizer, SOURCES["arrays"], False)
 CASES.update({name: (optimizer, SOURCES["arrays"], True)
               for name, optimizer in FROZEN.items()})
 
-report = {}
+if ONLY is not None:
+    unknown = sorted(set(ONLY) - set(CASES) - {"inference"})
+    if unknown:
+        raise SystemExit(f"keras_features.py: unknown cases {unknown}; "
+                         f"choose from {sorted(CASES)} and 'inference'")
+    CASES = {name: case for name, case in CASES.items() if name in ONLY}
+INFERENCE = ONLY is None or "inference" in ONLY
+
+report = {"ran": sorted([*CASES] + (["inference"] if INFERENCE else []))}
 for name, (optimizer, fit, frozen) in CASES.items():
     runs = []
     for distributed in (False, True):
@@ -286,88 +299,91 @@ for name, (optimizer, fit, frozen) in CASES.items():
         history_scale=max(float(np.max(np.abs(v)))
                           for v in ref_history.values()))
 
-for name, two_inputs in (("predict_on_batch", False),
-                         ("predict_on_batch_two_inputs", True)):
-    # Two inputs given as a list (tf.data reads a list as one tensor).
-    x = [X[:, :5], X[:, 5:]] if two_inputs else X
-    predictions = []
+if INFERENCE:
+    for name, two_inputs in (("predict_on_batch", False),
+                             ("predict_on_batch_two_inputs", True)):
+        # Two inputs given as a list (tf.data reads a list as one tensor).
+        x = [X[:, :5], X[:, 5:]] if two_inputs else X
+        predictions = []
+        for distributed in (False, True):
+            model = build(distributed, two_inputs=two_inputs)
+            model.fit(x, Y, batch_size=ROWS, epochs=1, verbose=0,
+                      shuffle=False)
+            batch = [part[:ROWS] for part in x] if two_inputs else x[:ROWS]
+            predictions.append(model.predict_on_batch(batch))
+        report[name] = dict(
+            shapes=[list(p.shape) for p in predictions],
+            diff=(float(np.max(np.abs(predictions[0] - predictions[1])))
+                  if predictions[0].shape == predictions[1].shape else None),
+            scale=float(np.max(np.abs(predictions[0]))))
+
+    # Batches that do not divide into the microbatches (21 rows: a last batch
+    # of 4, split over 2 replicas; 7 rows), which evaluate and predict pad:
+    # plain Keras' results.
+    results = []
     for distributed in (False, True):
-        model = build(distributed, two_inputs=two_inputs)
-        model.fit(x, Y, batch_size=ROWS, epochs=1, verbose=0, shuffle=False)
-        batch = [part[:ROWS] for part in x] if two_inputs else x[:ROWS]
-        predictions.append(model.predict_on_batch(batch))
-    report[name] = dict(
-        shapes=[list(p.shape) for p in predictions],
-        diff=(float(np.max(np.abs(predictions[0] - predictions[1])))
-              if predictions[0].shape == predictions[1].shape else None),
-        scale=float(np.max(np.abs(predictions[0]))))
+        model = build(distributed)
+        model.fit(X, Y, batch_size=ROWS, epochs=1, verbose=0, shuffle=False)
+        results.append(
+            [np.array(model.evaluate(X, Y, batch_size=21, verbose=0)),
+             np.array(model.evaluate(XV, YV, batch_size=7, verbose=0)),
+             model.predict(X, batch_size=21, verbose=0),
+             model.predict(XV, batch_size=7, verbose=0)])
+    report["partial_batches"] = dict(
+        shapes=[[list(np.shape(a)) for a in r] for r in results],
+        diff=max(float(np.max(np.abs(a - b))) for a, b in zip(*results)),
+        scale=max(float(np.max(np.abs(a))) for a in results[0]))
 
-# Batches that do not divide into the microbatches (21 rows: a last batch
-# of 4, split over 2 replicas; 7 rows), which evaluate and predict pad:
-# plain Keras' results.
-results = []
-for distributed in (False, True):
-    model = build(distributed)
-    model.fit(X, Y, batch_size=ROWS, epochs=1, verbose=0, shuffle=False)
-    results.append(
-        [np.array(model.evaluate(X, Y, batch_size=21, verbose=0)),
-         np.array(model.evaluate(XV, YV, batch_size=7, verbose=0)),
-         model.predict(X, batch_size=21, verbose=0),
-         model.predict(XV, batch_size=7, verbose=0)])
-report["partial_batches"] = dict(
-    shapes=[[list(np.shape(a)) for a in r] for r in results],
-    diff=max(float(np.max(np.abs(a - b))) for a, b in zip(*results)),
-    scale=max(float(np.max(np.abs(a))) for a in results[0]))
+    # `export` (an inference SavedModel): the served outputs of the model
+    # trained under the strategy (every process calls it; rank 0 writes),
+    # against plain Keras'. A `DistributedModel` is never called directly, so
+    # Keras alone refused ("The model provided has never called").
+    served = []
+    for distributed in (False, True):
+        model = build(distributed)
+        model.fit(X, Y, batch_size=ROWS, epochs=1, verbose=0, shuffle=False)
+        path = os.path.join(OUT, "export" if distributed else f"export{RANK}")
+        model.export(path, verbose=False)
+        if distributed:
+            keras_smp.barrier()  # rank 0 wrote it (the others into scratch)
+        loaded = tf.saved_model.load(path)  # referenced while serving
+        served.append(loaded.serve(X[:ROWS]).numpy())
+    report["export"] = dict(
+        diff=float(np.max(np.abs(served[0] - served[1]))),
+        scale=float(np.max(np.abs(served[0]))))
+    # An export that fails (here: on rank 0, where Keras checks the format)
+    # fails on every process instead of leaving the others waiting.
+    try:
+        model.export(os.path.join(OUT, "bad_export"), format="no_such_format")
+        report["export_failure"] = None
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        report["export_failure"] = f"{type(e).__name__}: {e}"
 
-# `export` (an inference SavedModel): the served outputs of the model
-# trained under the strategy (every process calls it; rank 0 writes),
-# against plain Keras'. A `DistributedModel` is never called directly, so
-# Keras alone refused ("The model provided has never called").
-served = []
-for distributed in (False, True):
-    model = build(distributed)
-    model.fit(X, Y, batch_size=ROWS, epochs=1, verbose=0, shuffle=False)
-    path = os.path.join(OUT, "export" if distributed else f"export{RANK}")
-    model.export(path, verbose=False)
-    if distributed:
-        keras_smp.barrier()  # rank 0 wrote it (the others into scratch)
-    loaded = tf.saved_model.load(path)  # referenced while serving
-    served.append(loaded.serve(X[:ROWS]).numpy())
-report["export"] = dict(
-    diff=float(np.max(np.abs(served[0] - served[1]))),
-    scale=float(np.max(np.abs(served[0]))))
-# An export that fails (here: on rank 0, where Keras checks the format)
-# fails on every process instead of leaving the others waiting.
-try:
-    model.export(os.path.join(OUT, "bad_export"), format="no_such_format")
-    report["export_failure"] = None
-except Exception as e:  # noqa: BLE001 - recorded for the test
-    report["export_failure"] = f"{type(e).__name__}: {e}"
-
-if MODE == "mp":
-    # Another stage's layer holds no weights in this process: reading them
-    # is a clear error (it returned empty arrays), this stage's are read.
-    model = build(True)
-    model.fit(X, Y, batch_size=ROWS, epochs=1, verbose=0)
-    layers = {"d1": 0, "d2": 1, "d3": 1}
-    read = {}
-    for name, stage in layers.items():
-        try:
-            read[name] = [list(w.shape) for w in
-                          model.inner_model.get_layer(name).get_weights()]
-        except ValueError as e:
-            read[name] = str(e)
-    whole = [list(w.shape) for w in model.get_weights()]
-    after = {}  # the gathered copies are released again
-    for name in layers:
-        try:
-            after[name] = np.asarray(model.inner_model.get_layer(name).kernel)
-            after[name] = list(after[name].shape)
-        except ValueError as e:
-            after[name] = str(e)
-    report["other_stage_layer"] = dict(
-        read=read, after=after, whole=whole,
-        own=[n for n, s in layers.items() if s == RANK])
+    if MODE == "mp":
+        # Another stage's layer holds no weights in this process: reading them
+        # is a clear error (it returned empty arrays), this stage's are read.
+        model = build(True)
+        model.fit(X, Y, batch_size=ROWS, epochs=1, verbose=0)
+        layers = {"d1": 0, "d2": 1, "d3": 1}
+        read = {}
+        for name, stage in layers.items():
+            try:
+                read[name] = [list(w.shape) for w in
+                              model.inner_model.get_layer(name).get_weights()]
+            except ValueError as e:
+                read[name] = str(e)
+        whole = [list(w.shape) for w in model.get_weights()]
+        after = {}  # the gathered copies are released again
+        for name in layers:
+            try:
+                after[name] = np.asarray(
+                    model.inner_model.get_layer(name).kernel)
+                after[name] = list(after[name].shape)
+            except ValueError as e:
+                after[name] = str(e)
+        report["other_stage_layer"] = dict(
+            read=read, after=after, whole=whole,
+            own=[n for n, s in layers.items() if s == RANK])
 
 with open(os.path.join(OUT, f"rank{strategy.topology.rank}.json"), "w") as f:
     json.dump(report, f)
