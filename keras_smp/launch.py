@@ -44,10 +44,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Mapping, Optional, Sequence
@@ -60,6 +62,50 @@ __all__ = ["free_ports", "make_tf_config", "tf_config_for", "worker_env", "run",
 _PROG = "keras-smp launch"
 _POLL_INTERVAL = 0.05
 EXIT_TIMEOUT = 124
+# Where a worker the launcher started writes why it fails (its own exception,
+# or another rank's that stopped it: `record_failure`), so the launcher can
+# name the rank that failed first, not the one whose process ended first.
+FAILURE_FILE_ENV = "KERAS_SMP_FAILURE_FILE"
+
+
+def record_failure(error: str, stopped_by: Optional[int] = None) -> None:
+    """Records why this worker fails, for `keras-smp launch` (nothing when
+    the launcher did not start it). Called by keras-smp's exit hooks.
+
+    Args:
+        error: one line: `"ValueError: ..."` (this worker's exception) or
+            the failing rank's line when `stopped_by` is given.
+        stopped_by: the world rank whose reported failure stopped this one.
+    """
+    path = os.environ.get(FAILURE_FILE_ENV)
+    if not path:
+        return
+    record = {"error": error, "stopped_by": stopped_by, "time": time.time()}
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # the launcher names the worker without the reason
+
+
+def read_failure(path: str) -> Optional[dict]:
+    """The record `record_failure` wrote at `path`, or None.
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "rank1")
+    >>> os.environ[FAILURE_FILE_ENV] = path
+    >>> record_failure("ValueError: bad shape")
+    >>> read_failure(path)["error"], read_failure(path)["stopped_by"]
+    ('ValueError: bad shape', None)
+    >>> del os.environ[FAILURE_FILE_ENV]
+    """
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -381,6 +427,7 @@ class _Launcher:
         self.out = _Output(sys.stdout)
         self.deadline = None
         self._own = None  # this launcher's own stop decision, once made
+        self.failure_dir = None  # the workers' failure records (this round)
 
     # -- signal handling --------------------------------------------------
 
@@ -436,8 +483,42 @@ class _Launcher:
             nodes["master"], nodes["node_rank"], nodes["nnodes"], self.num_workers,
             nodes["rendezvous_timeout"], nodes.get("node_addr"))
 
+    def _failure_file(self, rank):
+        if self.failure_dir is None:
+            self.failure_dir = tempfile.mkdtemp(prefix="keras-smp-launch-")
+        return os.path.join(self.failure_dir, f"failure-rank{rank}")
+
+    def _failure_cause(self, proc, how):
+        """What the job's failure is put down to, `proc` having ended (`how`).
+
+        The worker whose own error came first (its `record_failure`) is
+        named with its error, even when another worker's process ended
+        first (stopped by that error: keras-smp reports a failure to every
+        rank). Without a record: `proc`, as `how` says.
+        """
+        records = {}
+        for p in self.procs:
+            record = read_failure(self._failure_file(p.rank))
+            if record is not None:
+                records[p] = record
+        own = sorted((r.get("time", 0), p.rank, p) for p, r in records.items()
+                     if r.get("stopped_by") is None)
+        if own:
+            _, _, first = own[0]
+            return (f"worker {first.rank} (pid {first.pid}) failed: "
+                    f"{records[first].get('error', '')}")
+        cause = f"worker {proc.rank} (pid {proc.pid}) {how}"
+        record = records.get(proc)
+        if record is not None and record.get("stopped_by") is not None:
+            cause += (f", stopped by rank {record['stopped_by']}'s failure: "
+                      f"{record.get('error', '')}")
+        return cause
+
     def _spawn(self, plan, round_) -> Optional[int]:
         self.procs, self.readers = [], []
+        if self.failure_dir is not None:  # a new round: old records go
+            shutil.rmtree(self.failure_dir, ignore_errors=True)
+            self.failure_dir = None
         hvd_envs = [{}] * self.num_workers
         if self.horovod:
             if self.hvd_server is not None:
@@ -450,6 +531,7 @@ class _Launcher:
             env = worker_env([], rank, self.host_map, workers=plan.workers)
             env.update(hvd_envs[i])
             env["SMP_RESTART_COUNT"] = str(round_)
+            env[FAILURE_FILE_ENV] = self._failure_file(rank)
             if self.nodes is not None:
                 env["SMP_NODE_RANK"] = str(self.nodes["node_rank"])
                 env["SMP_NNODES"] = str(self.nodes["nnodes"])
@@ -544,7 +626,7 @@ class _Launcher:
                         how = f"was killed by {_signal_name(-code)}"
                     else:
                         how = f"exited with code {code}"
-                    cause = f"worker {proc.rank} (pid {proc.pid}) {how}"
+                    cause = self._failure_cause(proc, how)
                     others = ("; stopping the other workers"
                               if self.num_workers > 1 or self.nodes else "")
                     _message(cause + others)
@@ -640,6 +722,8 @@ class _Launcher:
                     self.hvd_server.stop()
                 if self.server is not None:
                     self.server.close()
+                if self.failure_dir is not None:
+                    shutil.rmtree(self.failure_dir, ignore_errors=True)
 
 
 # `wait` callback that gives up at once (a report whose answer is not needed).

@@ -275,6 +275,39 @@ def test_failed_worker_stops_the_others(tmp_path, form):
 
 
 @pytest.mark.timeout(60)
+def test_the_worker_that_failed_first_is_named_not_the_first_to_exit():
+    # keras-smp reports a rank's error to every rank (runtime.shutdown), so
+    # a peer it stopped may end before it. Worker 1 fails on its own but
+    # ends 3 s later; worker 0, stopped by it, ends at once: the launcher
+    # names worker 1 and its error (the workers' failure records).
+    code = (
+        "import json, os, sys, time\n"
+        "from keras_smp.launch import record_failure\n"
+        "rank = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+        "if rank == 1:\n"
+        "    record_failure('ValueError: bad batch')\n"
+        "    time.sleep(3)\n"
+        "else:\n"
+        "    time.sleep(1)\n"
+        "    record_failure('ValueError: bad batch', stopped_by=1)\n"
+        "sys.exit(1)\n"
+    )
+    result = _run("main", "-n", "2", "--grace-seconds", "2", "--",
+                  *_worker(code), timeout=45)
+    assert result.returncode == 1
+    assert re.search(r"keras-smp launch: worker 1 \(pid \d+\) failed: "
+                     r"ValueError: bad batch; stopping the other workers",
+                     result.stderr), result.stderr
+    # A worker stopped by another without that one's record still says so.
+    code = code.replace("    record_failure('ValueError: bad batch')\n", "")
+    result = _run("main", "-n", "2", "--grace-seconds", "2", "--",
+                  *_worker(code), timeout=45)
+    assert re.search(r"worker 0 \(pid \d+\) exited with code 1, stopped by "
+                     r"rank 1's failure: ValueError: bad batch",
+                     result.stderr), result.stderr
+
+
+@pytest.mark.timeout(60)
 def test_worker_killed_by_signal():
     code = (
         "import json, os, signal, time\n"

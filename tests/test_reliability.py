@@ -234,6 +234,10 @@ class _FakeContext:
 
     def __init__(self, store, blocks=False):
         self.store, self.waited, self.blocks = store, [], blocks
+        self.reported = []
+
+    def report_error_to_cluster(self, code, message):
+        self.reported.append((code, message))
 
     def context(self):
         return self
@@ -260,8 +264,59 @@ def exit_state(monkeypatch):
     from keras_smp.runtime import shutdown
 
     monkeypatch.setitem(shutdown._state, "failed", False)
+    monkeypatch.setitem(shutdown._state, "reported", False)
+    monkeypatch.setitem(shutdown._state, "status", None)
     monkeypatch.delattr(sys, "last_type", raising=False)
     return shutdown
+
+
+def test_a_failure_report_is_one_line_that_names_the_exception(exit_state):
+    long = ValueError("\x1b[1mbad\x1b[0m\n\n  shape " + "x" * 2000)
+    line = exit_state.summary(type(long), long)
+    assert line.startswith("ValueError: bad shape xxx") and "\n" not in line
+    assert len(line) <= len("ValueError: ") + exit_state._SUMMARY_CHARS
+    assert line.endswith("...")
+    # What the peers' errors quote: the report, without TensorFlow's lines.
+    rank0 = _FakeContext({})
+    exit_state._report(rank0, 2, line)
+    (_, message), = rank0.reported
+    text = (f"Collective ops is aborted by: Error reported from "
+            f"/job:worker/task:2: {message}\nThe error could be from a "
+            "previous operation.")
+    assert exit_state.failed_rank(text) == (2, line)
+    assert exit_state.failed_rank("Socket closed") is None
+
+
+def test_a_failing_rank_records_whether_its_own_error_or_a_peers(
+        exit_state, monkeypatch, tmp_path):
+    # keras-smp launch reads the record to name the rank that failed first.
+    from keras_smp import launch
+
+    path = str(tmp_path / "rank0")
+    monkeypatch.setenv(launch.FAILURE_FILE_ENV, path)
+    # Stopped by rank 1's report (the guard's error, caused by TensorFlow's):
+    # recorded as rank 1's failure, not reported again.
+    try:
+        try:
+            raise ValueError("Collective ops is aborted by: Error reported "
+                             "from /job:worker/task:1: keras-smp: rank 1 "
+                             "failed: KeyError: 'x'\nThe error could be")
+        except ValueError as cause:
+            raise RuntimeError("keras-smp: pipeline rank 0 stopped") from cause
+    except RuntimeError as e:
+        stopped = e
+    rank0 = _FakeContext({})
+    exit_state._fail(rank0, 0, RuntimeError, stopped)
+    record = launch.read_failure(path)
+    assert (record["error"], record["stopped_by"]) == ("KeyError: 'x'", 1)
+    assert rank0.reported == []
+    # Its own error: recorded and reported.
+    monkeypatch.setitem(exit_state._state, "reported", False)
+    exit_state._fail(rank0, 0, KeyError, KeyError("y"))
+    record = launch.read_failure(path)
+    assert (record["error"], record["stopped_by"]) == ("KeyError: 'y'", None)
+    assert [m for _, m in rank0.reported] == [
+        "keras-smp: rank 0 failed: KeyError: 'y'"]
 
 
 def test_exit_order_every_rank_waits_for_every_other_rank(
@@ -326,16 +381,25 @@ def test_exit_order_waits_in_slices_up_to_one_deadline(
 
 @pytest.mark.parametrize("how", ["status", "unhandled"])
 def test_exit_order_failures_do_not_wait(exit_state, monkeypatch, how):
+    import tensorflow as tf
+
     if how == "status":
-        exit_state._state["failed"] = True  # sys.exit(1)
+        exit_state._mark_failed(1)  # sys.exit(1)
+        told = "exit status 1"
     else:  # Python sets it for an unhandled exception
         monkeypatch.setattr(sys, "last_type", RuntimeError, raising=False)
+        told = "an unhandled exception"
     store = {}
     rank3 = _FakeContext(store)
     exit_state._at_exit(rank3, 3, 4, 30)
     assert store == {"keras_smp/exit/3": "failed",
                      "keras_smp/exit/failed": "3"}
     assert rank3.waited == []  # no wait
+    # Reported to the whole job once (it aborts the others' collectives).
+    assert rank3.reported == [
+        (tf.errors.ABORTED, f"keras-smp: rank 3 failed: {told}")]
+    exit_state._at_exit(rank3, 3, 4, 30)
+    assert len(rank3.reported) == 1
     assert exit_state._failing_status(1) and exit_state._failing_status("x")
     assert not exit_state._failing_status(0)
     assert not exit_state._failing_status(None)

@@ -1,6 +1,8 @@
 """Turning a lost worker into an error that names it.
 
-A worker process that dies or hangs surfaces in the others as a collective
+A worker process that fails reports its error to the others
+(`runtime.shutdown`), which then stop with an error naming that rank and
+its exception. A worker process that dies or hangs surfaces in the others as a collective
 `DeadlineExceededError` (after `collective_timeout_seconds`), or as
 `UnavailableError` / `CancelledError` / `AbortedError` (connection lost,
 coordination service heartbeat) from deep inside TensorFlow. `guard(fn,
@@ -13,6 +15,8 @@ do. `startup_error` does the same for workers that never joined.
 import re
 
 import tensorflow as tf
+
+from keras_smp.runtime import shutdown
 
 LOST = (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
         tf.errors.CancelledError, tf.errors.AbortedError)
@@ -69,13 +73,23 @@ def describe(error, topology, cluster, timeout):
     """
     topo = topology
     text = error.message or str(error)
-    lines = [l.strip() for l in text.splitlines() if l.strip()]
-    telling = [l for l in lines if any(h in l.lower() for h in _HINTS)]
-    first = (telling or lines or [""])[0][:240]
     where = (f"pipeline rank {topo.pp_rank} (rank {topo.rank} of "
              f"{topo.world_size}, replica {topo.dp_rank})"
              if topo.pp_size > 1 else
              f"worker rank {topo.rank} of {topo.world_size}")
+    reported = shutdown.failed_rank(text)
+    if reported is not None:
+        rank, what = reported
+        address = (f" ({cluster.workers[rank]})"
+                   if 0 <= rank < len(cluster.workers) else "")
+        return (
+            f"keras-smp: {where} stopped: rank {rank}{address} failed with "
+            f"{what}. That rank's log has the traceback; fix the error there "
+            "and restart the job (keras.callbacks.BackupAndRestore resumes "
+            "from the last backup).")
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    telling = [l for l in lines if any(h in l.lower() for h in _HINTS)]
+    first = (telling or lines or [""])[0][:240]
     ranks = lost_ranks(text, cluster, topo.rank)
     if ranks:
         who = ("lost rank " + ", ".join(map(str, ranks)) +

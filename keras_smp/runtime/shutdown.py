@@ -25,7 +25,14 @@ A rank that fails (an unhandled exception, `sys.exit`, `exit()` or
 `quit()` with a non-zero or non-int status) says so instead and does not
 wait, and the ranks waiting stop waiting within a second of one saying so (or when the service is gone): a failure
 still ends the processes at once, so a launcher notices it as soon as
-before. (`raise SystemExit(1)` written out is not seen as a failure: a rank
+before. It also reports its error to the whole job through the
+coordination service (`report_error_to_cluster`, TensorFlow's own error
+propagation), which aborts every other rank's collectives at once with
+"keras-smp: rank R failed: <the exception>": a rank whose pipeline
+neighbour raised (a model error at trace time on one stage process only, a
+bad batch) stops within a second with that error (`runtime.errors`
+names it), not ~10 s later with a lost-heartbeat message, nor at
+`collective_timeout_seconds`. (`raise SystemExit(1)` written out is not seen as a failure: a rank
 ending that way waits like one that succeeded, and a peer stuck in a
 collective with it fails only at `collective_timeout_seconds`.) Ctrl-C ends the wait. A process killed by a signal runs no
 exit hook: the others wait for it until the timeout, unless the launcher
@@ -38,22 +45,116 @@ Horovod's own exit hook (`hvd.shutdown`) runs after the wait
 
 import atexit
 import builtins
+import re
 import sys
 import threading
 import time
 import warnings
 
+from keras_smp.launch import record_failure
+
 _PREFIX = "keras_smp/exit"
 _FAILED = f"{_PREFIX}/failed"  # set by any rank that fails (its rank)
-_state = {"installed": False, "failed": False}
+_state = {"installed": False, "failed": False, "reported": False,
+          "status": None}
+_REPORT_SECONDS = 5.0  # the most a failing rank spends reporting its error
+_SUMMARY_CHARS = 600  # of the exception's message, in the report
 _after = []  # run at exit after the wait (`after_wait`)
 _lock = threading.Lock()
 _SLICE_SECONDS = 1.0  # the wait at exit, in slices (Ctrl-C ends it)
 _TELL_SECONDS = 10.0  # the most a rank spends saying it is done
 
 
-def _mark_failed():
+def _mark_failed(status=None):
     _state["failed"] = True
+    if status is not None:
+        _state["status"] = status
+
+
+def summary(exc_type, value):
+    """One line for the other ranks: `"ValueError: <message>"`.
+
+    Terminal colours dropped, whitespace collapsed, at most
+    `_SUMMARY_CHARS` characters of the message.
+
+    >>> summary(ValueError, ValueError("bad\\n\\n  \\x1b[1mshape\\x1b[0m"))
+    'ValueError: bad shape'
+    """
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(value))
+    text = " ".join(text.split())
+    if len(text) > _SUMMARY_CHARS:
+        text = text[:_SUMMARY_CHARS - 3] + "..."
+    name = getattr(exc_type, "__name__", str(exc_type))
+    return f"{name}: {text}" if text else name
+
+
+def failed_rank(message):
+    """`(rank, error)` when `message` (a TensorFlow error's) carries a
+    rank's own failure report (`_report`), else `None`.
+
+    >>> failed_rank("Collective ops is aborted by: Error reported from "
+    ...             "/job:worker/task:1: keras-smp: rank 1 failed: "
+    ...             "ValueError: bad shape\\nThe error could be from a "
+    ...             "previous operation.")
+    (1, 'ValueError: bad shape')
+    >>> failed_rank("Socket closed") is None
+    True
+    """
+    # The report is one line; TensorFlow appends its own on later lines.
+    found = re.search(r"keras-smp: rank (\d+) failed: ([^\n]*)", message)
+    if found is None:
+        return None
+    return int(found.group(1)), found.group(2).strip()
+
+
+def _stopped_by(value):
+    """`(rank, error)` when exception `value` (or what caused it) is another
+    rank's reported failure reaching this one, else `None`."""
+    seen = 0
+    while value is not None and seen < 8:
+        found = failed_rank(str(value))
+        if found is not None:
+            return found
+        value = value.__cause__ or value.__context__
+        seen += 1
+    return None
+
+
+def _fail(context, rank, exc_type=None, value=None):
+    """This rank fails (once): records why for `keras-smp launch`, and
+    reports its own error (not another rank's that stopped it) to the job."""
+    if _state["reported"]:
+        return
+    _state["reported"] = True
+    peer = _stopped_by(value)
+    if peer is not None:
+        record_failure(peer[1], stopped_by=peer[0])
+        return
+    if exc_type is not None:
+        what = summary(exc_type, value)
+    elif _state["status"] is not None:
+        what = f"exit status {_state['status']!r}"
+    else:
+        what = "an unhandled exception"
+    record_failure(what)
+    _report(context, rank, what)
+
+
+def _report(context, rank, what):
+    """Reports this rank's failure to every rank of the job: the
+    coordination service aborts their collectives with the message (a rank
+    already told of another's failure cannot report: ignored)."""
+
+    def report():
+        try:
+            import tensorflow as tf
+
+            context.context().report_error_to_cluster(
+                tf.errors.ABORTED, f"keras-smp: rank {rank} failed: {what}")
+        except Exception:  # noqa: BLE001 (no service, or already failing)
+            pass
+
+    _bounded(report, _REPORT_SECONDS)
 
 
 def _failing_status(status):
@@ -83,13 +184,14 @@ def install(cluster, timeout_seconds, context=None):
     previous_hook = sys.excepthook
     previous_exit = sys.exit
 
-    def excepthook(*args):
+    def excepthook(exc_type, value, tb):
         _mark_failed()
-        previous_hook(*args)
+        previous_hook(exc_type, value, tb)
+        _fail(context, cluster.rank, exc_type, value)
 
     def exit_(status=None):
         if _failing_status(status):
-            _mark_failed()
+            _mark_failed(status)
         previous_exit(status)
 
     sys.excepthook = excepthook
@@ -100,7 +202,7 @@ def install(cluster, timeout_seconds, context=None):
 
         def call(self, code=None):
             if _failing_status(code):
-                _mark_failed()
+                _mark_failed(code)
             return previous_call(self, code)
 
         quitter.__call__ = call
@@ -177,6 +279,9 @@ def _wait(context, rank, world_size, timeout_seconds):
 
     _bounded(tell, _TELL_SECONDS)
     if failing:
+        # An unhandled exception was reported by the excepthook; a failing
+        # exit status is reported here.
+        _fail(context, rank)
         return
     deadline = time.monotonic() + timeout_seconds
     missing = []

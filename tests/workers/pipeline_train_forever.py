@@ -3,7 +3,8 @@ pipeline, or (`--partitions 1`) plain data parallelism.
 
 Prints `STEP <n>` after each batch so the test knows training is under way;
 used to check that a peer that dies or hangs ends this worker with a clear
-error within the collective timeout.
+error within the collective timeout, and (`--fail-rank R`) that a peer
+raising an exception ends it with that exception named.
 """
 
 import argparse
@@ -13,6 +14,10 @@ p = argparse.ArgumentParser()
 p.add_argument("--timeout", type=float, default=15)
 p.add_argument("--partitions", type=int, default=2,
                help="1: plain data parallelism over the 2 workers")
+p.add_argument("--fail-rank", type=int, default=-1,
+               help="this rank raises after --fail-step steps (its peer "
+                    "is then in the next step's collectives)")
+p.add_argument("--fail-step", type=int, default=3)
 args = p.parse_args()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -35,6 +40,9 @@ ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
 class Report(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         print(f"STEP {batch}", flush=True)
+        if (keras_smp.rank() == args.fail_rank
+                and batch + 1 >= args.fail_step):
+            raise RuntimeError(f"rank {args.fail_rank} fails on purpose")
 
 
 with strategy.scope():
