@@ -68,7 +68,8 @@ EXIT_TIMEOUT = 124
 FAILURE_FILE_ENV = "KERAS_SMP_FAILURE_FILE"
 
 
-def record_failure(error: str, stopped_by: Optional[int] = None) -> None:
+def record_failure(error: str, stopped_by: Optional[int] = None,
+                   lost: bool = False) -> None:
     """Records why this worker fails, for `keras-smp launch` (nothing when
     the launcher did not start it). Called by keras-smp's exit hooks.
 
@@ -76,11 +77,14 @@ def record_failure(error: str, stopped_by: Optional[int] = None) -> None:
         error: one line: `"ValueError: ..."` (this worker's exception) or
             the failing rank's line when `stopped_by` is given.
         stopped_by: the world rank whose reported failure stopped this one.
+        lost: this worker failed because it lost a peer (a collective
+            aborted, timed out or lost its connection): not a cause.
     """
     path = os.environ.get(FAILURE_FILE_ENV)
     if not path:
         return
-    record = {"error": error, "stopped_by": stopped_by, "time": time.time()}
+    record = {"error": error, "stopped_by": stopped_by, "lost": lost,
+              "time": time.time()}
     try:
         with open(path + ".tmp", "w") as f:
             json.dump(record, f)
@@ -488,31 +492,52 @@ class _Launcher:
             self.failure_dir = tempfile.mkdtemp(prefix="keras-smp-launch-")
         return os.path.join(self.failure_dir, f"failure-rank{rank}")
 
-    def _failure_cause(self, proc, how):
-        """What the job's failure is put down to, `proc` having ended (`how`).
+    def _failure_cause(self):
+        """`(cause, code)` of the job's failure, some worker having failed.
 
-        The worker whose own error came first (its `record_failure`) is
-        named with its error, even when another worker's process ended
-        first (stopped by that error: keras-smp reports a failure to every
-        rank). Without a record: `proc`, as `how` says.
+        Named, in this order: the worker whose own error came first (its
+        `record_failure`; its process may not have ended yet: keras-smp
+        reports a failure to every rank, which stops the others at once);
+        a failed worker without a record (killed by a signal, or failed
+        before keras-smp's exit hooks); a worker stopped by another's
+        failure or lost peer (its record says which). `code`: the named
+        worker's exit status (it is given `grace_seconds` to end), else the
+        first failed one's.
         """
+        codes = {p: p.poll() for p in self.procs}
+        failed = [p for p in self.procs if codes[p] not in (None, 0)]
         records = {}
         for p in self.procs:
             record = read_failure(self._failure_file(p.rank))
             if record is not None:
                 records[p] = record
         own = sorted((r.get("time", 0), p.rank, p) for p, r in records.items()
-                     if r.get("stopped_by") is None)
-        if own:
-            _, _, first = own[0]
-            return (f"worker {first.rank} (pid {first.pid}) failed: "
-                    f"{records[first].get('error', '')}")
-        cause = f"worker {proc.rank} (pid {proc.pid}) {how}"
-        record = records.get(proc)
+                     if r.get("stopped_by") is None and not r.get("lost"))
+        unrecorded = [p for p in failed if p not in records]
+        named = own[0][2] if own else (unrecorded or failed)[0]
+        if codes[named] is None:
+            # Failing (its record is written first), not ended yet: its own
+            # exit status and last lines, if it ends within the grace time.
+            try:
+                codes[named] = named.wait(self.grace_seconds)
+            except subprocess.TimeoutExpired:
+                pass
+        code = codes[named] if codes[named] is not None else codes[failed[0]]
+        record = records.get(named)
+        if own and named is own[0][2]:
+            return (f"worker {named.rank} (pid {named.pid}) failed: "
+                    f"{record.get('error', '')}"), code
+        if code < 0:
+            how = f"was killed by {_signal_name(-code)}"
+        else:
+            how = f"exited with code {code}"
+        cause = f"worker {named.rank} (pid {named.pid}) {how}"
         if record is not None and record.get("stopped_by") is not None:
             cause += (f", stopped by rank {record['stopped_by']}'s failure: "
                       f"{record.get('error', '')}")
-        return cause
+        elif record is not None:
+            cause += f": {record.get('error', '')}"
+        return cause, code
 
     def _spawn(self, plan, round_) -> Optional[int]:
         self.procs, self.readers = [], []
@@ -619,14 +644,9 @@ class _Launcher:
             codes = [p.poll() for p in self.procs]
             for i, code in enumerate(codes):
                 if code is not None and code != 0:
-                    proc = self.procs[i]
                     # Let the failed worker's last lines (traceback) through first.
                     self.readers[i].join(1.0)
-                    if code < 0:
-                        how = f"was killed by {_signal_name(-code)}"
-                    else:
-                        how = f"exited with code {code}"
-                    cause = self._failure_cause(proc, how)
+                    cause, code = self._failure_cause()
                     others = ("; stopping the other workers"
                               if self.num_workers > 1 or self.nodes else "")
                     _message(cause + others)

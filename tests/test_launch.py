@@ -286,24 +286,41 @@ def test_the_worker_that_failed_first_is_named_not_the_first_to_exit():
         "rank = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
         "if rank == 1:\n"
         "    record_failure('ValueError: bad batch')\n"
-        "    time.sleep(3)\n"
-        "else:\n"
-        "    time.sleep(1)\n"
-        "    record_failure('ValueError: bad batch', stopped_by=1)\n"
+        "    time.sleep(1.5)\n"
+        "    sys.exit(3)\n"
+        "time.sleep(1)\n"
+        "record_failure('ValueError: bad batch', stopped_by=1)\n"
         "sys.exit(1)\n"
     )
     result = _run("main", "-n", "2", "--grace-seconds", "2", "--",
                   *_worker(code), timeout=45)
-    assert result.returncode == 1
+    assert result.returncode == 3  # worker 1's, not worker 0's
     assert re.search(r"keras-smp launch: worker 1 \(pid \d+\) failed: "
                      r"ValueError: bad batch; stopping the other workers",
                      result.stderr), result.stderr
     # A worker stopped by another without that one's record still says so.
-    code = code.replace("    record_failure('ValueError: bad batch')\n", "")
+    stopped = code.replace("    record_failure('ValueError: bad batch')\n", "")
     result = _run("main", "-n", "2", "--grace-seconds", "2", "--",
-                  *_worker(code), timeout=45)
+                  *_worker(stopped), timeout=45)
     assert re.search(r"worker 0 \(pid \d+\) exited with code 1, stopped by "
                      r"rank 1's failure: ValueError: bad batch",
+                     result.stderr), result.stderr
+    # A worker that lost a peer is not the cause: the peer killed by a
+    # signal (no record) is named, even when both ended in one poll.
+    killed = (
+        "import json, os, signal, sys, time\n"
+        "from keras_smp.launch import record_failure\n"
+        "rank = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+        "time.sleep(1)\n"
+        "if rank == 1:\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "record_failure('RuntimeError: lost rank 1', lost=True)\n"
+        "sys.exit(1)\n"
+    )
+    result = _run("main", "-n", "2", "--grace-seconds", "2", "--",
+                  *_worker(killed), timeout=45)
+    assert result.returncode == 128 + signal.SIGKILL
+    assert re.search(r"worker 1 \(pid \d+\) was killed by SIGKILL",
                      result.stderr), result.stderr
 
 

@@ -280,10 +280,12 @@ def test_a_failure_report_is_one_line_that_names_the_exception(exit_state):
     rank0 = _FakeContext({})
     exit_state._report(rank0, 2, line)
     (_, message), = rank0.reported
-    text = (f"Collective ops is aborted by: Error reported from "
-            f"/job:worker/task:2: {message}\nThe error could be from a "
-            "previous operation.")
-    assert exit_state.failed_rank(text) == (2, line)
+    for after in ("\nThe error could be from a previous operation.",
+                  " [type.googleapis.com/tensorflow.CoordinationServiceError"
+                  "='\x18\x01']"):
+        text = (f"Collective ops is aborted by: Error reported from "
+                f"/job:worker/task:2: {message}{after}")
+        assert exit_state.failed_rank(text) == (2, line)
     assert exit_state.failed_rank("Socket closed") is None
 
 
@@ -300,7 +302,8 @@ def test_a_failing_rank_records_whether_its_own_error_or_a_peers(
         try:
             raise ValueError("Collective ops is aborted by: Error reported "
                              "from /job:worker/task:1: keras-smp: rank 1 "
-                             "failed: KeyError: 'x'\nThe error could be")
+                             "failed [13 chars]: KeyError: 'x'\nThe error "
+                             "could be")
         except ValueError as cause:
             raise RuntimeError("keras-smp: pipeline rank 0 stopped") from cause
     except RuntimeError as e:
@@ -316,7 +319,39 @@ def test_a_failing_rank_records_whether_its_own_error_or_a_peers(
     record = launch.read_failure(path)
     assert (record["error"], record["stopped_by"]) == ("KeyError: 'y'", None)
     assert [m for _, m in rank0.reported] == [
-        "keras-smp: rank 0 failed: KeyError: 'y'"]
+        "keras-smp: rank 0 failed [13 chars]: KeyError: 'y'"]
+    # A lost peer (the guard's error, caused by TensorFlow's): recorded as
+    # lost, not reported (the others see the lost peer themselves).
+    import tensorflow as tf
+
+    try:
+        try:
+            raise tf.errors.UnavailableError(None, None, "Socket closed")
+        except tf.errors.UnavailableError as cause:
+            raise RuntimeError("keras-smp: lost rank 2") from cause
+    except RuntimeError as e:
+        lost = e
+    monkeypatch.setitem(exit_state._state, "reported", False)
+    exit_state._fail(rank0, 0, RuntimeError, lost)
+    record = launch.read_failure(path)
+    assert record["lost"] and record["stopped_by"] is None
+    assert record["error"] == "RuntimeError: keras-smp: lost rank 2"
+    assert len(rank0.reported) == 1
+    # Ctrl-C: neither recorded nor reported.
+    os.remove(path)
+    monkeypatch.setitem(exit_state._state, "reported", False)
+    exit_state._fail(rank0, 0, KeyboardInterrupt, KeyboardInterrupt())
+    assert launch.read_failure(path) is None and len(rank0.reported) == 1
+    # An exception whose str() fails still gives a record and a report.
+
+    class Odd(Exception):
+        def __str__(self):
+            raise TypeError("no str")
+
+    monkeypatch.setitem(exit_state._state, "reported", False)
+    exit_state._fail(rank0, 0, Odd, Odd())
+    assert launch.read_failure(path)["error"] == "an unhandled exception"
+    assert len(rank0.reported) == 2
 
 
 def test_exit_order_every_rank_waits_for_every_other_rank(
@@ -388,7 +423,9 @@ def test_exit_order_failures_do_not_wait(exit_state, monkeypatch, how):
         told = "exit status 1"
     else:  # Python sets it for an unhandled exception
         monkeypatch.setattr(sys, "last_type", RuntimeError, raising=False)
-        told = "an unhandled exception"
+        monkeypatch.setattr(sys, "last_value", RuntimeError("boom"),
+                            raising=False)
+        told = "RuntimeError: boom"
     store = {}
     rank3 = _FakeContext(store)
     exit_state._at_exit(rank3, 3, 4, 30)
@@ -397,7 +434,8 @@ def test_exit_order_failures_do_not_wait(exit_state, monkeypatch, how):
     assert rank3.waited == []  # no wait
     # Reported to the whole job once (it aborts the others' collectives).
     assert rank3.reported == [
-        (tf.errors.ABORTED, f"keras-smp: rank 3 failed: {told}")]
+        (tf.errors.ABORTED,
+         f"keras-smp: rank 3 failed [{len(told)} chars]: {told}")]
     exit_state._at_exit(rank3, 3, 4, 30)
     assert len(rank3.reported) == 1
     assert exit_state._failing_status(1) and exit_state._failing_status("x")

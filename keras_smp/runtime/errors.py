@@ -14,12 +14,9 @@ do. `startup_error` does the same for workers that never joined.
 
 import re
 
-import tensorflow as tf
-
 from keras_smp.runtime import shutdown
 
-LOST = (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
-        tf.errors.CancelledError, tf.errors.AbortedError)
+LOST = shutdown.lost_errors()
 _HINTS = ("timed out", "socket closed", "connect", "unavailable", "abort",
           "cancel", "heartbeat", "deadline")
 

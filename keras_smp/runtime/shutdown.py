@@ -80,7 +80,7 @@ def summary(exc_type, value):
     >>> summary(ValueError, ValueError("bad\\n\\n  \\x1b[1mshape\\x1b[0m"))
     'ValueError: bad shape'
     """
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(value))
+    text = "" if value is None else re.sub(r"\x1b\[[0-9;]*m", "", str(value))
     text = " ".join(text.split())
     if len(text) > _SUMMARY_CHARS:
         text = text[:_SUMMARY_CHARS - 3] + "..."
@@ -92,65 +92,105 @@ def failed_rank(message):
     """`(rank, error)` when `message` (a TensorFlow error's) carries a
     rank's own failure report (`_report`), else `None`.
 
+    The report gives its error's length, so text TensorFlow appends (on the
+    same line or the next) is not taken for part of it.
+
     >>> failed_rank("Collective ops is aborted by: Error reported from "
-    ...             "/job:worker/task:1: keras-smp: rank 1 failed: "
-    ...             "ValueError: bad shape\\nThe error could be from a "
-    ...             "previous operation.")
+    ...             "/job:worker/task:1: keras-smp: rank 1 failed "
+    ...             "[21 chars]: ValueError: bad shape [type.googleapis.com"
+    ...             "/tensorflow.CoordinationServiceError='...']")
     (1, 'ValueError: bad shape')
     >>> failed_rank("Socket closed") is None
     True
     """
-    # The report is one line; TensorFlow appends its own on later lines.
-    found = re.search(r"keras-smp: rank (\d+) failed: ([^\n]*)", message)
+    found = re.search(r"keras-smp: rank (\d+) failed \[(\d+) chars\]: ",
+                      message)
     if found is None:
         return None
-    return int(found.group(1)), found.group(2).strip()
+    start = found.end()
+    return int(found.group(1)), message[start:start + int(found.group(2))]
 
 
-def _stopped_by(value):
-    """`(rank, error)` when exception `value` (or what caused it) is another
-    rank's reported failure reaching this one, else `None`."""
-    seen = 0
-    while value is not None and seen < 8:
-        found = failed_rank(str(value))
-        if found is not None:
-            return found
+def lost_errors():
+    """TensorFlow's errors for a lost peer (`runtime.errors.LOST`)."""
+    import tensorflow as tf
+
+    return (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
+            tf.errors.CancelledError, tf.errors.AbortedError)
+
+
+def _chain(value):
+    """`value` and the exceptions that caused it (at most 8)."""
+    found = []
+    while value is not None and len(found) < 8 and value not in found:
+        found.append(value)
         value = value.__cause__ or value.__context__
-        seen += 1
-    return None
+    return found
+
+
+def _why(exc_type, value):
+    """`(what, stopped_by, lost)` for this rank's failure record: another
+    rank's reported error that stopped this one (`stopped_by` its rank), a
+    lost peer (a collective aborted, timed out or disconnected: `lost`),
+    or this rank's own error."""
+    chain = _chain(value)
+    for e in chain:
+        peer = failed_rank(str(e))
+        if peer is not None:
+            return peer[1], peer[0], False
+    what = summary(exc_type, value)
+    if chain and "tensorflow" in sys.modules:
+        lost = lost_errors()
+        if any(isinstance(e, lost) for e in chain):
+            return what, None, True
+    return what, None, False
 
 
 def _fail(context, rank, exc_type=None, value=None):
-    """This rank fails (once): records why for `keras-smp launch`, and
-    reports its own error (not another rank's that stopped it) to the job."""
+    """This rank fails (once): records why for `keras-smp launch` and
+    reports its own error to the job; a failure caused by another rank's
+    (its report, or a lost peer) is recorded, not reported: the others see
+    the cause itself. Never raises (an exit hook)."""
     if _state["reported"]:
         return
+    try:
+        if exc_type is None and getattr(sys, "last_type", None) is not None:
+            # An unhandled exception whose hook was not ours (another
+            # library replaced `sys.excepthook` after keras-smp's).
+            exc_type, value = sys.last_type, getattr(sys, "last_value", None)
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            # Ctrl-C (or the launcher stopping every worker): not an error
+            # to blame on this rank.
+            _state["reported"] = True
+            return
+        if exc_type is not None:
+            what, stopped_by, lost = _why(exc_type, value)
+        elif _state["status"] is not None:
+            what, stopped_by, lost = (f"exit status {_state['status']!r}",
+                                      None, False)
+        else:
+            what, stopped_by, lost = "an unhandled exception", None, False
+    except Exception:  # noqa: BLE001 (an exception whose str() fails...)
+        what, stopped_by, lost = "an unhandled exception", None, False
     _state["reported"] = True
-    peer = _stopped_by(value)
-    if peer is not None:
-        record_failure(peer[1], stopped_by=peer[0])
-        return
-    if exc_type is not None:
-        what = summary(exc_type, value)
-    elif _state["status"] is not None:
-        what = f"exit status {_state['status']!r}"
-    else:
-        what = "an unhandled exception"
-    record_failure(what)
-    _report(context, rank, what)
+    record_failure(what, stopped_by=stopped_by, lost=lost)
+    if stopped_by is None and not lost:
+        _report(context, rank, what)
 
 
 def _report(context, rank, what):
     """Reports this rank's failure to every rank of the job: the
-    coordination service aborts their collectives with the message (a rank
-    already told of another's failure cannot report: ignored)."""
+    coordination service aborts their collectives (TensorFlow's; not
+    Horovod's) with the message (a rank already told of another's failure
+    cannot report: ignored)."""
 
     def report():
         try:
             import tensorflow as tf
 
             context.context().report_error_to_cluster(
-                tf.errors.ABORTED, f"keras-smp: rank {rank} failed: {what}")
+                tf.errors.ABORTED, f"keras-smp: rank {rank} failed "
+                f"[{len(what)} chars]: {what}")
         except Exception:  # noqa: BLE001 (no service, or already failing)
             pass
 
@@ -186,8 +226,10 @@ def install(cluster, timeout_seconds, context=None):
 
     def excepthook(exc_type, value, tb):
         _mark_failed()
-        previous_hook(exc_type, value, tb)
-        _fail(context, cluster.rank, exc_type, value)
+        try:
+            previous_hook(exc_type, value, tb)
+        finally:
+            _fail(context, cluster.rank, exc_type, value)
 
     def exit_(status=None):
         if _failing_status(status):
