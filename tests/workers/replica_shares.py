@@ -35,6 +35,10 @@ Cases:
   divided by the step's weights (all microbatches', all replicas'), the
   last batch's 14/13 rows in unequal microbatches (4+4+3+3, 4+3+3+3).
   The cases of one process share one `microbatches`.
+- pipelined_m4_mean_with_sample_weight_xla / _float16: the weighted case
+  compiled with XLA (`jit_compile=True`, both models; op determinism is
+  off in a process running it, as Keras refuses XLA with it), or under the
+  `mixed_float16` policy (both models).
 """
 
 import json
@@ -42,7 +46,10 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
+# Keras refuses XLA with op determinism on: off in a process running the
+# _xla case.
+os.environ.setdefault("TF_DETERMINISTIC_OPS", "0" if any(
+    name.endswith("_xla") for name in sys.argv[1:]) else "1")
 
 import keras_smp  # noqa: E402
 
@@ -219,13 +226,16 @@ def two_masks():
                    train(two_masks_model, fit, False))
 
 
-def mean_with_sample_weight(pipelined=False, weighted=True):
+def mean_with_sample_weight(pipelined=False, weighted=True, xla=False,
+                            policy=None):
     rows = rng.uniform(0.1, 3.0, size=len(X)).astype("float32")
     targets = {"a": Y, "b": rng.randn(len(X), 2).astype("float32")}
     weights = {"a": SW, "b": rows} if weighted else None
 
     def build():
         keras.utils.set_random_seed(7)
+        if policy:
+            keras.mixed_precision.set_global_policy(policy)
         tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
         h = keras.layers.Dense(8, activation="tanh", name="h")(
             keras.layers.Embedding(VOCAB, 8, mask_zero=True)(tokens))
@@ -241,7 +251,9 @@ def mean_with_sample_weight(pipelined=False, weighted=True):
                       from_logits=True, reduction="mean_with_sample_weight"),
                   "b": keras.losses.MeanSquaredError(
                       reduction="mean_with_sample_weight")},
-            loss_weights={"a": 1.0, "b": 0.5})
+            loss_weights={"a": 1.0, "b": 0.5}, jit_compile=xla)
+        if xla:  # Keras would fall back without XLA (and say so)
+            assert model.jit_compile is True, type(model).__name__
         return model
 
     kinds = []
@@ -253,7 +265,11 @@ def mean_with_sample_weight(pipelined=False, weighted=True):
                          validation_data=(X, targets, weights)
                          if weighted else (X, targets))
 
-    worst = compare(train(build, fit, True), train(build, fit, False))
+    try:
+        worst = compare(train(build, fit, True), train(build, fit, False))
+    finally:
+        if policy:
+            keras.mixed_precision.set_global_policy("float32")
     want = "DistributedModel" if pipelined else "Functional"
     assert kinds == [want, "Functional"], kinds
     return worst
@@ -270,7 +286,12 @@ CASES = {"custom_loop": custom_loop, "super_train_step": super_train_step,
              lambda: mean_with_sample_weight(pipelined=True),
          "pipelined_m4_mean_with_sample_weight_unweighted":
              lambda: mean_with_sample_weight(pipelined=True,
-                                             weighted=False)}
+                                             weighted=False),
+         "pipelined_m4_mean_with_sample_weight_xla":
+             lambda: mean_with_sample_weight(pipelined=True, xla=True),
+         "pipelined_m4_mean_with_sample_weight_float16":
+             lambda: mean_with_sample_weight(pipelined=True,
+                                             policy="mixed_float16")}
 for name in sys.argv[1:] or [c for c in CASES
                              if not c.startswith("pipelined_")]:
     print(json.dumps({"case": name, "atol": CASES[name]()}), flush=True)
