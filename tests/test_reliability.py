@@ -266,11 +266,14 @@ def exit_state(monkeypatch):
     monkeypatch.setitem(shutdown._state, "failed", False)
     monkeypatch.setitem(shutdown._state, "reported", False)
     monkeypatch.setitem(shutdown._state, "status", None)
+    monkeypatch.setitem(shutdown._state, "published", False)
     monkeypatch.delattr(sys, "last_type", raising=False)
     return shutdown
 
 
 def test_a_failure_report_is_one_line_that_names_the_exception(exit_state):
+    import tensorflow  # noqa: F401 (imported before the report's thread,
+    # which waits at most 5 s, imports it: as in a worker, where it is)
     long = ValueError("\x1b[1mbad\x1b[0m\n\n  shape " + "x" * 2000)
     line = exit_state.summary(type(long), long)
     assert line.startswith("ValueError: bad shape xxx") and "\n" not in line
@@ -292,6 +295,8 @@ def test_a_failure_report_is_one_line_that_names_the_exception(exit_state):
 def test_a_failing_rank_records_whether_its_own_error_or_a_peers(
         exit_state, monkeypatch, tmp_path):
     # keras-smp launch reads the record to name the rank that failed first.
+    import tensorflow as tf
+
     from keras_smp import launch
 
     path = str(tmp_path / "rank0")
@@ -320,10 +325,9 @@ def test_a_failing_rank_records_whether_its_own_error_or_a_peers(
     assert (record["error"], record["stopped_by"]) == ("KeyError: 'y'", None)
     assert [m for _, m in rank0.reported] == [
         "keras-smp: rank 0 failed [13 chars]: KeyError: 'y'"]
+    assert exit_state.failure(rank0) == (0, "KeyError: 'y'")
     # A lost peer (the guard's error, caused by TensorFlow's): recorded as
     # lost, not reported (the others see the lost peer themselves).
-    import tensorflow as tf
-
     try:
         try:
             raise tf.errors.UnavailableError(None, None, "Socket closed")
@@ -429,9 +433,13 @@ def test_exit_order_failures_do_not_wait(exit_state, monkeypatch, how):
     store = {}
     rank3 = _FakeContext(store)
     exit_state._at_exit(rank3, 3, 4, 30)
+    # Its error and rank, in the key-value store for ranks waiting on a
+    # key (smp.recv_from...), then its own exit key.
     assert store == {"keras_smp/exit/3": "failed",
-                     "keras_smp/exit/failed": "3"}
+                     "keras_smp/exit/failed": "3",
+                     "keras_smp/exit/error/3": told}
     assert rank3.waited == []  # no wait
+    assert exit_state.failure(rank3) == (3, told)
     # Reported to the whole job once (it aborts the others' collectives).
     assert rank3.reported == [
         (tf.errors.ABORTED,

@@ -55,8 +55,9 @@ from keras_smp.launch import record_failure
 
 _PREFIX = "keras_smp/exit"
 _FAILED = f"{_PREFIX}/failed"  # set by any rank that fails (its rank)
+_ERROR = f"{_PREFIX}/error"  # /<rank>: a failing rank's one-line error
 _state = {"installed": False, "failed": False, "reported": False,
-          "status": None}
+          "status": None, "published": False}
 _REPORT_SECONDS = 5.0  # the most a failing rank spends reporting its error
 _SUMMARY_CHARS = 600  # of the exception's message, in the report
 _after = []  # run at exit after the wait (`after_wait`)
@@ -175,7 +176,42 @@ def _fail(context, rank, exc_type=None, value=None):
     _state["reported"] = True
     record_failure(what, stopped_by=stopped_by, lost=lost)
     if stopped_by is None and not lost:
+        _publish(context, rank, what)
         _report(context, rank, what)
+
+
+def _publish(context, rank, what):
+    """Puts this rank's failure in the coordination service's key-value
+    store (`failure`), for ranks waiting on a key rather than in a
+    collective (the report does not end such waits)."""
+
+    def publish():
+        ctx = context.context()
+        try:
+            ctx.set_config_key_value(f"{_ERROR}/{rank}", what)
+            ctx.set_config_key_value(_FAILED, str(rank))
+            _state["published"] = True
+        except Exception:  # noqa: BLE001 (rank 0's process may be gone)
+            pass
+
+    _bounded(publish, _REPORT_SECONDS)
+
+
+def failure(ctx):
+    """`(rank, error)` of a rank that failed and said so, else `None` (a
+    look, not a wait). `ctx`: TensorFlow's eager context."""
+    try:
+        rank = int(ctx.get_config_key_value(_FAILED, timeout_in_ms=1))
+    except Exception:  # noqa: BLE001 (not set: a timeout)
+        return None
+    try:
+        # Set before the rank's number (`_publish`): there, unless that
+        # rank failed without one (a failing exit status said at exit).
+        what = ctx.get_config_key_value(f"{_ERROR}/{rank}",
+                                        timeout_in_ms=1000)
+    except Exception:  # noqa: BLE001 (failed without an error line)
+        what = "a failure (its log says which)"
+    return rank, what
 
 
 def _report(context, rank, what):
@@ -311,9 +347,12 @@ def _wait(context, rank, world_size, timeout_seconds):
             pass
 
     def tell():
-        try:
-            if failing:
+        if failing and not _state.get("published"):
+            try:
                 ctx.set_config_key_value(_FAILED, str(rank))
+            except Exception:  # noqa: BLE001 (set before, or service gone)
+                pass
+        try:
             ctx.set_config_key_value(f"{_PREFIX}/{rank}",
                                      "failed" if failing else "done")
         except Exception:  # noqa: BLE001 (rank 0's process may be gone)

@@ -38,6 +38,7 @@ import collections
 import enum
 import pickle
 import threading
+import time
 
 from keras_smp import state
 
@@ -145,19 +146,47 @@ def _put(key, obj):
     _context().set_config_key_value(key, _encode(obj))
 
 
+_SLICE_SECONDS = 1.0  # a wait for a key, in slices (a failed rank ends it)
+
+
 def _get(key, source, what):
+    """The value at `key`, waiting at most `collective_timeout_seconds`, in
+    slices: a rank that fails and says so (`runtime.shutdown`) ends the
+    wait with its error."""
+    from keras_smp.runtime import shutdown
     from keras_smp.runtime.errors import LOST
 
-    try:
-        return _decode(_context().get_config_key_value(key, _timeout_ms()))
-    except LOST as e:
+    ctx = _context()
+    deadline = time.monotonic() + _timeout_ms() / 1000
+    while True:
+        wait = max(0.001, min(_SLICE_SECONDS, deadline - time.monotonic()))
+        began = time.monotonic()
+        try:
+            return _decode(ctx.get_config_key_value(
+                key, max(1, int(wait * 1000))))
+        except LOST as e:
+            _raise_if_a_rank_failed(ctx, shutdown, source, what, e)
+            quick = time.monotonic() - began < wait / 2  # not a timeout
+            if quick or time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"keras-smp: rank {state.topology().rank} waited "
+                    f"{state.config().collective_timeout_seconds:g} s in "
+                    f"{what} for rank {source}, which did not answer "
+                    f"({type(e).__name__}). Every rank of the group must "
+                    "make the same communication calls in the same order; "
+                    "a lost rank means the job must be restarted.") from e
+        _raise_if_a_rank_failed(ctx, shutdown, source, what)
+
+
+def _raise_if_a_rank_failed(ctx, shutdown, source, what, cause=None):
+    failed = shutdown.failure(ctx)
+    if failed is not None:
+        rank, error = failed
         raise RuntimeError(
-            f"keras-smp: rank {state.topology().rank} waited "
-            f"{state.config().collective_timeout_seconds:g} s in {what} for "
-            f"rank {source}, which did not answer ({type(e).__name__}). "
-            "Every rank of the group must make the same communication calls "
-            "in the same order; a lost rank means the job must be "
-            "restarted.") from e
+            f"keras-smp: rank {state.topology().rank} stopped in {what} "
+            f"(waiting for rank {source}): rank {rank} failed with "
+            f"{error}. That rank's log has the traceback; fix the error "
+            "there and restart the job.") from cause
 
 
 def _check_member(ranks, what):
