@@ -501,8 +501,8 @@ class _Launcher:
         a failed worker without a record (killed by a signal, or failed
         before keras-smp's exit hooks); a worker stopped by another's
         failure or lost peer (its record says which). `code`: the named
-        worker's exit status (it is given `grace_seconds` to end), else the
-        first failed one's.
+        worker's exit status (it is given `grace_seconds` to end), else (it
+        is still running) the first failed worker's.
         """
         codes = {p: p.poll() for p in self.procs}
         failed = [p for p in self.procs if codes[p] not in (None, 0)]
@@ -515,13 +515,14 @@ class _Launcher:
                      if r.get("stopped_by") is None and not r.get("lost"))
         unrecorded = [p for p in failed if p not in records]
         named = own[0][2] if own else (unrecorded or failed)[0]
-        if codes[named] is None:
-            # Failing (its record is written first), not ended yet: its own
-            # exit status and last lines, if it ends within the grace time.
-            try:
-                codes[named] = named.wait(self.grace_seconds)
-            except subprocess.TimeoutExpired:
-                pass
+        # Failing (its record is written first), not ended yet: its own
+        # exit status and last lines, if it ends within the grace time (a
+        # signal to this launcher ends the wait).
+        deadline = time.monotonic() + self.grace_seconds
+        while (codes[named] is None and not self.signals
+               and time.monotonic() < deadline):
+            time.sleep(_POLL_INTERVAL)
+            codes[named] = named.poll()
         code = codes[named] if codes[named] is not None else codes[failed[0]]
         record = records.get(named)
         if own and named is own[0][2]:

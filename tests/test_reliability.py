@@ -246,10 +246,13 @@ class _FakeContext:
         pass
 
     def set_config_key_value(self, key, value):
+        if key in self.store:  # TensorFlow's store: the first writer wins
+            raise RuntimeError(f"ALREADY_EXISTS: {key}")
         self.store[key] = value
 
     def get_config_key_value(self, key, timeout_in_ms=0):
-        if key != "keras_smp/exit/failed":  # looked at, not waited for
+        if key not in ("keras_smp/exit/failed",  # looked at, not waited for
+                       "keras_smp/exit/failing"):
             self.waited.append((key, timeout_in_ms))
         if key not in self.store:
             if self.blocks:  # a timeout: the call took its whole time
@@ -341,6 +344,22 @@ def test_a_failing_rank_records_whether_its_own_error_or_a_peers(
     assert record["lost"] and record["stopped_by"] is None
     assert record["error"] == "RuntimeError: keras-smp: lost rank 2"
     assert len(rank0.reported) == 1
+    # Stopped in a communication helper (its error says by whom): recorded
+    # as such; at exit it says it fails without naming itself the cause.
+    stopped = RuntimeError("keras-smp: rank 0 stopped in recv_from")
+    stopped.smp_stopped_by = (1, "KeyError: 'z'")
+    store = {}
+    helper = _FakeContext(store)
+    monkeypatch.setitem(exit_state._state, "reported", False)
+    monkeypatch.setitem(exit_state._state, "published", False)
+    exit_state._fail(helper, 0, RuntimeError, stopped)
+    record = launch.read_failure(path)
+    assert (record["error"], record["stopped_by"]) == ("KeyError: 'z'", 1)
+    exit_state._state["failed"] = True
+    exit_state._at_exit(helper, 0, 2, 30)
+    assert store == {"keras_smp/exit/failing": "0",
+                     "keras_smp/exit/0": "failed"}
+    assert exit_state.failure(helper) is None and helper.reported == []
     # Ctrl-C: neither recorded nor reported.
     os.remove(path)
     monkeypatch.setitem(exit_state._state, "reported", False)

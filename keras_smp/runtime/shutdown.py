@@ -23,12 +23,13 @@ together. A rank that does not answer in time gets a warning naming it.
 
 A rank that fails (an unhandled exception, `sys.exit`, `exit()` or
 `quit()` with a non-zero or non-int status) says so instead and does not
-wait, and the ranks waiting stop waiting within a second of one saying so (or when the service is gone): a failure
-still ends the processes at once, so a launcher notices it as soon as
+wait, and the ranks waiting stop waiting within a second of one saying
+so (or when the service is gone): a failure still ends the processes at once, so a launcher notices it as soon as
 before. It also reports its error to the whole job through the
 coordination service (`report_error_to_cluster`, TensorFlow's own error
 propagation), which aborts every other rank's collectives at once with
-"keras-smp: rank R failed: <the exception>": a rank whose pipeline
+"keras-smp: rank R failed [N chars]: <the exception>", and puts it in the
+key-value store for ranks waiting on a key (`failure`): a rank whose pipeline
 neighbour raised (a model error at trace time on one stage process only, a
 bad batch) stops within a second with that error (`runtime.errors`
 names it), not ~10 s later with a lost-heartbeat message, nor at
@@ -56,6 +57,9 @@ from keras_smp.launch import record_failure
 _PREFIX = "keras_smp/exit"
 _FAILED = f"{_PREFIX}/failed"  # set by any rank that fails (its rank)
 _ERROR = f"{_PREFIX}/error"  # /<rank>: a failing rank's one-line error
+# Set by a rank failing because of another's failure or a lost peer (not a
+# cause: `_FAILED` names causes only); ends the others' exit wait too.
+_FAILING = f"{_PREFIX}/failing"
 _state = {"installed": False, "failed": False, "reported": False,
           "status": None, "published": False}
 _REPORT_SECONDS = 5.0  # the most a failing rank spends reporting its error
@@ -136,7 +140,7 @@ def _why(exc_type, value):
     or this rank's own error."""
     chain = _chain(value)
     for e in chain:
-        peer = failed_rank(str(e))
+        peer = getattr(e, "smp_stopped_by", None) or failed_rank(str(e))
         if peer is not None:
             return peer[1], peer[0], False
     what = summary(exc_type, value)
@@ -319,11 +323,13 @@ def _bounded(fn, seconds):
 
 def _someone_failed(ctx):
     """Whether a rank said it fails (a look, not a wait)."""
-    try:
-        ctx.get_config_key_value(_FAILED, timeout_in_ms=1)
-        return True
-    except Exception:  # noqa: BLE001 (not set: a timeout)
-        return False
+    for key in (_FAILED, _FAILING):
+        try:
+            ctx.get_config_key_value(key, timeout_in_ms=1)
+            return True
+        except Exception:  # noqa: BLE001 (not set: a timeout)
+            pass
+    return False
 
 
 def _at_exit(context, rank, world_size, timeout_seconds):
@@ -346,10 +352,16 @@ def _wait(context, rank, world_size, timeout_seconds):
         except Exception:  # noqa: BLE001 (reported by the op itself)
             pass
 
+    if failing:
+        # Records, publishes and reports this rank's failure (its own
+        # exception was handled by the excepthook already; a failing exit
+        # status is handled here), before the exit key below.
+        _fail(context, rank)
+
     def tell():
-        if failing and not _state.get("published"):
-            try:
-                ctx.set_config_key_value(_FAILED, str(rank))
+        if failing and not _state["published"]:
+            try:  # failing, not the cause (or could not publish)
+                ctx.set_config_key_value(_FAILING, str(rank))
             except Exception:  # noqa: BLE001 (set before, or service gone)
                 pass
         try:
@@ -360,9 +372,6 @@ def _wait(context, rank, world_size, timeout_seconds):
 
     _bounded(tell, _TELL_SECONDS)
     if failing:
-        # An unhandled exception was reported by the excepthook; a failing
-        # exit status is reported here.
-        _fail(context, rank)
         return
     deadline = time.monotonic() + timeout_seconds
     missing = []

@@ -165,9 +165,28 @@ def _get(key, source, what):
             return _decode(ctx.get_config_key_value(
                 key, max(1, int(wait * 1000))))
         except LOST as e:
-            _raise_if_a_rank_failed(ctx, shutdown, source, what, e)
-            quick = time.monotonic() - began < wait / 2  # not a timeout
-            if quick or time.monotonic() >= deadline:
+            # One look per slice (each look that finds nothing stays
+            # pending at the coordination service until the job ends).
+            failed = shutdown.failure(ctx)
+            if failed is not None:
+                rank, error = failed
+                stopped = RuntimeError(
+                    f"keras-smp: rank {state.topology().rank} stopped in "
+                    f"{what} (waiting for rank {source}): rank {rank} failed "
+                    f"with {error}. That rank's log has the traceback; fix "
+                    "the error there and restart the job.")
+                # Not this rank's own failure (runtime.shutdown records it
+                # as stopped by that rank's).
+                stopped.smp_stopped_by = failed
+                raise stopped from e
+            if time.monotonic() - began < wait / 2:  # not a timeout
+                raise RuntimeError(
+                    f"keras-smp: rank {state.topology().rank} lost the "
+                    f"coordination service in {what}, waiting for rank "
+                    f"{source} ({type(e).__name__}: {e}). Rank 0's process "
+                    "hosts it: it has probably ended; look at its log and "
+                    "restart the job.") from e
+            if time.monotonic() >= deadline:
                 raise RuntimeError(
                     f"keras-smp: rank {state.topology().rank} waited "
                     f"{state.config().collective_timeout_seconds:g} s in "
@@ -175,18 +194,6 @@ def _get(key, source, what):
                     f"({type(e).__name__}). Every rank of the group must "
                     "make the same communication calls in the same order; "
                     "a lost rank means the job must be restarted.") from e
-        _raise_if_a_rank_failed(ctx, shutdown, source, what)
-
-
-def _raise_if_a_rank_failed(ctx, shutdown, source, what, cause=None):
-    failed = shutdown.failure(ctx)
-    if failed is not None:
-        rank, error = failed
-        raise RuntimeError(
-            f"keras-smp: rank {state.topology().rank} stopped in {what} "
-            f"(waiting for rank {source}): rank {rank} failed with "
-            f"{error}. That rank's log has the traceback; fix the error "
-            "there and restart the job.") from cause
 
 
 def _check_member(ranks, what):
