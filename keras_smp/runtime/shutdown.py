@@ -24,8 +24,8 @@ together. A rank that does not answer in time gets a warning naming it.
 A rank that fails (an unhandled exception, `sys.exit`, `exit()` or
 `quit()` with a non-zero or non-int status) says so instead and does not
 wait, and the ranks waiting stop waiting within a second of one saying
-so (or when the service is gone): a failure still ends the processes at once, so a launcher notices it as soon as
-before. It also reports its error to the whole job through the
+so (or when the service is gone): a failure still ends the processes at
+once, so a launcher notices it as soon as before. It also reports its error to the whole job through the
 coordination service (`report_error_to_cluster`, TensorFlow's own error
 propagation), which aborts every other rank's collectives at once with
 "keras-smp: rank R failed [N chars]: <the exception>", and puts it in the
@@ -55,7 +55,8 @@ import warnings
 from keras_smp.launch import record_failure
 
 _PREFIX = "keras_smp/exit"
-_FAILED = f"{_PREFIX}/failed"  # set by any rank that fails (its rank)
+# Set by a rank that fails with its own error (its rank; `_publish`).
+_FAILED = f"{_PREFIX}/failed"
 _ERROR = f"{_PREFIX}/error"  # /<rank>: a failing rank's one-line error
 # Set by a rank failing because of another's failure or a lost peer (not a
 # cause: `_FAILED` names causes only); ends the others' exit wait too.
