@@ -2,8 +2,8 @@
 
 A worker process that fails reports its error to the others
 (`runtime.shutdown`), which then stop with an error naming that rank and
-its exception. A worker process that dies or hangs surfaces in the others as a collective
-`DeadlineExceededError` (after `collective_timeout_seconds`), or as
+its exception. A worker process that dies or hangs surfaces in the others
+as a collective `DeadlineExceededError` (after `collective_timeout_seconds`), or as
 `UnavailableError` / `CancelledError` / `AbortedError` (connection lost,
 coordination service heartbeat) from deep inside TensorFlow. `guard(fn,
 runtime)` wraps a Keras step function so those become one `RuntimeError`
