@@ -31,6 +31,7 @@ the last run on the CI machine: benchmarks/results_pipeline_cpu.txt.
 
     python benchmarks/pipeline_cpu.py            # ~30 minutes on 2 cores
     python benchmarks/pipeline_cpu.py --quick    # m = 1, 4, 8 only
+    python benchmarks/pipeline_cpu.py --xla --dp-only   # data parallel
     python benchmarks/pipeline_cpu.py --schedules 1f1b zb_h1 \
         interleaved_1f1b zb_v --microbatch-counts 2 4 8
 
@@ -85,8 +86,10 @@ def worker(args):
     if args.mode == "dp":
         import keras_smp
 
+        extra = ({} if args.allreduce_pieces is None
+                 else {"allreduce_pieces": args.allreduce_pieces})
         strategy = keras_smp.SMPStrategy(collective_timeout_seconds=300,
-                                         allreduce=args.allreduce)
+                                         allreduce=args.allreduce, **extra)
     if args.mode in ("pipeline", "serial"):
         import keras_smp
 
@@ -100,10 +103,11 @@ def worker(args):
     import keras
     import numpy as np
 
-    x = np.random.RandomState(0).randn(BATCH * 4, WIDTH).astype("float32")
-    y = np.random.RandomState(1).randn(BATCH * 4, WIDTH).astype("float32")
+    batch = args.batch or BATCH
+    x = np.random.RandomState(0).randn(batch * 4, WIDTH).astype("float32")
+    y = np.random.RandomState(1).randn(batch * 4, WIDTH).astype("float32")
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
-        BATCH, drop_remainder=True).repeat()
+        batch, drop_remainder=True).repeat()
 
     def build():
         model = keras.Sequential(
@@ -259,6 +263,38 @@ def _torch_version(python):
     return out.stdout.strip() or "?"
 
 
+def dp_only(me, repeats):
+    """Data parallelism in 2 serial processes with the ring all-reduce's
+    buckets whole (`allreduce_pieces=1`) and in 4 pieces in flight (the
+    default), beside the whole model in 1 process and half the batch in 1
+    process (each process's share of the compute), in alternating rounds."""
+    runs = {"1 process, batch 1024": [], "1 process, batch 512": [],
+            "dp, allreduce_pieces=1": [], "dp, allreduce_pieces=4": []}
+    dp = [sys.executable, "-m", "keras_smp.launch", "-n", "2", "--timeout",
+          "800", "--"] + me + ["--mode", "dp"]
+    for r in range(repeats):
+        runs["1 process, batch 1024"].append(run(me + ["--mode", "single"]))
+        runs["1 process, batch 512"].append(run(
+            me + ["--mode", "single", "--batch", str(BATCH // 2)]))
+        for pieces in (1, 4):
+            runs[f"dp, allreduce_pieces={pieces}"].append(
+                run(dp + ["--allreduce-pieces", str(pieces)]))
+        print(f"round {r + 1}: " + ", ".join(
+            f"{k} {v[-1]:.0f}" for k, v in runs.items()), flush=True)
+    med = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
+    base = med["1 process, batch 1024"]
+    print(f"{'run':>24} {'median ms/step':>15} {'vs 1 process':>13}")
+    for k, v in med.items():
+        print(f"{k:>24} {v:>15.0f} {base / v:>12.2f}x")
+    print("dp all-reduce cost above half the compute: pieces=1 "
+          f"{med['dp, allreduce_pieces=1'] - med['1 process, batch 512']:.0f}"
+          " ms, pieces=4 "
+          f"{med['dp, allreduce_pieces=4'] - med['1 process, batch 512']:.0f}"
+          " ms; pieces=4 vs pieces=1: "
+          f"{med['dp, allreduce_pieces=1'] / med['dp, allreduce_pieces=4']:.2f}"
+          "x")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -276,6 +312,15 @@ def main():
                    help="compile(jit_compile=True) in every run, baseline "
                    "included")
     p.add_argument("--allreduce", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, default=None,
+                   help=argparse.SUPPRESS)  # a worker's global batch
+    p.add_argument("--allreduce-pieces", type=int, default=None,
+                   help=argparse.SUPPRESS)
+    p.add_argument("--dp-only", action="store_true",
+                   help="only the baseline and data parallelism: "
+                   "allreduce_pieces 1 and 4, alternating, --repeats times")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="--dp-only: rounds of (baseline, pieces 1, pieces 4)")
     p.add_argument("--hvd-python",
                    default=os.path.join(ROOT, ".venv-hvd", "bin", "python"),
                    help="the Horovod lane's Python (a Horovod DP row)")
@@ -311,6 +356,8 @@ def main():
     xla = ["--xla"] if args.xla else []
     me = [sys.executable, os.path.abspath(__file__), "--worker",
           "--steps", str(args.steps), "--warmup", str(args.warmup)] + xla
+    if args.dp_only:
+        return dp_only(me, args.repeats)
     other = None
     if args.compare_tree:
         other_root = os.path.abspath(args.compare_tree)
@@ -386,6 +433,9 @@ def main():
                   + compared, flush=True)
     dp = run([sys.executable, "-m", "keras_smp.launch", "-n", "2",
               "--timeout", "800", "--"] + me + ["--mode", "dp"])
+    dp_whole = run([sys.executable, "-m", "keras_smp.launch", "-n", "2",
+                    "--timeout", "800", "--"] + me
+                   + ["--mode", "dp", "--allreduce-pieces", "1"])
     bases.append(run(me + ["--mode", "single"]))
     median = sorted(bases)[1]
     print(f"baseline runs: {', '.join(f'{b:.0f}' for b in bases)} ms/step "
@@ -405,7 +455,10 @@ def main():
                       for sc in schedules if sc != "1f1b"
                       and (sc, m) in step), flush=True)
     print(f"data parallel, 2 serial processes (batch {BATCH // 2} each): "
-          f"{dp:.0f} ms/step, {median / dp:.2f}x (target >= 1.6x, ideal 2x)")
+          f"{dp:.0f} ms/step, {median / dp:.2f}x (target >= 1.6x, ideal 2x); "
+          f"with each gradient bucket all-reduced whole "
+          f"(allreduce_pieces=1): {dp_whole:.0f} ms/step, "
+          f"{median / dp_whole:.2f}x")
     worker_args = ["--worker", "--steps", str(args.steps), "--warmup",
                    str(args.warmup)] + xla
     horovod_rows(args.hvd_python, worker_args, median)

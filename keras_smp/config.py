@@ -41,6 +41,7 @@ CONFIG_KEYS: tuple[str, ...] = (
     "placement_strategy",
     "allreduce",
     "fusion_threshold_mb",
+    "allreduce_pieces",
     "collective_timeout_seconds",
     "local_devices",
     "activation_checkpointing",
@@ -175,6 +176,8 @@ def _normalise(values: Mapping[str, Any], origins: Mapping[str, str] | None = No
     out["fusion_threshold_mb"] = _check_float(
         "fusion_threshold_mb", values["fusion_threshold_mb"], origins, strictly_positive=False
     )
+    out["allreduce_pieces"] = _check_int(
+        "allreduce_pieces", values["allreduce_pieces"], 1, origins)
     out["collective_timeout_seconds"] = _check_float(
         "collective_timeout_seconds", values["collective_timeout_seconds"], origins,
         strictly_positive=True,
@@ -328,6 +331,11 @@ class SMPConfig:
             `"hierarchical"` or `"horovod"`.
         fusion_threshold_mb: Tensor-fusion buffer size in MB, >= 0
             (0 disables fusion).
+        allreduce_pieces: On CPU devices, the ring all-reduce sends each
+            bucket as up to this many pieces of at least 1 MB, in flight
+            together (faster over TensorFlow's gRPC collectives than one
+            piece); int >= 1, 1 keeps buckets whole. GPUs keep buckets
+            whole (NCCL needs one launch order on every rank).
         collective_timeout_seconds: Timeout for collectives, > 0.
         local_devices: Devices driven by each process (int >= 1), or None to
             use all visible GPUs, or on CPU 1 device (`partitions` logical
@@ -378,6 +386,7 @@ class SMPConfig:
     placement_strategy: str = "cluster"
     allreduce: str = "auto"
     fusion_threshold_mb: float = 64.0
+    allreduce_pieces: int = 4
     collective_timeout_seconds: float = 300.0
     local_devices: int | None = None
     activation_checkpointing: bool | tuple = False

@@ -8,7 +8,8 @@ call each in the same job. Each
 all-reduce call mixes float32, float16 and bfloat16 tensors of several
 shapes holding small integers, whose sums are exact in every dtype, and
 float32 random values (float32 rounding only); one 13 MB tensor makes the
-hierarchical algorithm pipeline its buckets in chunks.
+hierarchical algorithm pipeline its buckets in chunks and the ring send its
+bucket as 4 pieces in flight together.
 """
 
 import json
@@ -48,3 +49,8 @@ def test_allreduce_equals_numpy_sum(workers, hosts, algorithm):
         # 17 tensors in 3 dtypes: fused into one bucket per dtype, or not
         # fused.
         assert r["buckets_traced"] == (3 if r["fusion_mb"] else 17), r
+        # Ring on CPU: the bucket holding the 13 MB tensor goes as 4
+        # pieces in flight together (allreduce_pieces=4), the others whole
+        # (under 2 MB); the other algorithms keep buckets whole.
+        assert r["pieces_traced"] == (
+            r["buckets_traced"] + 3 if algorithm == "ring" else 0), r

@@ -5,6 +5,7 @@ import itertools
 import pytest
 
 from keras_smp.distribute.fusion import plan_buckets
+from keras_smp.distribute.fusion import plan_pieces
 from keras_smp.distribute.groups import ReplicaLayout
 from keras_smp.distribute.groups import resolve_algorithm
 
@@ -113,3 +114,34 @@ def test_sparse_gradient_summed_dense_when_smaller(rows, dense_rows, replicas,
     from keras_smp.distribute.fusion import sum_sparse_as_dense
 
     assert sum_sparse_as_dense(rows, dense_rows, replicas) is dense
+
+
+@pytest.mark.parametrize("elements,itemsize,max_pieces,expected", [
+    (8 * 2**20, 4, 4, [2**21] * 4),         # 32 MB: 4 pieces of 8 MB
+    (3_301_066, 4, 4, [825_267] * 2 + [825_266] * 2),  # uneven: sizes differ by 1
+    (2**19 + 1, 4, 4, [2**18 + 1, 2**18]),  # 2 MB: 2 pieces of >= 1 MB
+    (2**18, 4, 4, [2**18]),                 # exactly 1 MB: whole
+    (1000, 4, 4, [1000]),                   # small: whole
+    (8 * 2**20, 4, 1, [8 * 2**20]),         # allreduce_pieces=1: whole
+    (2**21, 2, 8, [2**19] * 4),             # 4 MB of float16: 4 x 1 MB
+])
+def test_pieces_cut_large_buckets_only(elements, itemsize, max_pieces,
+                                       expected):
+    sizes = plan_pieces(elements, itemsize, max_pieces)
+    assert sizes == expected
+    assert sum(sizes) == elements
+    assert all(s * itemsize >= 2**20 for s in sizes) or len(sizes) == 1
+
+
+def test_pieces_bad_count_is_an_error():
+    with pytest.raises(ValueError, match="max_pieces must be >= 1; received 0"):
+        plan_pieces(100, 4, 0)
+
+
+def test_fusion_docstring_examples():
+    import doctest
+
+    from keras_smp.distribute import fusion
+
+    failed, attempted = doctest.testmod(fusion, verbose=False)
+    assert attempted >= 5 and failed == 0

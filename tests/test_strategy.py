@@ -13,6 +13,7 @@ import re
 import numpy as np
 import pytest
 
+from conftest import WORKERS
 from conftest import assert_same_training
 from conftest import fit_model
 from conftest import launch
@@ -181,3 +182,27 @@ def test_tensorflow_used_before_the_strategy_is_a_clear_error(tmp_path):
     assert "TensorFlow already started in this process" in proc.stdout
     assert "Create `keras_smp.SMPStrategy(...)`" in proc.stdout
     assert "first, at the top of the script" in proc.stdout
+
+
+@pytest.mark.parametrize("pieces", [4, 1])
+def test_ring_pieces_go_in_flight_together_on_cpu(pieces):
+    # One process, 2 logical CPUs: a 16 MB bucket and a 4 KB one (fusion
+    # off). With allreduce_pieces=4 the big bucket goes as 4 collectives of
+    # 1M elements, each on its own ordering token, none depending on
+    # another (so TensorFlow runs them together); the small bucket stays
+    # whole and follows piece 0 on its stream. With 1, both buckets go
+    # whole, in order on one token (as before pieces existed).
+    proc = run_python([os.path.join(WORKERS, "allreduce_pieces_graph.py"),
+                       str(pieces)])
+    got = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert got["exact"], got
+    assert len(got["devices"]) == 2, got
+    for device in got["devices"]:
+        if pieces == 4:
+            assert device["sizes"] == [1000] + [2**20] * 4, device
+            assert device["tokens"] == 4, device
+        else:
+            assert device["sizes"] == [1000, 4 * 2**20], device
+            assert device["tokens"] == 1, device
+        assert device["dependent_pairs"] == 1, device
+    assert got["pieces_traced"] == 2 * (5 if pieces == 4 else 2), got

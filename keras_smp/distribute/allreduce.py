@@ -10,7 +10,11 @@ once per step; that lands in `GradientAllReduce._all_reduce`, which
 
 Algorithms (groups described in `groups.py`):
 
-- "ring": one collective all-reduce over every data-parallel replica.
+- "ring": one collective all-reduce over every data-parallel replica. On
+  CPU devices a large bucket goes as up to `pieces` pieces in flight
+  together (`fusion.plan_pieces`), each on its own ordering stream, so a
+  bucket also starts as soon as its own gradients exist rather than after
+  the buckets issued before it.
 - "hierarchical": sum inside each host, all-reduce one shard per local
   replica across hosts (in parallel), then share the shards back inside the
   host. Fewer bytes cross the inter-host link.
@@ -104,6 +108,10 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         collective_keys: the strategy's `CollectiveKeys`, for the base class.
         stage_devices: for each local replica, the device of each pipeline
             stage (default: one stage, on `devices`).
+        pieces: "ring" on CPU devices: a bucket is all-reduced as up to
+            this many pieces in flight together (`fusion.plan_pieces`); 1
+            keeps buckets whole. GPUs keep 1: NCCL needs every rank to
+            launch its collectives in one order.
         group_keys: the `keras_smp.runtime.keys.KeyRange` our own groups
             take their keys from, at least `keys_needed(layout, stages)`
             long; by default a new range of the process-wide allocator.
@@ -115,7 +123,8 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
     def __init__(self, devices, layout, algorithm="ring",
                  fusion_threshold_bytes=64 * 2**20, options=None,
-                 collective_keys=None, stage_devices=None, group_keys=None):
+                 collective_keys=None, stage_devices=None, group_keys=None,
+                 pieces=1):
         options = options or tf.distribute.experimental.CommunicationOptions()
         super().__init__(devices=devices, group_size=layout.size,
                          options=options, collective_keys=collective_keys)
@@ -140,7 +149,17 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._stage_devices = [
             [device_util.canonicalize(d) for d in row] for row in stage_devices]
         self.num_stages = len(self._stage_devices[0])
+        if int(pieces) != pieces or pieces < 1:
+            raise ValueError(f"pieces must be an int >= 1; received "
+                             f"{pieces!r}.")
+        on_cpu = all(tf.DeviceSpec.from_string(d).device_type == "CPU"
+                     for row in self._stage_devices for d in row)
+        # Pieces of a bucket in flight together (ring on CPU only).
+        self.pieces = int(pieces) if on_cpu and algorithm == "ring" else 1
+        # Ring all-reduces traced so far (all replicas), one per piece.
+        self.pieces_traced = 0
         self._world, self._intra, self._cross = [], [], []
+        self._streams = []
         if algorithm not in ("ring", "hierarchical"):
             return  # a subclass communicates by other means
         needed = self.keys_needed(layout, self.num_stages)
@@ -177,11 +196,18 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 (stream, device), lau._ordering_token)
             return lau
 
-        # Launchers indexed [local replica][stage].
+        # Launchers indexed [local replica][stage]; ring on CPU: a list
+        # per stage, one launcher (ordering stream) per piece in flight.
+        # Piece k of every bucket runs on stream k, so each stream still
+        # sees its collectives in one order on every rank.
         for i, local in enumerate(self._local_layouts):
             stages = range(self.num_stages)
             self._world.append(
                 [launcher(s, local.world_group, i) for s in stages])
+            self._streams.append(
+                [[self._world[i][s]]
+                 + [launcher(s, local.world_group, i, f"piece{k}")
+                    for k in range(1, self.pieces)] for s in stages])
             if algorithm == "hierarchical":
                 self._intra.append(
                     [launcher(s, local.intra_host_group, i) for s in stages])
@@ -197,8 +223,16 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     def _reduce_flat(self, flat, replica_id, stage, options):
         """All-reduces (sums) one flat bucket of `stage` on a local replica."""
         if self.algorithm == "ring":
-            return self._world[replica_id][stage].all_reduce(
-                flat, options=options)
+            streams = self._streams[replica_id][stage]
+            n = flat.shape[0]
+            sizes = ([n] if n is None or len(streams) == 1 else
+                     fusion.plan_pieces(n, flat.dtype.size, len(streams)))
+            self.pieces_traced += len(sizes)
+            if len(sizes) == 1:
+                return streams[0].all_reduce(flat, options=options)
+            return tf.concat(
+                [streams[k].all_reduce(piece, options=options)
+                 for k, piece in enumerate(tf.split(flat, sizes))], axis=0)
         local = self._local_layouts[replica_id]
         intra = self._intra[replica_id][stage]
         cross = self._cross[replica_id][stage]

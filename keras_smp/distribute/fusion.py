@@ -66,6 +66,42 @@ def plan_buckets(shapes, dtypes, itemsizes, threshold_bytes):
     return buckets
 
 
+def plan_pieces(num_elements, itemsize, max_pieces, min_piece_bytes=2**20):
+    """Sizes (elements) of the pieces one bucket is all-reduced in.
+
+    On CPU, TensorFlow's ring all-reduce runs over gRPC, and a bucket sent as
+    a few pieces in flight together takes less wall and CPU time than the
+    same bytes in one piece (`benchmarks/allreduce_cost.py`). A bucket is
+    cut into at most `max_pieces` near-equal pieces of at least
+    `min_piece_bytes` each; a smaller bucket stays whole. The plan depends
+    only on its arguments, so every replica cuts the same pieces.
+
+    Args:
+        num_elements: elements in the bucket.
+        itemsize: bytes per element.
+        max_pieces: int >= 1; 1 keeps every bucket whole.
+        min_piece_bytes: smallest piece worth a collective of its own.
+
+    Returns:
+        A list of piece sizes (elements) that sum to `num_elements`.
+
+    Example: the 32 MB of gradients of 8 x Dense(1024) in 4 pieces.
+
+    >>> plan_pieces(8 * 2**20, 4, max_pieces=4)
+    [2097152, 2097152, 2097152, 2097152]
+    >>> plan_pieces(2**19 + 1, 4, max_pieces=4)  # 2 MB: 2 pieces of >= 1 MB
+    [262145, 262144]
+    >>> plan_pieces(1000, 4, max_pieces=4)
+    [1000]
+    """
+    if max_pieces < 1:
+        raise ValueError(f"max_pieces must be >= 1; received {max_pieces!r}.")
+    pieces = max(1, min(max_pieces,
+                        num_elements * itemsize // max(1, min_piece_bytes)))
+    return [num_elements // pieces + (1 if i < num_elements % pieces else 0)
+            for i in range(pieces)]
+
+
 def pack(tensors, bucket):
     """Concatenates the bucket's tensors into one flat tensor."""
     import tensorflow as tf

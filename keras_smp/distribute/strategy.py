@@ -304,7 +304,8 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
                 hvd, process_set, **common)
         else:
             self._cross_device_ops = GradientAllReduce(
-                algorithm=algorithm, **common)
+                algorithm=algorithm, pieces=config.allreduce_pieces,
+                **common)
 
     def _get_variable_creator_initial_value(self, replica_id, device,
                                             primary_var, **kwargs):

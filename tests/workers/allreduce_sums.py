@@ -72,11 +72,12 @@ def run():
 def check(fusion_mb):
     sync = strategy.gradient_sync
     sync.fusion_threshold_bytes = int(fusion_mb * 2**20)
-    traced = sync.buckets_traced
+    traced, pieces = sync.buckets_traced, sync.pieces_traced
     got = [t.numpy().astype("float64") for t in run()]
     report = {"algorithm": strategy.allreduce_algorithm, "replicas": n,
               "fusion_mb": fusion_mb,
               "buckets_traced": int(sync.buckets_traced - traced),
+              "pieces_traced": int(sync.pieces_traced - pieces),
               "exact": [], "random_max_rel": 0.0}
     expected = sum(integers(r, 999, BIG).astype("float64") for r in range(n))
     report["exact"].append(["float32", list(BIG),
