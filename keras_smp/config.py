@@ -333,9 +333,11 @@ class SMPConfig:
             (0 disables fusion).
         allreduce_pieces: On CPU devices, the ring all-reduce sends each
             bucket as up to this many pieces of at least 1 MB, in flight
-            together (faster over TensorFlow's gRPC collectives than one
-            piece); int >= 1, 1 keeps buckets whole. GPUs keep buckets
-            whole (NCCL needs one launch order on every rank).
+            together (an all-reduce alone is faster so over TensorFlow's
+            gRPC collectives; measure your step with
+            `benchmarks/pipeline_cpu.py --dp-only`); int >= 1, 1 (the
+            default) keeps buckets whole. GPUs keep buckets whole (NCCL
+            needs one launch order on every rank).
         collective_timeout_seconds: Timeout for collectives, > 0.
         local_devices: Devices driven by each process (int >= 1), or None to
             use all visible GPUs, or on CPU 1 device (`partitions` logical
@@ -386,7 +388,7 @@ class SMPConfig:
     placement_strategy: str = "cluster"
     allreduce: str = "auto"
     fusion_threshold_mb: float = 64.0
-    allreduce_pieces: int = 4
+    allreduce_pieces: int = 1
     collective_timeout_seconds: float = 300.0
     local_devices: int | None = None
     activation_checkpointing: bool | tuple = False

@@ -37,7 +37,7 @@ def test_defaults():
         "placement_strategy": "cluster",
         "allreduce": "auto",
         "fusion_threshold_mb": 64.0,
-        "allreduce_pieces": 4,
+        "allreduce_pieces": 1,
         "collective_timeout_seconds": 300.0,
         "local_devices": None,
         "activation_checkpointing": False,

@@ -1,10 +1,12 @@
 """Pure-Python planning of gradient sync: replica groups and fusion buckets."""
 
 import itertools
+import re
 
 import pytest
 
 from keras_smp.distribute.fusion import plan_buckets
+from keras_smp.distribute.fusion import pieces_in_flight
 from keras_smp.distribute.fusion import plan_pieces
 from keras_smp.distribute.groups import ReplicaLayout
 from keras_smp.distribute.groups import resolve_algorithm
@@ -134,8 +136,11 @@ def test_pieces_cut_large_buckets_only(elements, itemsize, max_pieces,
 
 
 def test_pieces_bad_count_is_an_error():
-    with pytest.raises(ValueError, match="max_pieces must be >= 1; received 0"):
-        plan_pieces(100, 4, 0)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="max_pieces must be an int >= 1"):
+            plan_pieces(100, 4, bad)
+    # Never more pieces than elements, whatever the smallest piece.
+    assert plan_pieces(2, 4, 4, min_piece_bytes=0) == [1, 1]
 
 
 def test_fusion_docstring_examples():
@@ -145,3 +150,30 @@ def test_fusion_docstring_examples():
 
     failed, attempted = doctest.testmod(fusion, verbose=False)
     assert attempted >= 5 and failed == 0
+
+
+CPU0 = "/job:worker/replica:0/task:0/device:CPU:0"
+CPU1 = "/job:worker/replica:0/task:0/device:CPU:1"
+GPU0 = "/job:worker/replica:0/task:0/device:GPU:0"
+
+
+@pytest.mark.parametrize("algorithm,devices,expected", [
+    ("ring", [CPU0], 4),
+    ("ring", [CPU0, CPU1], 4),        # logical CPUs: pipeline stages
+    ("ring", [GPU0], 1),              # NCCL: one launch order
+    ("ring", [CPU0, GPU0], 1),        # any GPU keeps buckets whole
+    ("hierarchical", [CPU0], 1),      # pipelines its own chunks
+    ("horovod", [CPU0], 1),
+])
+def test_pieces_in_flight_only_for_the_ring_on_cpus(algorithm, devices,
+                                                    expected):
+    assert pieces_in_flight(4, algorithm, devices) == expected
+    assert pieces_in_flight(1, algorithm, devices) == 1
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "4", None])
+def test_pieces_in_flight_bad_value_is_an_error(bad):
+    with pytest.raises(ValueError,
+                       match=r"allreduce_pieces must be an int >= 1; "
+                       r"received " + re.escape(repr(bad))):
+        pieces_in_flight(bad, "ring", [CPU0])

@@ -190,8 +190,9 @@ def test_ring_pieces_go_in_flight_together_on_cpu(pieces):
     # off). With allreduce_pieces=4 the big bucket goes as 4 collectives of
     # 1M elements, each on its own ordering token, none depending on
     # another (so TensorFlow runs them together); the small bucket stays
-    # whole and follows piece 0 on its stream. With 1, both buckets go
-    # whole, in order on one token (as before pieces existed).
+    # whole and, being the last bucket, goes first, before piece 0 on its
+    # stream (buckets go in reverse model order). With 1, both buckets go
+    # whole, in that order, on one token.
     proc = run_python([os.path.join(WORKERS, "allreduce_pieces_graph.py"),
                        str(pieces)])
     got = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
@@ -205,4 +206,34 @@ def test_ring_pieces_go_in_flight_together_on_cpu(pieces):
             assert device["sizes"] == [1000, 4 * 2**20], device
             assert device["tokens"] == 1, device
         assert device["dependent_pairs"] == 1, device
+        assert device["small_first"], device
     assert got["pieces_traced"] == 2 * (5 if pieces == 4 else 2), got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["replicas", "pipelines"])
+def test_ring_pieces_in_training_match_single_device(tmp_path, reference,
+                                                     layout):
+    # A model with a 1024 x 1024 kernel: 4 MB of gradients in one bucket,
+    # which the ring all-reduce on CPU sends as 4 pieces in flight
+    # (allreduce_pieces=4). 2 worker processes x 2 logical
+    # CPUs: "replicas", 4 data-parallel replicas (2 in each process);
+    # "pipelines", one 2-stage pipeline (m = 4) in each process, each
+    # stage's gradients summed across the processes on that stage's
+    # device. The same bounds as every data-parallel test.
+    config = {"allreduce_pieces": 4}
+    flags = ["--model", "wide", "--local-devices", "2"]
+    if layout == "pipelines":
+        config.update(partitions=2, microbatches=4)
+        flags += ["--pipelined"]
+    flags += ["--config", json.dumps(config)]
+    launch(2, fit_model(tmp_path, *flags))
+    ref = reference("--model", "wide")
+    for r in range(2):
+        got = load(tmp_path, r)
+        assert int(got["replicas"]) == (4 if layout == "replicas" else 2)
+        assert str(got["algorithm"]) == "ring"
+        # Pieces really were cut: more ring collectives than buckets.
+        assert int(got["pieces_traced"]) > int(got["buckets_traced"]) > 0, (
+            int(got["pieces_traced"]), int(got["buckets_traced"]))
+        assert_same_training(got, ref)

@@ -12,9 +12,12 @@ Algorithms (groups described in `groups.py`):
 
 - "ring": one collective all-reduce over every data-parallel replica. On
   CPU devices a large bucket goes as up to `pieces` pieces in flight
-  together (`fusion.plan_pieces`), each on its own ordering stream, so a
-  bucket also starts as soon as its own gradients exist rather than after
-  the buckets issued before it.
+  together (`fusion.plan_pieces`), piece k on ordering stream k.
+
+Buckets are issued in reverse model order, roughly the order in which the
+backward pass produces their gradients (as PyTorch DDP does): a bucket's
+collectives then wait on their stream only behind buckets whose gradients
+were ready earlier.
 - "hierarchical": sum inside each host, all-reduce one shard per local
   replica across hosts (in parallel), then share the shards back inside the
   host. Fewer bytes cross the inter-host link.
@@ -149,13 +152,10 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         self._stage_devices = [
             [device_util.canonicalize(d) for d in row] for row in stage_devices]
         self.num_stages = len(self._stage_devices[0])
-        if int(pieces) != pieces or pieces < 1:
-            raise ValueError(f"pieces must be an int >= 1; received "
-                             f"{pieces!r}.")
-        on_cpu = all(tf.DeviceSpec.from_string(d).device_type == "CPU"
-                     for row in self._stage_devices for d in row)
         # Pieces of a bucket in flight together (ring on CPU only).
-        self.pieces = int(pieces) if on_cpu and algorithm == "ring" else 1
+        self.pieces = fusion.pieces_in_flight(
+            pieces, algorithm,
+            [d for row in self._stage_devices for d in row])
         # Ring all-reduces traced so far (all replicas), one per piece.
         self.pieces_traced = 0
         self._world, self._intra, self._cross = [], [], []
@@ -179,11 +179,13 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
                 [row[s] for row in self._stage_devices])
             for s in range(self.num_stages) for g in layout.all_groups()
         }
-        # Ordering tokens: every collective on a device runs in program order
-        # on every worker. Two streams per device: the base class's token
-        # for world and intra-host collectives, and one for the cross-host
-        # collectives, so that a chunk's cross-host step overlaps the next
-        # chunk's intra-host step (each group still sees one order).
+        # Ordering tokens: the collectives of one stream on a device run in
+        # program order on every worker. Streams per device: the base
+        # class's token for world and intra-host collectives (and piece 0),
+        # one for the cross-host collectives, so that a chunk's cross-host
+        # step overlaps the next chunk's intra-host step, and one per
+        # further piece in flight (each group still sees one order per
+        # stream).
         tokens = {("intra", self._devices[i]): launcher._ordering_token
                   for i, launcher in enumerate(self._launchers)}
 
@@ -224,7 +226,7 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
         """All-reduces (sums) one flat bucket of `stage` on a local replica."""
         if self.algorithm == "ring":
             streams = self._streams[replica_id][stage]
-            n = flat.shape[0]
+            n = flat.shape[0] if flat.shape.rank == 1 else None
             sizes = ([n] if n is None or len(streams) == 1 else
                      fusion.plan_pieces(n, flat.dtype.size, len(streams)))
             self.pieces_traced += len(sizes)
@@ -345,7 +347,8 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             [v.dtype.size for v in values], self.fusion_threshold_bytes)
         out = {}
         self.buckets_traced += len(buckets)
-        for bucket in buckets:
+        # Last bucket first: the backward pass produces it first.
+        for bucket in reversed(buckets):
             flat = fusion.pack(values, bucket)
             flat = self._reduce_flat(flat, replica_id, stage, options)
             out.update(fusion.unpack(flat, bucket, shapes))

@@ -85,21 +85,52 @@ def plan_pieces(num_elements, itemsize, max_pieces, min_piece_bytes=2**20):
     Returns:
         A list of piece sizes (elements) that sum to `num_elements`.
 
-    Example: the 32 MB of gradients of 8 x Dense(1024) in 4 pieces.
+    Example: the 32 MB of gradients of 8 x Dense(1024) (kernels and
+    biases) in 4 pieces.
 
-    >>> plan_pieces(8 * 2**20, 4, max_pieces=4)
-    [2097152, 2097152, 2097152, 2097152]
+    >>> plan_pieces(8 * (1024 * 1024 + 1024), 4, max_pieces=4)
+    [2099200, 2099200, 2099200, 2099200]
     >>> plan_pieces(2**19 + 1, 4, max_pieces=4)  # 2 MB: 2 pieces of >= 1 MB
     [262145, 262144]
     >>> plan_pieces(1000, 4, max_pieces=4)
     [1000]
     """
-    if max_pieces < 1:
-        raise ValueError(f"max_pieces must be >= 1; received {max_pieces!r}.")
-    pieces = max(1, min(max_pieces,
+    if (not isinstance(max_pieces, int) or isinstance(max_pieces, bool)
+            or max_pieces < 1):
+        raise ValueError(
+            f"max_pieces must be an int >= 1; received {max_pieces!r}.")
+    pieces = max(1, min(max_pieces, num_elements,
                         num_elements * itemsize // max(1, min_piece_bytes)))
     return [num_elements // pieces + (1 if i < num_elements % pieces else 0)
             for i in range(pieces)]
+
+
+def pieces_in_flight(pieces, algorithm, devices):
+    """How many pieces in flight a bucket may be cut into (`plan_pieces`'s
+    `max_pieces`): `pieces` for the ring all-reduce when every device is a
+    CPU, else 1. On GPUs, NCCL needs every rank to launch its collectives in
+    one order, which pieces on separate streams would not keep; the
+    hierarchical and Horovod paths pipeline their own way.
+
+    Args:
+        pieces: the `allreduce_pieces` option, an int >= 1.
+        algorithm: "ring", "hierarchical" or "horovod".
+        devices: the device strings the collectives run on, as TensorFlow
+            canonicalises them (".../device:CPU:0").
+
+    >>> pieces_in_flight(4, "ring", ["/job:worker/replica:0/task:0/device:CPU:0"])
+    4
+    >>> pieces_in_flight(4, "ring", ["/job:localhost/replica:0/task:0/device:GPU:0"])
+    1
+    >>> pieces_in_flight(4, "hierarchical", ["/job:worker/replica:0/task:1/device:CPU:0"])
+    1
+    """
+    if not isinstance(pieces, int) or isinstance(pieces, bool) or pieces < 1:
+        raise ValueError(
+            f"allreduce_pieces must be an int >= 1; received {pieces!r}.")
+    types = {d.rsplit("device:", 1)[-1].split(":", 1)[0].upper()
+             for d in devices}
+    return pieces if algorithm == "ring" and types == {"CPU"} else 1
 
 
 def pack(tensors, bucket):

@@ -4,10 +4,10 @@ Usage: allreduce_pieces_graph.py PIECES. One process, 2 logical CPUs (2
 replicas), `SMPStrategy(allreduce_pieces=PIECES)`. Traces one all-reduce of
 a 16 MB float32 tensor and a 4 KB one (2 buckets, fusion off), runs it,
 and prints one JSON line: the CollectiveReduceV2 ops per device, how many
-distinct ordering tokens they use, and, for each pair of one device's
-collectives, whether one depends on the other (a data or control path in
-the graph): collectives that depend on each other cannot be in flight
-together.
+distinct ordering tokens they use, how many pairs of one device's
+collectives depend on each other (a data or control path in the graph:
+those cannot be in flight together), and whether the last bucket went
+first.
 """
 
 import itertools
@@ -70,8 +70,12 @@ for device, group in sorted(by_device.items()):
     tokens = {op.inputs[-1].op.name for op in group}  # ordering_token
     dependent = sum(1 for a, b in itertools.permutations(group, 2)
                     if a.name in up[b.name])
+    small = [op for op in group if op.inputs[0].shape[0] == SMALL]
     report["devices"].append({
         "collectives": len(group), "tokens": len(tokens),
         "dependent_pairs": dependent,
+        # The small bucket (the last tensor, so the last bucket) is issued
+        # first: a big piece on its stream depends on it.
+        "small_first": any(small[0].name in up[op.name] for op in group),
         "sizes": sorted(int(op.inputs[0].shape[0]) for op in group)})
 print("RESULT " + json.dumps(report), flush=True)

@@ -1,7 +1,8 @@
 """All-reduces known tensors with SMPStrategy's gradient sync (tests).
 
 Run with `keras-smp launch -n N [--host-map ...] -- python allreduce_sums.py
-ALGORITHM FUSION_MB [FUSION_MB ...]`: one all-reduce call per fusion
+ALGORITHM FUSION_MB [FUSION_MB ...]` (with `allreduce_pieces=4`): one
+all-reduce call per fusion
 threshold, in one job (the gradient sync's `fusion_threshold_bytes` is set
 before each call is traced). Every replica contributes, in each call,
 float32 / float16 / bfloat16 tensors of several shapes (mixed dtypes in one
@@ -19,7 +20,8 @@ import keras_smp  # noqa: E402
 
 algorithm, fusions = sys.argv[1], [float(f) for f in sys.argv[2:]]
 strategy = keras_smp.SMPStrategy(allreduce=algorithm,
-                                 fusion_threshold_mb=fusions[0])
+                                 fusion_threshold_mb=fusions[0],
+                                 allreduce_pieces=4)
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402

@@ -31,10 +31,13 @@ p.add_argument("--load-weights", default=None,
                help="model.load_weights(PATH) instead of training")
 p.add_argument("--partial", action="store_true",
                help="keep the data's last, partial batch (no drop_remainder)")
-p.add_argument("--model", choices=["mlp", "tied", "manual", "deep", "tokens"],
+p.add_argument("--model",
+               choices=["mlp", "tied", "manual", "deep", "tokens", "wide"],
                default="mlp",
                help="manual: the mlp as a subclassed DistributedModel with "
-               "partition scopes when pipelined (plain mlp otherwise)")
+               "partition scopes when pipelined (plain mlp otherwise); "
+               "wide: a 1024 x 1024 kernel (4 MB of gradients: a bucket "
+               "the ring all-reduce cuts into pieces on CPU)")
 p.add_argument("--no-metrics", action="store_true",
                help="compile with the loss only (steps use no y_pred)")
 p.add_argument("--split-fit", action="store_true",
@@ -125,6 +128,13 @@ def build():
             keras.Input((8,), dtype="int32"),
             keras.layers.Embedding(20, 8, mask_zero=True),
             keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(3),
+        ])
+    elif args.model == "wide":
+        model = keras.Sequential([
+            keras.Input((8,)),
+            keras.layers.Dense(1024, activation="tanh"),
+            keras.layers.Dense(1024, activation="tanh"),
             keras.layers.Dense(3),
         ])
     elif args.model == "deep":
@@ -239,6 +249,7 @@ result["full_elements"] = np.array(sum(int(np.prod(v.shape)) for v in held))
 if strategy is not None:
     result["replicas"] = np.array(strategy.num_replicas_in_sync)
     result["buckets_traced"] = np.array(strategy.gradient_sync.buckets_traced)
+    result["pieces_traced"] = np.array(strategy.gradient_sync.pieces_traced)
     result["algorithm"] = np.array(strategy.allreduce_algorithm)
     result["compiled_calls"] = np.array(compiled_calls[0])
     result["jit_compile"] = np.array(bool(model.jit_compile))
