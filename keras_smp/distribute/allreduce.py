@@ -11,16 +11,17 @@ once per step; that lands in `GradientAllReduce._all_reduce`, which
 Algorithms (groups described in `groups.py`):
 
 - "ring": one collective all-reduce over every data-parallel replica. On
-  CPU devices a large bucket goes as up to `pieces` pieces in flight
-  together (`fusion.plan_pieces`), piece k on ordering stream k.
+  CPU devices, with `pieces` > 1, a large bucket goes as up to that many
+  pieces in flight together (`fusion.plan_pieces`), piece k on ordering
+  stream k.
+- "hierarchical": sum inside each host, all-reduce one shard per local
+  replica across hosts (in parallel), then share the shards back inside the
+  host. Fewer bytes cross the inter-host link.
 
 Buckets are issued in reverse model order, roughly the order in which the
 backward pass produces their gradients (as PyTorch DDP does): a bucket's
 collectives then wait on their stream only behind buckets whose gradients
 were ready earlier.
-- "hierarchical": sum inside each host, all-reduce one shard per local
-  replica across hosts (in parallel), then share the shards back inside the
-  host. Fewer bytes cross the inter-host link.
 """
 
 import tensorflow as tf
