@@ -20,7 +20,10 @@ __all__ = [
     "KEY_ALIASES",
     "ENV_VAR",
     "LEGACY_ENV_VAR",
+    "PER_PROCESS_KEYS",
     "SMPConfig",
+    "agreement_record",
+    "disagreements",
 ]
 
 #: Environment variable holding a JSON object that overrides every other source.
@@ -491,7 +494,41 @@ class SMPConfig:
 
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         values = {key: merged.get(key, defaults[key]) for key in CONFIG_KEYS}
-        return cls(**_normalise(values, origins))
+        built = cls(**_normalise(values, origins))
+        # Not a field (equality and `to_dict` ignore it): where each key
+        # came from, for messages (`origin`).
+        object.__setattr__(built, "_origins", dict(origins))
+        return built
+
+    def origin(self, key: str) -> str:
+        """Where option `key` came from: `"the config argument"`,
+        `"keyword arguments"`, `"environment variable SMP_CONFIG"` (or
+        `SM_HP_MP_PARAMETERS`) for a config made by `SMPConfig.build`,
+        `"SMPConfig arguments"` for one made directly; `"default"` for a
+        key no source set.
+
+        Example:
+
+        ```python
+        from keras_smp.config import SMPConfig
+
+        config = SMPConfig.build({"partitions": 2}, microbatches=4,
+                                 environ={"SMP_CONFIG": '{"pipeline": "gpipe"}'})
+        assert config.origin("partitions") == "the config argument"
+        assert config.origin("microbatches") == "keyword arguments"
+        assert config.origin("pipeline") == "environment variable SMP_CONFIG"
+        assert config.origin("optimize") == "default"
+        ```
+        """
+        if key not in CONFIG_KEYS:
+            raise ValueError(f"Unknown keras-smp option {key!r}; the options "
+                             f"are {', '.join(CONFIG_KEYS)}.")
+        origins = getattr(self, "_origins", None)
+        if origins is not None:  # made by `build`: the rest are defaults
+            return origins.get(key, "default")
+        if getattr(self, key) == getattr(type(self)(), key):
+            return "default"
+        return "SMPConfig arguments"
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the normalised options as a plain dict of canonical keys.
@@ -509,3 +546,120 @@ class SMPConfig:
         ```
         """
         return {key: getattr(self, key) for key in CONFIG_KEYS}
+
+
+# --------------------------------------------------------------------------
+# One job, one configuration: what every process must agree on.
+# --------------------------------------------------------------------------
+
+#: Options that may differ between the processes of one job: how long each
+#: rank itself waits (the rank with the shortest wait reports a lost peer
+#: first). Every other option must be the same on every rank.
+PER_PROCESS_KEYS = frozenset({"collective_timeout_seconds"})
+
+#: The most ranks named per value in a disagreement message.
+_RANKS_SHOWN = 4
+
+
+def _jsonable(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def agreement_record(config: SMPConfig, versions: Mapping[str, str]) -> dict:
+    """What one process must share with every other process of its job.
+
+    Args:
+        config: this process's `SMPConfig`.
+        versions: package name -> version of what must match across the
+            job, e.g. `{"keras-smp": "0.1.0", "TensorFlow": "2.21.0"}`.
+
+    Returns:
+        A JSON-serialisable dict: `options` (every key but
+        `PER_PROCESS_KEYS`), their `origins`, and `versions`.
+
+    Example:
+
+    ```python
+    from keras_smp.config import SMPConfig, agreement_record
+
+    record = agreement_record(SMPConfig(partitions=2), {"keras-smp": "0.1.0"})
+    assert record["options"]["partitions"] == 2
+    assert "collective_timeout_seconds" not in record["options"]
+    assert record["origins"]["partitions"] == "SMPConfig arguments"
+    assert record["origins"]["microbatches"] == "default"
+    ```
+    """
+    keys = [k for k in CONFIG_KEYS if k not in PER_PROCESS_KEYS]
+    return {"options": {k: _jsonable(getattr(config, k)) for k in keys},
+            "origins": {k: config.origin(k) for k in keys},
+            "versions": dict(versions)}
+
+
+def _ranks_text(ranks):
+    shown = ", ".join(str(r) for r in ranks[:_RANKS_SHOWN])
+    more = len(ranks) - _RANKS_SHOWN
+    return ("rank " if len(ranks) == 1 else "ranks ") + shown + (
+        f" and {more} more" if more > 0 else "")
+
+
+def disagreements(records: Mapping[int, Mapping]) -> str | None:
+    """`None` when every rank's `agreement_record` has rank 0's options and
+    versions; else a message naming each difference, the ranks and where
+    each value came from, and the fix.
+
+    Args:
+        records: world rank -> that rank's `agreement_record` (as JSON
+            round-trips it), rank 0's included.
+
+    Example:
+
+    ```python
+    from keras_smp.config import SMPConfig, agreement_record, disagreements
+
+    versions = {"keras-smp": "0.1.0"}
+    same = {r: agreement_record(SMPConfig.build(microbatches=4), versions)
+            for r in range(3)}
+    assert disagreements(same) is None
+    other = dict(same)
+    other[2] = agreement_record(SMPConfig.build(
+        microbatches=4, environ={"SMP_CONFIG": '{"microbatches": 8}'}),
+        versions)
+    assert ("- microbatches: 4 on ranks 0, 1 (keyword arguments); 8 on "
+            "rank 2 (environment variable SMP_CONFIG)") in disagreements(other)
+    ```
+    """
+    ranks = sorted(records)
+    lines = []
+    for section, label in (("options", "{}"), ("versions", "{} version")):
+        names = []
+        for rank in ranks:
+            for name in records[rank].get(section, {}):
+                if name not in names:
+                    names.append(name)
+        for name in names:
+            groups: dict[str, list] = {}
+            for rank in ranks:
+                value = records[rank].get(section, {}).get(name)
+                groups.setdefault(json.dumps(value, sort_keys=True),
+                                  []).append(rank)
+            if len(groups) == 1:
+                continue
+            parts = []
+            for value, members in groups.items():
+                part = f"{value} on {_ranks_text(members)}"
+                if section == "options":
+                    origin = records[members[0]]["origins"].get(name)
+                    part += f" ({origin})" if origin else ""
+                parts.append(part)
+            lines.append(f"- {label.format(name)}: " + "; ".join(parts))
+    if not lines:
+        return None
+    return (
+        "keras-smp: the processes of this job do not run with the same "
+        "settings; they would wait for each other until "
+        "collective_timeout_seconds, or train wrongly:\n" + "\n".join(lines)
+        + "\nStart every process with the same keras-smp options (the same "
+        "SMPStrategy / smp.init arguments, and the same SMP_CONFIG and "
+        "SM_HP_MP_PARAMETERS environment variables on every node) and the "
+        "same keras-smp, TensorFlow and Keras versions. Only "
+        "collective_timeout_seconds may differ.")

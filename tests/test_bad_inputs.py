@@ -10,6 +10,7 @@ running.
 """
 
 import json
+import os
 import re
 import time
 
@@ -188,6 +189,35 @@ def test_partitions_not_dividing_the_launched_workers_stop_everyone():
     assert proc.returncode != 0
     assert "partitions=2 does not divide" in proc.stdout
     assert time.monotonic() - start < 90
+
+
+@pytest.mark.slow
+def test_ranks_started_with_different_settings_all_fail_at_once_naming_them():
+    # Different microbatches (an argument) and fusion_threshold_mb (one
+    # node's SMP_CONFIG): without the start-up check the ranks waited for
+    # each other until collective_timeout_seconds (120-150 s here), then
+    # blamed a "lost" peer. Now every rank fails at start-up with the same
+    # error; the differing timeouts are allowed and not named.
+    start = time.monotonic()
+    proc = launch(2, [os.path.join(WORKERS, "settings_differ.py")],
+                  timeout=200, check=False)
+    elapsed = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "STARTED" not in out, out[-3000:]
+    assert elapsed < 100, f"took {elapsed:.0f} s"
+    for rank in (0, 1):
+        # Each rank's own error (or, had rank 0's report reached rank 1
+        # first, rank 1's "rank 0 failed with ..." carrying the same text).
+        said = "\n".join(line for line in out.splitlines()
+                         if line.startswith(f"[{rank}] "))
+        assert ("- microbatches: 2 on rank 0 (keyword arguments); 4 on "
+                "rank 1 (keyword arguments)") in said, out[-3000:]
+        assert ("- fusion_threshold_mb: 64.0 on rank 0 (default); 1.0 on "
+                "rank 1 (environment variable SMP_CONFIG)") in said
+    assert "- collective_timeout_seconds" not in out
+    assert "keras-smp: the processes of this job do not run with the same " \
+        "settings" in out
+    assert "lost" not in out.lower(), out[-3000:]
 
 
 @pytest.mark.slow

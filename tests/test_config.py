@@ -410,8 +410,11 @@ def _python_examples(obj):
     return re.findall(r"```python\n(.*?)```", doc, flags=re.S)
 
 
-@pytest.mark.parametrize("obj", [SMPConfig, SMPConfig.build, SMPConfig.to_dict],
-                         ids=["SMPConfig", "build", "to_dict"])
+@pytest.mark.parametrize("obj", [
+    SMPConfig, SMPConfig.build, SMPConfig.to_dict, SMPConfig.origin,
+    config_module.agreement_record, config_module.disagreements],
+    ids=["SMPConfig", "build", "to_dict", "origin", "agreement_record",
+         "disagreements"])
 def test_docstring_examples_run(obj, monkeypatch):
     for var in ("SMP_CONFIG", "SM_HP_MP_PARAMETERS"):
         monkeypatch.delenv(var, raising=False)
@@ -480,3 +483,88 @@ def test_tensor_parallel_degree_and_its_alias():
         SMPConfig(tensor_parallel_degree=0)
     with pytest.raises(ValueError, match="Conflicting.*'tensor_parallel_degree'"):
         build({"tp": 2, "tensor_parallel_degree": 4})
+
+
+# -- one job, one configuration (checked across ranks at start-up) ---------
+
+VERSIONS = {"keras-smp": "0.1.0", "TensorFlow": "2.21.0", "Keras": "3.15.0"}
+
+
+def _record(versions=VERSIONS, **kwargs):
+    # As the coordination service hands it over: a JSON round trip.
+    return json.loads(json.dumps(config_module.agreement_record(
+        SMPConfig.build(environ={}, **kwargs), versions)))
+
+
+def test_origin_names_each_source():
+    config = SMPConfig.build(
+        {"partitions": 2}, microbatches=4,
+        environ={"SM_HP_MP_PARAMETERS": '{"pipeline": "gpipe"}',
+                 "SMP_CONFIG": '{"microbatches": 8}'})
+    assert config.origin("partitions") == "the config argument"
+    assert config.origin("microbatches") == "environment variable SMP_CONFIG"
+    assert config.origin("pipeline") == (
+        "environment variable SM_HP_MP_PARAMETERS")
+    assert config.origin("optimize") == "default"
+    direct = SMPConfig(partitions=2)
+    assert direct.origin("partitions") == "SMPConfig arguments"
+    assert direct.origin("microbatches") == "default"
+    # Origins are not part of the value.
+    assert config == SMPConfig(partitions=2, microbatches=8, pipeline="gpipe")
+    with pytest.raises(ValueError, match="Unknown keras-smp option 'micro'"):
+        config.origin("micro")
+
+
+def test_same_settings_on_every_rank_agree():
+    records = {r: _record(partitions=2, microbatches=4) for r in range(4)}
+    assert config_module.disagreements(records) is None
+    # Only the per-process timeout may differ.
+    records[3] = _record(partitions=2, microbatches=4,
+                         collective_timeout_seconds=30)
+    assert config_module.disagreements(records) is None
+    assert config_module.PER_PROCESS_KEYS == {"collective_timeout_seconds"}
+
+
+def test_every_option_but_the_timeout_must_agree():
+    # Each option, changed on rank 1 alone, is named with both values.
+    changed = {"partitions": 2, "microbatches": 4, "pipeline": "gpipe",
+               "optimize": "speed", "auto_partition": False,
+               "default_partition": 0, "contiguous": False, "horovod": True,
+               "placement_strategy": "spread", "allreduce": "ring",
+               "fusion_threshold_mb": 1.0, "allreduce_pieces": 4,
+               "local_devices": 2, "activation_checkpointing": True,
+               "virtual_stages": 3, "tensor_parallel_degree": 2}
+    base = {"partitions": 4}
+    assert set(changed) | config_module.PER_PROCESS_KEYS == set(CONFIG_KEYS)
+    for key, value in changed.items():
+        kwargs = dict(base, **{key: value})
+        if key == "virtual_stages":
+            kwargs.update(pipeline="interleaved_1f1b", microbatches=4)
+        if key == "default_partition":
+            kwargs.update(default_partition=3)
+        records = {0: _record(**base), 1: _record(**kwargs)}
+        message = config_module.disagreements(records)
+        assert message is not None and f"- {key}: " in message, key
+
+
+def test_disagreement_names_values_ranks_origins_and_the_fix():
+    records = {r: _record(microbatches=4) for r in range(8)}
+    for r in (2, 3, 5, 6, 7):
+        records[r] = json.loads(json.dumps(config_module.agreement_record(
+            SMPConfig.build(microbatches=4, environ={
+                "SMP_CONFIG": '{"microbatches": 8, "pipeline": "gpipe"}'}),
+            VERSIONS)))
+    records[1]["versions"]["TensorFlow"] = "2.20.0"
+    message = config_module.disagreements(records)
+    lines = message.splitlines()
+    assert ("- microbatches: 4 on ranks 0, 1, 4 (keyword arguments); 8 on "
+            "ranks 2, 3, 5, 6 and 1 more (environment variable SMP_CONFIG)"
+            ) in lines
+    assert ('- pipeline: "1f1b" on ranks 0, 1, 4 (default); "gpipe" on '
+            'ranks 2, 3, 5, 6 and 1 more (environment variable SMP_CONFIG)'
+            ) in lines
+    assert ('- TensorFlow version: "2.21.0" on ranks 0, 2, 3, 4 and 3 more; '
+            '"2.20.0" on rank 1') in lines
+    assert "collective_timeout_seconds" in lines[-1]
+    assert "same SMP_CONFIG" in lines[-1]
+    assert len(lines) == 5  # the header, three differences, the fix

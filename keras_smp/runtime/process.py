@@ -9,7 +9,9 @@
 5. with several processes: starts TensorFlow's coordination service (with
    bounded waits) and its collective runtime (gRPC server, collective ops),
    once per process, and the orderly exit (`runtime.shutdown`: every
-   rank waits at exit until every rank's script has ended),
+   rank waits at exit until every rank's script has ended); then checks
+   that every process runs with the same options and versions
+   (`check_same_settings`: a clear error on every rank, not a hang),
 6. installs the Keras / TensorFlow patches (`runtime.patches`) and the
    process-wide state (`keras_smp.state`: rank helpers),
 
@@ -19,11 +21,15 @@ distributed runtime can only be configured before TensorFlow initialises.
 """
 
 import copy
+import itertools
+import json
 
 import tensorflow as tf
 
 from keras_smp import state
 from keras_smp.config import SMPConfig
+from keras_smp.config import agreement_record
+from keras_smp.config import disagreements
 from keras_smp.runtime import Runtime
 from keras_smp.runtime import errors
 from keras_smp.runtime import patches
@@ -39,6 +45,9 @@ from keras_smp.topology import resolve_cluster
 # What this process started of TensorFlow's distributed runtime (once per
 # process: TensorFlow cannot restart it).
 _started = {}
+# The settings checks of this process (one per multi-process `start`;
+# every rank makes them in the same order, so the n-th keys match).
+_settings_checks = itertools.count()
 
 
 def configure_local_devices(requested):
@@ -205,6 +214,62 @@ def start_collectives(cluster, config):
     return True
 
 
+def versions():
+    """What must be the same version on every process of a job."""
+    import keras
+
+    import keras_smp
+
+    return {"keras-smp": keras_smp.__version__,
+            "TensorFlow": tf.__version__, "Keras": keras.__version__}
+
+
+def check_same_settings(cluster, config, context=None):
+    """Checks that every process of the job runs with the same keras-smp
+    options (but `collective_timeout_seconds`) and the same keras-smp,
+    TensorFlow and Keras versions, through the coordination service's
+    key-value store: every rank puts its `agreement_record`, rank 0 reads
+    them all and puts its verdict, every rank reads the verdict.
+
+    Different options would otherwise make ranks wait for each other
+    (different microbatch counts, schedules, fusion buckets) until
+    `collective_timeout_seconds`, then fail with a lost-peer error that
+    names none of them, or train wrongly. Costs one key per rank at
+    start-up, and rank 0 one read per rank.
+
+    Args:
+        cluster: this job's `ClusterInfo` (several processes).
+        config: this process's `SMPConfig`.
+        context: TensorFlow's eager context module (tests pass a fake).
+
+    Raises:
+        ValueError: on every rank, when any rank differs: the message
+            (`keras_smp.config.disagreements`) names each option or version,
+            the ranks holding each value and where it came from.
+        RuntimeError: a rank failed, or did not answer within
+            `collective_timeout_seconds`.
+    """
+    ctx = (context or tf_private.context).context()
+    base = f"keras_smp/settings/{next(_settings_checks)}"
+    rank, timeout = cluster.rank, config.collective_timeout_seconds
+    mine = agreement_record(config, versions())
+    ctx.set_config_key_value(f"{base}/{rank}", json.dumps(mine))
+    if rank == 0:
+        records = {0: mine}
+        for other in range(1, cluster.world_size):
+            records[other] = json.loads(shutdown.wait_for_key(
+                ctx, f"{base}/{other}", rank=rank, source=other,
+                what="the settings check", timeout_seconds=timeout))
+        verdict = disagreements(records) or ""
+        ctx.set_config_key_value(f"{base}/verdict", verdict)
+    else:
+        verdict = shutdown.wait_for_key(
+            ctx, f"{base}/verdict", rank=rank, source=0,
+            what="the settings check", timeout_seconds=timeout)
+    if verdict:
+        raise ValueError(verdict)
+
+
 def start(config=None, /, *, custom_loop=False, **kwargs):
     """Sets up keras-smp and TensorFlow in this process; returns the `Runtime`.
 
@@ -274,6 +339,8 @@ def start(config=None, /, *, custom_loop=False, **kwargs):
             mode, p, topology, device_type, count,
             worker_device=worker_device(cluster))
     collectives = start_collectives(cluster, config)
+    if collectives:
+        check_same_settings(cluster, config)
     patches.install()
     runtime = Runtime(config=config, cluster=cluster, topology=topology,
                       layout=layout, keys=process_keys(), started=True,

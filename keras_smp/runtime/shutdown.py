@@ -219,6 +219,63 @@ def failure(ctx):
     return rank, what
 
 
+def wait_for_key(ctx, key, *, rank, source, what, timeout_seconds):
+    """The value at `key` in the coordination service's store, waiting at
+    most `timeout_seconds`, in slices of `_SLICE_SECONDS`: a rank that
+    fails and says so (`failure`) ends the wait with its error (a report
+    does not end a wait on a key).
+
+    Args:
+        ctx: TensorFlow's eager context.
+        key: the key to wait for.
+        rank: this process's world rank (for the messages).
+        source: the rank expected to set `key` (for the messages).
+        what: what this rank is doing, e.g. `"broadcast"`.
+        timeout_seconds: the most to wait (`collective_timeout_seconds`).
+
+    Raises:
+        RuntimeError: another rank failed (its error; the exception's
+            `smp_stopped_by` is `(rank, error)`), the coordination service
+            is gone, or `source` did not answer within `timeout_seconds`.
+    """
+    lost = lost_errors()
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        wait = max(0.001, min(_SLICE_SECONDS, deadline - time.monotonic()))
+        began = time.monotonic()
+        try:
+            return ctx.get_config_key_value(key, max(1, int(wait * 1000)))
+        except lost as e:
+            # One look per slice (each look that finds nothing stays
+            # pending at the coordination service until the job ends).
+            failed = failure(ctx)
+            if failed is not None:
+                other, error = failed
+                stopped = RuntimeError(
+                    f"keras-smp: rank {rank} stopped in {what} (waiting for "
+                    f"rank {source}): rank {other} failed with {error}. That "
+                    "rank's log has the traceback; fix the error there and "
+                    "restart the job.")
+                # Not this rank's own failure (`_fail` records it as
+                # stopped by that rank's).
+                stopped.smp_stopped_by = failed
+                raise stopped from e
+            if time.monotonic() - began < wait / 2:  # not a timeout
+                raise RuntimeError(
+                    f"keras-smp: rank {rank} lost the coordination service "
+                    f"in {what}, waiting for rank {source} "
+                    f"({type(e).__name__}: {e}). Rank 0's process hosts it: "
+                    "it has probably ended; look at its log and restart the "
+                    "job.") from e
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"keras-smp: rank {rank} waited {timeout_seconds:g} s in "
+                    f"{what} for rank {source}, which did not answer "
+                    f"({type(e).__name__}). Every rank of the group must "
+                    "make the same communication calls in the same order; "
+                    "a lost rank means the job must be restarted.") from e
+
+
 def _report(context, rank, what):
     """Reports this rank's failure to every rank of the job: the
     coordination service aborts their collectives (TensorFlow's; not

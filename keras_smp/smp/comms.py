@@ -38,7 +38,6 @@ import collections
 import enum
 import pickle
 import threading
-import time
 
 from keras_smp import state
 
@@ -112,10 +111,6 @@ def _world_rank(rank, rank_type):
     return world
 
 
-def _timeout_ms():
-    return int(state.config().collective_timeout_seconds * 1000)
-
-
 def _context():
     from keras_smp.runtime.tf_private import context
 
@@ -146,54 +141,16 @@ def _put(key, obj):
     _context().set_config_key_value(key, _encode(obj))
 
 
-_SLICE_SECONDS = 1.0  # a wait for a key, in slices (a failed rank ends it)
-
-
 def _get(key, source, what):
     """The value at `key`, waiting at most `collective_timeout_seconds`, in
     slices: a rank that fails and says so (`runtime.shutdown`) ends the
     wait with its error."""
     from keras_smp.runtime import shutdown
-    from keras_smp.runtime.errors import LOST
 
-    ctx = _context()
-    deadline = time.monotonic() + _timeout_ms() / 1000
-    while True:
-        wait = max(0.001, min(_SLICE_SECONDS, deadline - time.monotonic()))
-        began = time.monotonic()
-        try:
-            return _decode(ctx.get_config_key_value(
-                key, max(1, int(wait * 1000))))
-        except LOST as e:
-            # One look per slice (each look that finds nothing stays
-            # pending at the coordination service until the job ends).
-            failed = shutdown.failure(ctx)
-            if failed is not None:
-                rank, error = failed
-                stopped = RuntimeError(
-                    f"keras-smp: rank {state.topology().rank} stopped in "
-                    f"{what} (waiting for rank {source}): rank {rank} failed "
-                    f"with {error}. That rank's log has the traceback; fix "
-                    "the error there and restart the job.")
-                # Not this rank's own failure (runtime.shutdown records it
-                # as stopped by that rank's).
-                stopped.smp_stopped_by = failed
-                raise stopped from e
-            if time.monotonic() - began < wait / 2:  # not a timeout
-                raise RuntimeError(
-                    f"keras-smp: rank {state.topology().rank} lost the "
-                    f"coordination service in {what}, waiting for rank "
-                    f"{source} ({type(e).__name__}: {e}). Rank 0's process "
-                    "hosts it: it has probably ended; look at its log and "
-                    "restart the job.") from e
-            if time.monotonic() >= deadline:
-                raise RuntimeError(
-                    f"keras-smp: rank {state.topology().rank} waited "
-                    f"{state.config().collective_timeout_seconds:g} s in "
-                    f"{what} for rank {source}, which did not answer "
-                    f"({type(e).__name__}). Every rank of the group must "
-                    "make the same communication calls in the same order; "
-                    "a lost rank means the job must be restarted.") from e
+    return _decode(shutdown.wait_for_key(
+        _context(), key, rank=state.topology().rank, source=source,
+        what=what,
+        timeout_seconds=state.config().collective_timeout_seconds))
 
 
 def _check_member(ranks, what):
