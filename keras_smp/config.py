@@ -565,17 +565,21 @@ def _jsonable(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def agreement_record(config: SMPConfig, versions: Mapping[str, str]) -> dict:
+def agreement_record(config: SMPConfig, versions: Mapping[str, str],
+                     resolved: Mapping[str, Any] | None = None) -> dict:
     """What one process must share with every other process of its job.
 
     Args:
         config: this process's `SMPConfig`.
         versions: package name -> version of what must match across the
             job, e.g. `{"keras-smp": "0.1.0", "TensorFlow": "2.21.0"}`.
+        resolved: what the process made of its options and machine that
+            must also match, e.g. `{"devices per process": 2}` (TensorFlow's
+            collectives need as many local devices on every worker).
 
     Returns:
         A JSON-serialisable dict: `options` (every key but
-        `PER_PROCESS_KEYS`), their `origins`, and `versions`.
+        `PER_PROCESS_KEYS`), their `origins`, `resolved` and `versions`.
 
     Example:
 
@@ -592,6 +596,7 @@ def agreement_record(config: SMPConfig, versions: Mapping[str, str]) -> dict:
     keys = [k for k in CONFIG_KEYS if k not in PER_PROCESS_KEYS]
     return {"options": {k: _jsonable(getattr(config, k)) for k in keys},
             "origins": {k: config.origin(k) for k in keys},
+            "resolved": {k: _jsonable(v) for k, v in (resolved or {}).items()},
             "versions": dict(versions)}
 
 
@@ -603,9 +608,9 @@ def _ranks_text(ranks):
 
 
 def disagreements(records: Mapping[int, Mapping]) -> str | None:
-    """`None` when every rank's `agreement_record` has rank 0's options and
-    versions; else a message naming each difference, the ranks and where
-    each value came from, and the fix.
+    """`None` when every rank's `agreement_record` has rank 0's options,
+    resolved values and versions; else a message naming each difference,
+    the ranks and where each option came from, and the fix.
 
     Args:
         records: world rank -> that rank's `agreement_record` (as JSON
@@ -630,7 +635,8 @@ def disagreements(records: Mapping[int, Mapping]) -> str | None:
     """
     ranks = sorted(records)
     lines = []
-    for section, label in (("options", "{}"), ("versions", "{} version")):
+    for section, label in (("options", "{}"), ("resolved", "{}"),
+                           ("versions", "{} version")):
         names = []
         for rank in ranks:
             for name in records[rank].get(section, {}):
@@ -661,5 +667,5 @@ def disagreements(records: Mapping[int, Mapping]) -> str | None:
         + "\nStart every process with the same keras-smp options (the same "
         "SMPStrategy / smp.init arguments, and the same SMP_CONFIG and "
         "SM_HP_MP_PARAMETERS environment variables on every node) and the "
-        "same keras-smp, TensorFlow and Keras versions. Only "
-        "collective_timeout_seconds may differ.")
+        "same keras-smp, TensorFlow and Keras versions, on machines with "
+        "as many devices each. Only collective_timeout_seconds may differ.")

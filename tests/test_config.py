@@ -568,3 +568,18 @@ def test_disagreement_names_values_ranks_origins_and_the_fix():
     assert "collective_timeout_seconds" in lines[-1]
     assert "same SMP_CONFIG" in lines[-1]
     assert len(lines) == 5  # the header, three differences, the fix
+
+
+def test_resolved_devices_must_agree():
+    # Same options, but one node sees fewer GPUs (local_devices=None).
+    records = {r: json.loads(json.dumps(config_module.agreement_record(
+        SMPConfig.build(environ={}), VERSIONS,
+        {"device type": "GPU", "devices per process": 4 if r < 2 else 2})))
+        for r in range(3)}
+    lines = config_module.disagreements(records).splitlines()
+    assert "- devices per process: 4 on ranks 0, 1; 2 on rank 2" in lines
+    assert "as many devices each" in lines[-1]
+    assert len(lines) == 3
+    for r in records:
+        records[r]["resolved"]["devices per process"] = 4
+    assert config_module.disagreements(records) is None

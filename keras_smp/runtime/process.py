@@ -224,10 +224,12 @@ def versions():
             "TensorFlow": tf.__version__, "Keras": keras.__version__}
 
 
-def check_same_settings(cluster, config, context=None):
+def check_same_settings(cluster, config, layout, context=None):
     """Checks that every process of the job runs with the same keras-smp
-    options (but `collective_timeout_seconds`) and the same keras-smp,
-    TensorFlow and Keras versions, through the coordination service's
+    options (but `collective_timeout_seconds`), the same pipeline mode and
+    number and type of local devices (TensorFlow's collectives need as many
+    on every worker), and the same keras-smp, TensorFlow and Keras
+    versions, through the coordination service's
     key-value store: every rank puts its `agreement_record`, rank 0 reads
     them all and puts its verdict, every rank reads the verdict.
 
@@ -240,6 +242,7 @@ def check_same_settings(cluster, config, context=None):
     Args:
         cluster: this job's `ClusterInfo` (several processes).
         config: this process's `SMPConfig`.
+        layout: this process's `StageLayout`.
         context: TensorFlow's eager context module (tests pass a fake).
 
     Raises:
@@ -252,7 +255,9 @@ def check_same_settings(cluster, config, context=None):
     ctx = (context or tf_private.context).context()
     base = f"keras_smp/settings/{next(_settings_checks)}"
     rank, timeout = cluster.rank, config.collective_timeout_seconds
-    mine = agreement_record(config, versions())
+    mine = agreement_record(config, versions(), {
+        "pipeline mode": layout.mode, "device type": layout.device_type,
+        "devices per process": len(layout.devices)})
     ctx.set_config_key_value(f"{base}/{rank}", json.dumps(mine))
     if rank == 0:
         records = {0: mine}
@@ -340,7 +345,7 @@ def start(config=None, /, *, custom_loop=False, **kwargs):
             worker_device=worker_device(cluster))
     collectives = start_collectives(cluster, config)
     if collectives:
-        check_same_settings(cluster, config)
+        check_same_settings(cluster, config, layout)
     patches.install()
     runtime = Runtime(config=config, cluster=cluster, topology=topology,
                       layout=layout, keys=process_keys(), started=True,
