@@ -456,17 +456,19 @@ class SMPConfig:
         if config is None:
             base: Mapping = {}
         elif isinstance(config, SMPConfig):
-            base = config.to_dict()
+            # What it set (its defaults stay defaults, for `origin`).
+            base = {key: value for key, value in config.to_dict().items()
+                    if config.origin(key) != "default"}
             # Its virtual_stages is resolved (1, or 2 for interleaved_1f1b
             # and zb_v): when that is its schedule's own default, leave it
             # unset, so that another `pipeline` given here (or in the
             # environment) takes its own default instead of failing.
             from keras_smp.pipeline.schedule import get_schedule
 
-            if base["virtual_stages"] == get_schedule(
-                    base["pipeline"], base["partitions"],
-                    base["microbatches"]).virtual_stages:
-                base.pop("virtual_stages")
+            if config.virtual_stages == get_schedule(
+                    config.pipeline, config.partitions,
+                    config.microbatches).virtual_stages:
+                base.pop("virtual_stages", None)
         elif isinstance(config, Mapping):
             base = config
         else:
@@ -554,8 +556,11 @@ class SMPConfig:
 
 #: Options that may differ between the processes of one job: how long each
 #: rank itself waits (the rank with the shortest wait reports a lost peer
-#: first). Every other option must be the same on every rank.
-PER_PROCESS_KEYS = frozenset({"collective_timeout_seconds"})
+#: first), and `local_devices` (what it resolves to, the pipeline mode and
+#: the replicas and devices per process, is compared instead: an 8-GPU
+#: node may set 4 beside a 4-GPU node's None). Every other option must be
+#: the same on every rank.
+PER_PROCESS_KEYS = frozenset({"collective_timeout_seconds", "local_devices"})
 
 #: The most ranks named per value in a disagreement message.
 _RANKS_SHOWN = 4
@@ -652,11 +657,17 @@ def disagreements(records: Mapping[int, Mapping]) -> str | None:
                 continue
             parts = []
             for value, members in groups.items():
-                part = f"{value} on {_ranks_text(members)}"
-                if section == "options":
-                    origin = records[members[0]]["origins"].get(name)
-                    part += f" ({origin})" if origin else ""
-                parts.append(part)
+                if section != "options":
+                    parts.append(f"{value} on {_ranks_text(members)}")
+                    continue
+                # The same value may come from different sources.
+                by_origin: dict[str, list] = {}
+                for rank in members:
+                    origin = records[rank].get("origins", {}).get(name)
+                    by_origin.setdefault(origin or "", []).append(rank)
+                parts.append(f"{value} on " + " and ".join(
+                    _ranks_text(ranks) + (f" ({origin})" if origin else "")
+                    for origin, ranks in by_origin.items()))
             lines.append(f"- {label.format(name)}: " + "; ".join(parts))
     if not lines:
         return None
@@ -668,4 +679,5 @@ def disagreements(records: Mapping[int, Mapping]) -> str | None:
         "SMPStrategy / smp.init arguments, and the same SMP_CONFIG and "
         "SM_HP_MP_PARAMETERS environment variables on every node) and the "
         "same keras-smp, TensorFlow and Keras versions, on machines with "
-        "as many devices each. Only collective_timeout_seconds may differ.")
+        "as many devices each. Only collective_timeout_seconds and "
+        "local_devices may differ.")

@@ -191,6 +191,31 @@ def test_partitions_not_dividing_the_launched_workers_stop_everyone():
     assert time.monotonic() - start < 90
 
 
+def test_settings_check_over_a_fake_coordination_service():
+    # One thread per rank, a dict as the key-value store (see the worker).
+    proc = run_python([os.path.join(WORKERS, "settings_check.py")],
+                      timeout=180)
+    rows = {r["scenario"]: r["raised"] for r in map(
+        json.loads, (l for l in proc.stdout.splitlines() if l.startswith("{")))}
+    assert rows["agree"] == {"0": None, "1": None, "2": None}
+    # Every rank raises the same ValueError, naming each difference.
+    differ = rows["differ"]
+    assert sorted(differ) == ["0", "1", "2"]
+    assert all(v == differ["0"] for v in differ.values()), differ
+    kind, message = differ["0"]
+    assert kind == "ValueError"
+    lines = message.splitlines()
+    assert ("- microbatches: 4 on ranks 0, 1 (keyword arguments); 8 on rank "
+            "2 (keyword arguments)") in lines
+    assert "- model replicas per process: 1 on ranks 0, 1; 2 on rank 2" in lines
+    assert "- devices per process: 1 on ranks 0, 1; 2 on rank 2" in lines
+    # Rank 1's wait ended as rank 0 failed: still the verdict, whole.
+    race = rows["race"]
+    assert race["1"] == race["0"], race
+    assert race["1"][0] == "ValueError"
+    assert "- microbatches: 4 on rank 0" in race["1"][1]
+
+
 @pytest.mark.slow
 def test_ranks_started_with_different_settings_all_fail_at_once_naming_them():
     # Different microbatches (an argument) and fusion_threshold_mb (one

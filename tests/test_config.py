@@ -521,8 +521,11 @@ def test_same_settings_on_every_rank_agree():
     # Only the per-process timeout may differ.
     records[3] = _record(partitions=2, microbatches=4,
                          collective_timeout_seconds=30)
+    # ... and local_devices (what it resolves to is compared instead).
+    records[2] = _record(partitions=2, microbatches=4, local_devices=2)
     assert config_module.disagreements(records) is None
-    assert config_module.PER_PROCESS_KEYS == {"collective_timeout_seconds"}
+    assert config_module.PER_PROCESS_KEYS == {"collective_timeout_seconds",
+                                              "local_devices"}
 
 
 def test_every_option_but_the_timeout_must_agree():
@@ -532,7 +535,7 @@ def test_every_option_but_the_timeout_must_agree():
                "default_partition": 0, "contiguous": False, "horovod": True,
                "placement_strategy": "spread", "allreduce": "ring",
                "fusion_threshold_mb": 1.0, "allreduce_pieces": 4,
-               "local_devices": 2, "activation_checkpointing": True,
+               "activation_checkpointing": True,
                "virtual_stages": 3, "tensor_parallel_degree": 2}
     base = {"partitions": 4}
     assert set(changed) | config_module.PER_PROCESS_KEYS == set(CONFIG_KEYS)
@@ -565,7 +568,7 @@ def test_disagreement_names_values_ranks_origins_and_the_fix():
             ) in lines
     assert ('- TensorFlow version: "2.21.0" on ranks 0, 2, 3, 4 and 3 more; '
             '"2.20.0" on rank 1') in lines
-    assert "collective_timeout_seconds" in lines[-1]
+    assert "Only collective_timeout_seconds and local_devices" in lines[-1]
     assert "same SMP_CONFIG" in lines[-1]
     assert len(lines) == 5  # the header, three differences, the fix
 
@@ -574,7 +577,8 @@ def test_resolved_devices_must_agree():
     # Same options, but one node sees fewer GPUs (local_devices=None).
     records = {r: json.loads(json.dumps(config_module.agreement_record(
         SMPConfig.build(environ={}), VERSIONS,
-        {"device type": "GPU", "devices per process": 4 if r < 2 else 2})))
+        {"device type": "GPU", "model replicas per process": 4,
+         "devices per process": 4 if r < 2 else 2})))
         for r in range(3)}
     lines = config_module.disagreements(records).splitlines()
     assert "- devices per process: 4 on ranks 0, 1; 2 on rank 2" in lines
@@ -583,3 +587,40 @@ def test_resolved_devices_must_agree():
     for r in records:
         records[r]["resolved"]["devices per process"] = 4
     assert config_module.disagreements(records) is None
+
+
+def test_one_value_from_several_sources_names_each():
+    records = {0: _record(microbatches=4), 2: _record(microbatches=8)}
+    records[1] = json.loads(json.dumps(config_module.agreement_record(
+        SMPConfig.build(environ={"SMP_CONFIG": '{"microbatches": 4}'}),
+        VERSIONS)))
+    lines = config_module.disagreements(records).splitlines()
+    assert ("- microbatches: 4 on rank 0 (keyword arguments) and rank 1 "
+            "(environment variable SMP_CONFIG); 8 on rank 2 (keyword "
+            "arguments)") in lines
+    # The same value from different sources agrees.
+    records[2] = _record(microbatches=4)
+    assert config_module.disagreements(records) is None
+
+
+def test_a_record_of_another_format_is_compared_not_crashed_on():
+    records = {0: _record(), 1: {"versions": dict(VERSIONS, **{
+        "keras-smp": "0.0.9"})}}
+    message = config_module.disagreements(records)
+    assert '- keras-smp version: "0.1.0" on rank 0; "0.0.9" on rank 1' in (
+        message.splitlines())
+
+
+def test_a_config_passed_to_build_keeps_its_origins():
+    built = SMPConfig.build(microbatches=4, environ={
+        "SMP_CONFIG": '{"pipeline": "gpipe"}'})
+    again = SMPConfig.build(built, environ={})
+    assert again == built
+    # What it set comes from it; its defaults stay defaults.
+    assert again.origin("microbatches") == "the config argument"
+    assert again.origin("pipeline") == "the config argument"
+    assert again.origin("partitions") == "default"
+    zb = SMPConfig(partitions=2, microbatches=4, pipeline="zb_v")
+    assert SMPConfig.build(zb, environ={}) == zb
+    assert SMPConfig.build(SMPConfig(horovod=True), environ={}).allreduce == (
+        "horovod")

@@ -255,22 +255,39 @@ def check_same_settings(cluster, config, layout, context=None):
     ctx = (context or tf_private.context).context()
     base = f"keras_smp/settings/{next(_settings_checks)}"
     rank, timeout = cluster.rank, config.collective_timeout_seconds
-    mine = agreement_record(config, versions(), {
+    mine = json.dumps(agreement_record(config, versions(), {
         "pipeline mode": layout.mode, "device type": layout.device_type,
-        "devices per process": len(layout.devices)})
-    ctx.set_config_key_value(f"{base}/{rank}", json.dumps(mine))
+        "model replicas per process": len(layout.devices),
+        "devices per process": len({d for row in layout.devices
+                                    for d in row})}))
+    # A rank that never posts runs a keras-smp without this check (or
+    # another key layout), or made fewer SMPStrategy / smp.init calls.
+    what = ("the start-up settings check (a rank that never answers may run "
+            "another keras-smp version, or create fewer SMPStrategy / "
+            "smp.init objects)")
+    ctx.set_config_key_value(f"{base}/{rank}", mine)
     if rank == 0:
-        records = {0: mine}
+        records = {0: json.loads(mine)}
         for other in range(1, cluster.world_size):
             records[other] = json.loads(shutdown.wait_for_key(
-                ctx, f"{base}/{other}", rank=rank, source=other,
-                what="the settings check", timeout_seconds=timeout))
+                ctx, f"{base}/{other}", rank=rank, source=other, what=what,
+                timeout_seconds=timeout))
         verdict = disagreements(records) or ""
         ctx.set_config_key_value(f"{base}/verdict", verdict)
     else:
-        verdict = shutdown.wait_for_key(
-            ctx, f"{base}/verdict", rank=rank, source=0,
-            what="the settings check", timeout_seconds=timeout)
+        try:
+            verdict = shutdown.wait_for_key(
+                ctx, f"{base}/verdict", rank=rank, source=0, what=what,
+                timeout_seconds=timeout)
+        except RuntimeError as e:
+            # Rank 0 raising the verdict as this rank's slice of the wait
+            # ended: the verdict itself (whole), not rank 0's report of it.
+            if getattr(e, "smp_stopped_by", None) is None:
+                raise
+            try:
+                verdict = ctx.get_config_key_value(f"{base}/verdict", 1)
+            except shutdown.lost_errors():
+                raise e from None
     if verdict:
         raise ValueError(verdict)
 

@@ -1,0 +1,105 @@
+"""`process.check_same_settings` with a fake coordination service (used by
+tests): one thread per rank in this process, a dict as the key-value
+store. Prints one JSON line per scenario: what each rank raised.
+
+Scenarios:
+- "agree": 3 ranks with the same settings: none raises.
+- "differ": rank 2 has another `microbatches` and fewer devices: every rank
+  raises the same ValueError.
+- "race": rank 1's wait for the verdict ends just as rank 0 fails (its
+  failure published, the verdict stored): rank 1 still raises the verdict
+  itself, whole, not rank 0's one-line report of it.
+"""
+
+import itertools
+import json
+import os
+import threading
+import time
+import types
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+from keras_smp.config import SMPConfig  # noqa: E402
+from keras_smp.runtime import process  # noqa: E402
+from keras_smp.runtime import shutdown  # noqa: E402
+
+
+class Store:
+    def __init__(self):
+        self.values = {}
+        self.cond = threading.Condition()
+
+
+class Ctx:
+    """The eager context's key-value calls, over `store`."""
+
+    def __init__(self, store, fail_first_get_of=None):
+        self.store = store
+        self.fail_first_get_of = fail_first_get_of
+
+    def set_config_key_value(self, key, value):
+        with self.store.cond:
+            if key in self.store.values:
+                raise tf.errors.AlreadyExistsError(None, None, key)
+            self.store.values[key] = value
+            self.store.cond.notify_all()
+
+    def get_config_key_value(self, key, timeout_in_ms):
+        if key == self.fail_first_get_of:
+            self.fail_first_get_of = None
+            # Wait (bounded) until rank 0 stored the verdict and failed,
+            # then end this slice as a timeout would.
+            with self.store.cond:
+                self.store.cond.wait_for(
+                    lambda: shutdown._FAILED in self.store.values, 30)
+            time.sleep(0.6)  # more than half a 1 s slice: a timeout
+            raise tf.errors.DeadlineExceededError(None, None, "timeout")
+        with self.store.cond:
+            if not self.store.cond.wait_for(
+                    lambda: key in self.store.values, timeout_in_ms / 1000):
+                raise tf.errors.DeadlineExceededError(None, None, key)
+            return self.store.values[key]
+
+
+def run(name, configs, devices, race=False):
+    store = Store()
+    process._settings_checks = itertools.repeat(0)  # one check per thread
+    raised = {}
+
+    def rank(r):
+        ctx = Ctx(store, "keras_smp/settings/0/verdict"
+                  if race and r == 1 else None)
+        context = types.SimpleNamespace(context=lambda: ctx)
+        cluster = types.SimpleNamespace(rank=r, world_size=len(configs))
+        layout = types.SimpleNamespace(
+            mode="multi_process", device_type="CPU",
+            devices=tuple((f"/cpu:{d}",) for d in range(devices[r])))
+        try:
+            process.check_same_settings(cluster, configs[r], layout,
+                                        context=context)
+            raised[r] = None
+        except Exception as e:  # noqa: BLE001
+            raised[r] = [type(e).__name__, str(e)]
+            if r == 0 and race:  # what runtime.shutdown does on failure
+                ctx.set_config_key_value(f"{shutdown._ERROR}/0",
+                                         f"ValueError: {e}"[:100])
+                ctx.set_config_key_value(shutdown._FAILED, "0")
+
+    threads = [threading.Thread(target=rank, args=(r,))
+               for r in range(len(configs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    print(json.dumps({"scenario": name, "raised": raised}), flush=True)
+
+
+same = [SMPConfig.build(microbatches=4, environ={})] * 3
+run("agree", same, [1, 1, 1])
+run("differ", same[:2] + [SMPConfig.build(microbatches=8, environ={})],
+    [1, 1, 2])
+run("race", [SMPConfig.build(microbatches=4, environ={}),
+             SMPConfig.build(microbatches=2, environ={})], [1, 1], race=True)
