@@ -10,8 +10,9 @@
    bounded waits) and its collective runtime (gRPC server, collective ops),
    once per process, and the orderly exit (`runtime.shutdown`: every
    rank waits at exit until every rank's script has ended); then checks
-   that every process runs with the same options and versions
-   (`check_same_settings`: a clear error on every rank, not a hang),
+   that every process runs with the same options, device layout and
+   versions (`check_same_settings`: a clear error on every rank, not a
+   hang),
 6. installs the Keras / TensorFlow patches (`runtime.patches`) and the
    process-wide state (`keras_smp.state`: rank helpers),
 
@@ -226,12 +227,13 @@ def versions():
 
 def check_same_settings(cluster, config, layout, context=None):
     """Checks that every process of the job runs with the same keras-smp
-    options (but `collective_timeout_seconds`), the same pipeline mode and
-    number and type of local devices (TensorFlow's collectives need as many
-    on every worker), and the same keras-smp, TensorFlow and Keras
-    versions, through the coordination service's
-    key-value store: every rank puts its `agreement_record`, rank 0 reads
-    them all and puts its verdict, every rank reads the verdict.
+    options (all but `config.PER_PROCESS_KEYS`: `collective_timeout_seconds`
+    and `local_devices`), the same pipeline mode, model replicas and type
+    and number of local devices (TensorFlow's collectives need as many on
+    every worker), and the same keras-smp, TensorFlow and Keras versions,
+    through the coordination service's key-value store: every rank puts
+    its `agreement_record`, rank 0 reads them all and puts its verdict,
+    every rank reads the verdict.
 
     Different options would otherwise make ranks wait for each other
     (different microbatch counts, schedules, fusion buckets) until
