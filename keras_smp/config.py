@@ -605,7 +605,18 @@ def agreement_record(config: SMPConfig, versions: Mapping[str, str],
             "versions": dict(versions)}
 
 
-def _ranks_text(ranks):
+def ranks_text(ranks):
+    """`"rank 2"`, `"ranks 0, 1"`, or the first few and how many more.
+
+    Example:
+
+    ```python
+    from keras_smp.config import ranks_text
+
+    assert ranks_text([2]) == "rank 2"
+    assert ranks_text([0, 1, 2, 3, 4, 5]) == "ranks 0, 1, 2, 3 and 2 more"
+    ```
+    """
     shown = ", ".join(str(r) for r in ranks[:_RANKS_SHOWN])
     more = len(ranks) - _RANKS_SHOWN
     return ("rank " if len(ranks) == 1 else "ranks ") + shown + (
@@ -658,7 +669,7 @@ def disagreements(records: Mapping[int, Mapping]) -> str | None:
             parts = []
             for value, members in groups.items():
                 if section != "options":
-                    parts.append(f"{value} on {_ranks_text(members)}")
+                    parts.append(f"{value} on {ranks_text(members)}")
                     continue
                 # The same value may come from different sources.
                 by_origin: dict[str, list] = {}
@@ -666,7 +677,7 @@ def disagreements(records: Mapping[int, Mapping]) -> str | None:
                     origin = records[rank].get("origins", {}).get(name)
                     by_origin.setdefault(origin or "", []).append(rank)
                 parts.append(f"{value} on " + " and ".join(
-                    _ranks_text(ranks) + (f" ({origin})" if origin else "")
+                    ranks_text(ranks) + (f" ({origin})" if origin else "")
                     for origin, ranks in by_origin.items()))
             lines.append(f"- {label.format(name)}: " + "; ".join(parts))
     if not lines:

@@ -191,12 +191,17 @@ def test_partitions_not_dividing_the_launched_workers_stop_everyone():
     assert time.monotonic() - start < 90
 
 
-def test_settings_check_over_a_fake_coordination_service():
+@pytest.fixture(scope="module")
+def fake_service_checks():
     # One thread per rank, a dict as the key-value store (see the worker).
     proc = run_python([os.path.join(WORKERS, "settings_check.py")],
                       timeout=180)
-    rows = {r["scenario"]: r["raised"] for r in map(
+    return {r["scenario"]: r for r in map(
         json.loads, (l for l in proc.stdout.splitlines() if l.startswith("{")))}
+
+
+def test_settings_check_over_a_fake_coordination_service(fake_service_checks):
+    rows = {k: v["raised"] for k, v in fake_service_checks.items()}
     assert rows["agree"] == {"0": None, "1": None, "2": None}
     # Every rank raises the same ValueError, naming each difference.
     differ = rows["differ"]
@@ -214,6 +219,47 @@ def test_settings_check_over_a_fake_coordination_service():
     assert race["1"] == race["0"], race
     assert race["1"][0] == "ValueError"
     assert "- microbatches: 4 on rank 0" in race["1"][1]
+
+
+def test_call_check_over_a_fake_coordination_service(fake_service_checks):
+    # Before the first step of each fit / evaluate / predict (and of a
+    # fit's validation), every rank says what it runs; rank 0 compares.
+    rows = fake_service_checks
+    assert rows["calls agree"]["raised"] == {
+        str(r): [None, None, None] for r in range(3)}
+    differ = rows["calls differ"]["raised"]
+    assert sorted(differ) == ["0", "1", "2"]
+    # Every rank raises the same error for each of the three calls.
+    assert differ["1"] == differ["0"] and differ["2"] == differ["0"], differ
+    first, second, validation = [m for _, m in differ["0"]]
+    assert all(kind == "ValueError" for kind, _ in differ["0"])
+    assert first.startswith("keras-smp: the processes of this job differ "
+                            "in their 1st fit/evaluate/predict call")
+    assert "- call: evaluate on ranks 0, 2; predict on rank 1" in \
+        first.splitlines()
+    assert "- steps: 4 on ranks 0, 1; 3 on rank 2" in second.splitlines()
+    assert ("- batch inputs: [float32[None, 8], float32[None, 2]] on ranks "
+            "0, 1; [float64[None, 8], float32[None, 2]] on rank 2") in \
+        second.splitlines()
+    assert "- epochs" not in second  # equal on every rank: not named
+    assert validation.startswith(
+        "keras-smp: the processes of this job differ in the validation "
+        "data of their 2nd fit/evaluate/predict call")
+    assert "- steps: 2 on ranks 0, 2; 1 on rank 1" in validation
+    assert "not `if rank == 0: model.evaluate(...)`" in first
+    # A rank whose script ended: the others fail at the first 1 s slice of
+    # their wait, not at the 30 s timeout, all with the same message.
+    for scenario, gone, waiting in (("ended", 2, ("0", "1")),
+                                    ("rank 0 ended", 0, ("1", "2"))):
+        row = rows[scenario]
+        assert row["seconds"] < 10, row
+        assert row["raised"][str(gone)] == []
+        for r in waiting:
+            ((kind, message),) = row["raised"][r]
+            assert kind == "ValueError"
+            assert (f"starts evaluate() (its 1st fit/evaluate/predict "
+                    f"call), but rank {gone}'s script ended after 0 such "
+                    "calls") in message, message
 
 
 @pytest.mark.slow
@@ -243,6 +289,55 @@ def test_ranks_started_with_different_settings_all_fail_at_once_naming_them():
     assert "keras-smp: the processes of this job do not run with the same " \
         "settings" in out
     assert "lost" not in out.lower(), out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["dp", "pp"])
+def test_ranks_making_different_calls_fail_at_the_call_naming_it(mode):
+    # A plain Keras model trained data-parallel ("dp") and a 2-stage
+    # DistributedModel with one stage per process ("pp"). Without the
+    # check, different steps or calls waited in a collective until
+    # collective_timeout_seconds (120 s here), then blamed a "lost" peer
+    # (pp), or failed in TensorFlow's "Collective instance 114 expected
+    # type 0 and data_type 9" (dp); `if rank == 0: model.evaluate(...)`
+    # waited until the timeout in every mode.
+    proc = launch(2, [os.path.join(WORKERS, "calls_differ.py"), mode],
+                  timeout=300)
+    rows = {}
+    for line in proc.stdout.splitlines():
+        if "ROW {" in line:
+            row = json.loads(line.split("ROW ", 1)[1])
+            rows[row["scenario"], row["rank"]] = row
+    expected = {
+        "rows": ("1st fit/evaluate/predict call", "- steps: 4 on rank 0; 3 "
+                 "on rank 1"),
+        "call": ("2nd fit/evaluate/predict call", "- call: evaluate on rank "
+                 "0; predict on rank 1"),
+        "validation": ("the validation data of their 3rd", "- steps: 2 on "
+                       "rank 0; 1 on rank 1"),
+    }
+    for name, (which, line) in expected.items():
+        mine, theirs = rows[name, 0], rows[name, 1]
+        # The same error on both ranks, before any step of the call.
+        assert mine["raised"] is not None, mine
+        assert mine["raised"] == theirs["raised"], (mine, theirs)
+        assert which in mine["raised"].splitlines()[0], mine
+        assert line in mine["raised"].splitlines(), mine
+        assert max(mine["seconds"], theirs["seconds"]) < 60, (mine, theirs)
+    # Nothing left behind: the same calls then run, with the same logs and
+    # outputs on both ranks.
+    agree = rows["agree", 0]
+    assert agree["raised"] is None and rows["agree", 1]["raised"] is None
+    assert agree["result"] == rows["agree", 1]["result"]
+    assert len(agree["result"]["history"]["val_loss"]) == 2
+    # Rank 1's script ended; rank 0's evaluate fails at once saying so.
+    ended = rows["ended", 0]
+    assert ("keras-smp: rank 0 starts evaluate() (its 7th "
+            "fit/evaluate/predict call), but rank 1's script ended after 6 "
+            "such calls") in ended["raised"], ended
+    assert ended["seconds"] < 60, ended
+    assert ("ended", 1) not in rows
+    assert "lost" not in proc.stdout.lower(), proc.stdout[-3000:]
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import pytest
 
 from keras_smp import config as config_module
 from keras_smp.config import ALLOWED_KEYS, CONFIG_KEYS, SMPConfig
+from keras_smp.runtime import calls
 
 NO_ENV: dict = {}
 
@@ -412,9 +413,12 @@ def _python_examples(obj):
 
 @pytest.mark.parametrize("obj", [
     SMPConfig, SMPConfig.build, SMPConfig.to_dict, SMPConfig.origin,
-    config_module.agreement_record, config_module.disagreements],
+    config_module.agreement_record, config_module.disagreements,
+    config_module.ranks_text, calls.call_record, calls.call_disagreements,
+    calls.ended_message],
     ids=["SMPConfig", "build", "to_dict", "origin", "agreement_record",
-         "disagreements"])
+         "disagreements", "ranks_text", "call_record", "call_disagreements",
+         "ended_message"])
 def test_docstring_examples_run(obj, monkeypatch):
     for var in ("SMP_CONFIG", "SM_HP_MP_PARAMETERS"):
         monkeypatch.delenv(var, raising=False)
@@ -624,3 +628,54 @@ def test_a_config_passed_to_build_keeps_its_origins():
     assert SMPConfig.build(zb, environ={}) == zb
     assert SMPConfig.build(SMPConfig(horovod=True), environ={}).allreduce == (
         "horovod")
+
+
+# --- every rank's fit / evaluate / predict calls (keras_smp.runtime.calls)
+
+
+def test_call_records_compare_steps_arguments_and_batch_shapes():
+    x = [("float32", [None, 8]), ("int64", [None])]
+    fit = calls.call_record("fit", steps=4, arguments={
+        "epochs": 3, "batch_size": 16, "validation data": False}, inputs=x)
+    same = {r: fit for r in range(6)}
+    assert calls.call_disagreements(same, 0) is None
+    # Each differing field is named with the ranks holding each value
+    # (at most 4 ranks listed); equal fields are not named.
+    other = dict(same)
+    other[5] = calls.call_record("fit", steps=None, arguments={
+        "epochs": 2, "batch_size": 16, "validation data": True}, inputs=x)
+    lines = calls.call_disagreements(other, 4).splitlines()
+    assert lines[0].startswith("keras-smp: the processes of this job differ "
+                               "in their 5th fit/evaluate/predict call")
+    assert "- steps: 4 on ranks 0, 1, 2, 3 and 1 more; unknown on rank 5" \
+        in lines
+    assert "- epochs: 3 on ranks 0, 1, 2, 3 and 1 more; 2 on rank 5" in lines
+    assert ("- validation data: false on ranks 0, 1, 2, 3 and 1 more; true "
+            "on rank 5") in lines
+    assert not any(line.startswith("- batch_size") for line in lines)
+    # Another call: named alone (its steps and arguments are another
+    # call's).
+    evaluate = calls.call_record("evaluate", steps=2, inputs=x)
+    message = calls.call_disagreements({0: fit, 1: evaluate}, 0)
+    assert [line for line in message.splitlines() if line.startswith("- ")] \
+        == ["- call: fit on rank 0; evaluate on rank 1"]
+    assert calls.call_record("predict", steps=1)["steps"] == 1
+    with pytest.raises(ValueError, match=r"call='train'.*expected one of"):
+        calls.call_record("train", steps=1)
+
+
+def test_call_batch_shapes_unknown_dimensions_match_any():
+    def record(*inputs):
+        return calls.call_record("evaluate", steps=2, inputs=inputs)
+
+    static = record(("float32", [16, 8]))
+    assert calls.call_disagreements(
+        {0: static, 1: record(("float32", [None, 8]))}, 0) is None
+    assert calls.call_disagreements(
+        {0: static, 1: calls.call_record("evaluate", steps=2)}, 0) is None
+    for bad in (record(("float32", [32, 8])), record(("float64", [16, 8])),
+                record(("float32", [16, 8, 1])),
+                record(("float32", [16, 8]), ("float32", [16]))):
+        message = calls.call_disagreements({0: static, 1: bad}, 0)
+        assert "- batch inputs: [float32[16, 8]] on rank 0; " in message, bad
+    assert calls.inputs_compatible(static["inputs"], None)

@@ -37,6 +37,7 @@ LAYERS = {
         "keras_smp.ranks", "keras_smp.state", "keras_smp.launch",
         "keras_smp.rendezvous",
         "keras_smp.runtime", "keras_smp.runtime.keys",
+        "keras_smp.runtime.calls",
         "keras_smp.runtime.layout", "keras_smp.runtime.placement",
         "keras_smp.distribute.groups", "keras_smp.pipeline",
         "keras_smp.pipeline.schedule", "keras_smp.pipeline.partition",
@@ -47,7 +48,7 @@ LAYERS = {
         "keras_smp.runtime.patches", "keras_smp.runtime.tf_private",
         "keras_smp.runtime.keras_private", "keras_smp.runtime.deferred",
         "keras_smp.runtime.xla", "keras_smp.runtime.tracing",
-        "keras_smp.runtime.shutdown",
+        "keras_smp.runtime.shutdown", "keras_smp.runtime.agreement",
         "keras_smp.runtime.loss_shares",
     ],
     2: [

@@ -674,6 +674,38 @@ def epoch_dataset_spec(epoch_iterator):
     return getattr(dataset, "element_spec", None)
 
 
+def on_epoch_iterator(hook):
+    """Calls `hook(iterator)` right after Keras' TensorFlow trainer makes
+    an `EpochIterator` (for `fit`'s data, `fit`'s validation data,
+    `evaluate`, `predict`), before any step runs (idempotent; checked
+    against `TFEpochIterator.__init__`)."""
+    from keras.src.backend.tensorflow import trainer as trainer_lib
+
+    cls = trainer_lib.TFEpochIterator
+    original = cls.__init__
+    if getattr(original, "_smp_patched", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        hook(self)
+
+    __init__._smp_patched = True
+    cls.__init__ = __init__
+
+
+def epoch_iterator_steps(epoch_iterator):
+    """The steps per epoch an `EpochIterator` runs (`steps_per_epoch`, or
+    its data's batches), or `None` when its data does not say."""
+    return epoch_iterator.steps_per_epoch or epoch_iterator.num_batches
+
+
+def epoch_iterator_strategy(epoch_iterator):
+    """The `tf.distribute.Strategy` a Keras `TFEpochIterator` feeds."""
+    return getattr(epoch_iterator, "_distribute_strategy", None)
+
+
 def ema_lists(optimizer):
     """`(model variables, their moving averages)` of an optimizer with
     `use_ema`, as its EMA updates zip them (`None` without EMA)."""

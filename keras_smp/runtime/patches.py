@@ -11,6 +11,14 @@
   - under a multi-worker `SMPStrategy`, the step functions raise a
     `RuntimeError` naming a lost peer instead of TensorFlow's collective
     errors (`runtime.errors.guard`).
+- `TensorFlowTrainer.fit` / `evaluate` / `predict` and Keras' epoch
+  iterators (`keras_private.on_epoch_iterator`): under a multi-process
+  `SMPStrategy`, before the first step of each call (and of a fit's
+  validation), every rank checks that every rank runs the same call, with
+  as many steps, the same arguments and batches of the same shapes and
+  dtypes (`agreement.check_same_call`); a rank that differs, or whose
+  script ended (`if rank == 0: model.evaluate(...)`), is named on every
+  rank at once instead of a wait until `collective_timeout_seconds`.
 - `keras.Model.save` / `save_weights`: atomic (temporary name, then rename)
   for models under `SMPStrategy` and pipelined models; non-chief workers of
   a multi-worker job write into a scratch directory removed right after, so
@@ -288,6 +296,112 @@ def _symbolic_batch(epoch_iterator):
                 shape is not None and shape.rank is None):
             return None
     return parts
+
+
+# The arguments of each call that decide its steps and batch shapes
+# (compared across ranks; the data's steps and shapes are compared too).
+_CALL_ARGUMENTS = {
+    "fit": ("batch_size", "epochs", "initial_epoch", "validation_split",
+            "validation_freq"),
+    "evaluate": ("batch_size",),
+    "predict": ("batch_size",),
+}
+_VALIDATION_ARGUMENTS = ("validation_batch_size",)
+
+
+class _Calls(threading.local):
+    """This thread's `fit` / `evaluate` / `predict` calls in progress."""
+
+    def __init__(self):
+        self.stack = []
+
+
+_calls = _Calls()
+
+
+def _plain(value):
+    """`value` as JSON keeps it (numbers, strings, lists of them)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    try:
+        return int(value)  # a NumPy integer
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _patch_calls(trainer):
+    """`fit`, `evaluate` and `predict` note their arguments while they run,
+    for `_check_call` (which Keras' epoch iterators trigger)."""
+    import inspect
+
+    for name, kept in _CALL_ARGUMENTS.items():
+        original = getattr(trainer, name)
+        if getattr(original, "_smp_patched", False):
+            continue
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def call(self, *args, _original=original, _name=name, _kept=kept,
+                 _signature=signature, **kwargs):
+            try:
+                bound = _signature.bind(self, *args, **kwargs)
+                bound.apply_defaults()
+                given = bound.arguments
+            except TypeError:  # Keras itself will say what is wrong
+                given = {}
+            arguments = {k: _plain(given.get(k)) for k in _kept}
+            if _name == "fit":
+                arguments["validation data"] = (
+                    given.get("validation_data") is not None
+                    or bool(given.get("validation_split")))
+                validation = {k: _plain(given.get(k))
+                              for k in _VALIDATION_ARGUMENTS}
+            else:
+                validation = {}
+            _calls.stack.append({"call": _name, "arguments": arguments,
+                                 "validation": validation, "iterators": 0})
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                _calls.stack.pop()
+
+        call._smp_patched = True
+        setattr(trainer, name, call)
+
+
+def _check_call(epoch_iterator):
+    """Before the first step of a `fit` / `evaluate` / `predict` call (and
+    of a fit's validation) under a multi-process `SMPStrategy`: every rank
+    runs the same (`agreement.check_same_call`)."""
+    import tensorflow as tf
+
+    from keras_smp.runtime import agreement
+    from keras_smp.runtime import keras_private
+    from keras_smp.runtime.calls import call_record
+
+    if not _calls.stack:
+        return  # an epoch iterator made outside these calls
+    runtime = _runtime_of(keras_private.epoch_iterator_strategy(
+        epoch_iterator))
+    if runtime is None or not runtime.collectives:
+        return
+    frame = _calls.stack[-1]
+    frame["iterators"] += 1
+    if frame["iterators"] == 1:
+        call, part, arguments = frame["call"], None, frame["arguments"]
+    elif frame["call"] == "fit":
+        call, part, arguments = ("validation of fit", "validation",
+                                 frame["validation"])
+    else:
+        return
+    spec = _symbolic_batch(epoch_iterator)
+    inputs = None if spec is None else [
+        (s.dtype.name, s.shape.as_list()) for s in tf.nest.flatten(spec)]
+    agreement.check_same_call(runtime, call_record(
+        call, steps=keras_private.epoch_iterator_steps(epoch_iterator),
+        arguments=arguments, inputs=inputs), part)
 
 
 def _raise_if_optimizer_outside_scope(model, error):
@@ -1068,6 +1182,7 @@ def install():
             return
         import keras
 
+        from keras_smp.runtime import keras_private
         from keras_smp.runtime.keras_private import TensorFlowTrainer
 
         _patch_make_functions(TensorFlowTrainer)
@@ -1075,6 +1190,8 @@ def install():
         _patch_keras_steps(TensorFlowTrainer)
         _patch_symbolic_build(TensorFlowTrainer)
         _patch_predict_on_batch(TensorFlowTrainer)
+        _patch_calls(TensorFlowTrainer)
+        keras_private.on_epoch_iterator(_check_call)
         _patch_files(keras)
         _patch_get_gradients(keras)
         _patch_optimizer(keras)

@@ -23,7 +23,6 @@ distributed runtime can only be configured before TensorFlow initialises.
 
 import copy
 import itertools
-import json
 
 import tensorflow as tf
 
@@ -32,6 +31,7 @@ from keras_smp.config import SMPConfig
 from keras_smp.config import agreement_record
 from keras_smp.config import disagreements
 from keras_smp.runtime import Runtime
+from keras_smp.runtime import agreement
 from keras_smp.runtime import errors
 from keras_smp.runtime import patches
 from keras_smp.runtime import shutdown
@@ -254,42 +254,21 @@ def check_same_settings(cluster, config, layout, context=None):
         RuntimeError: a rank failed, or did not answer within
             `collective_timeout_seconds`.
     """
-    ctx = (context or tf_private.context).context()
     base = f"keras_smp/settings/{next(_settings_checks)}"
-    rank, timeout = cluster.rank, config.collective_timeout_seconds
-    mine = json.dumps(agreement_record(config, versions(), {
+    mine = agreement_record(config, versions(), {
         "pipeline mode": layout.mode, "device type": layout.device_type,
         "model replicas per process": len(layout.devices),
         "devices per process": len({d for row in layout.devices
-                                    for d in row})}))
+                                    for d in row})})
     # A rank that never posts runs a keras-smp without this check (or
     # another key layout), or made fewer SMPStrategy / smp.init calls.
     what = ("the start-up settings check (a rank that never answers may run "
             "another keras-smp version, or create fewer SMPStrategy / "
             "smp.init objects)")
-    ctx.set_config_key_value(f"{base}/{rank}", mine)
-    if rank == 0:
-        records = {0: json.loads(mine)}
-        for other in range(1, cluster.world_size):
-            records[other] = json.loads(shutdown.wait_for_key(
-                ctx, f"{base}/{other}", rank=rank, source=other, what=what,
-                timeout_seconds=timeout))
-        verdict = disagreements(records) or ""
-        ctx.set_config_key_value(f"{base}/verdict", verdict)
-    else:
-        try:
-            verdict = shutdown.wait_for_key(
-                ctx, f"{base}/verdict", rank=rank, source=0, what=what,
-                timeout_seconds=timeout)
-        except RuntimeError as e:
-            # Rank 0 raising the verdict as this rank's slice of the wait
-            # ended: the verdict itself (whole), not rank 0's report of it.
-            if getattr(e, "smp_stopped_by", None) is None:
-                raise
-            try:
-                verdict = ctx.get_config_key_value(f"{base}/verdict", 1)
-            except shutdown.lost_errors():
-                raise e from None
+    verdict = agreement.agree(
+        (context or tf_private.context).context(), base, cluster.rank,
+        cluster.world_size, mine, disagreements, what=what,
+        timeout_seconds=config.collective_timeout_seconds)
     if verdict:
         raise ValueError(verdict)
 

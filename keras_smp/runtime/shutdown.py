@@ -219,11 +219,33 @@ def failure(ctx):
     return rank, what
 
 
-def wait_for_key(ctx, key, *, rank, source, what, timeout_seconds):
+class RankEnded(RuntimeError):
+    """`wait_for_key(..., watch_end=True)`: the rank expected to set the
+    key ended its script (it waits at exit for the others) without
+    setting it. `rank`: that rank."""
+
+    def __init__(self, rank, what):
+        super().__init__(f"keras-smp: rank {rank}'s script ended while "
+                         f"waited for in {what}.")
+        self.rank = rank
+
+
+def _ended(ctx, rank):
+    """Whether `rank`'s script ended without failing (a look)."""
+    try:
+        return ctx.get_config_key_value(f"{_PREFIX}/{rank}",
+                                        timeout_in_ms=1) == "done"
+    except Exception:  # noqa: BLE001 (not set: a timeout)
+        return False
+
+
+def wait_for_key(ctx, key, *, rank, source, what, timeout_seconds,
+                 watch_end=False):
     """The value at `key` in the coordination service's store, waiting at
     most `timeout_seconds`, in slices of `_SLICE_SECONDS`: a rank that
     fails and says so (`failure`) ends the wait with its error (a report
-    does not end a wait on a key).
+    does not end a wait on a key); with `watch_end`, so does `source`'s
+    script ending (`RankEnded`).
 
     Args:
         ctx: TensorFlow's eager context.
@@ -232,8 +254,11 @@ def wait_for_key(ctx, key, *, rank, source, what, timeout_seconds):
         source: the rank expected to set `key` (for the messages).
         what: what this rank is doing, e.g. `"broadcast"`.
         timeout_seconds: the most to wait (`collective_timeout_seconds`).
+        watch_end: also end the wait when `source`'s script ended (one
+            more look per slice).
 
     Raises:
+        RankEnded: with `watch_end`, `source`'s script ended.
         RuntimeError: another rank failed (its error; the exception's
             `smp_stopped_by` is `(rank, error)`), the coordination service
             is gone, or `source` did not answer within `timeout_seconds`.
@@ -260,6 +285,8 @@ def wait_for_key(ctx, key, *, rank, source, what, timeout_seconds):
                 # stopped by that rank's).
                 stopped.smp_stopped_by = failed
                 raise stopped from e
+            if watch_end and _ended(ctx, source):
+                raise RankEnded(source, what) from e
             if time.monotonic() - began < wait / 2:  # not a timeout
                 raise RuntimeError(
                     f"keras-smp: rank {rank} lost the coordination service "

@@ -1,6 +1,7 @@
-"""`process.check_same_settings` with a fake coordination service (used by
-tests): one thread per rank in this process, a dict as the key-value
-store. Prints one JSON line per scenario: what each rank raised.
+"""`process.check_same_settings` and `agreement.check_same_call` with a
+fake coordination service (used by tests): one thread per rank in this
+process, a dict as the key-value store. Prints one JSON line per
+scenario: what each rank raised.
 
 Scenarios:
 - "agree": 3 ranks with the same settings: none raises.
@@ -9,6 +10,15 @@ Scenarios:
 - "race": rank 1's wait for the verdict ends just as rank 0 fails (its
   failure published, the verdict stored): rank 1 still raises the verdict
   itself, whole, not rank 0's one-line report of it.
+- "calls agree": 3 ranks start the same evaluate, then the same fit and its
+  validation: none raises.
+- "calls differ": rank 1 starts predict where the others evaluate, then
+  (a fit each) rank 2 runs fewer steps with other batch shapes, then rank 1
+  validates on other data: every rank raises the same ValueError each time.
+- "ended": rank 2's script has ended (its exit key says so): ranks 0 and 1
+  raise the same ValueError naming it, within seconds, not at the timeout.
+- "rank 0 ended": ranks 1 and 2 wait for rank 0's verdict, but its script
+  has ended: both raise naming rank 0.
 """
 
 import itertools
@@ -23,7 +33,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
 from keras_smp.config import SMPConfig  # noqa: E402
+from keras_smp.runtime import agreement  # noqa: E402
 from keras_smp.runtime import process  # noqa: E402
+from keras_smp.runtime.calls import call_record  # noqa: E402
 from keras_smp.runtime import shutdown  # noqa: E402
 
 
@@ -103,3 +115,74 @@ run("differ", same[:2] + [SMPConfig.build(microbatches=8, environ={})],
     [1, 1, 2])
 run("race", [SMPConfig.build(microbatches=4, environ={}),
              SMPConfig.build(microbatches=2, environ={})], [1, 1], race=True)
+
+
+class PerThread(threading.local):
+    """`agreement._calls`, one count per thread (each thread a rank)."""
+
+    def __init__(self):
+        self.counts = {"checked": 0}
+
+    def __getitem__(self, key):
+        return self.counts[key]
+
+    def __setitem__(self, key, value):
+        self.counts[key] = value
+
+
+def calls(name, plans, ended=()):
+    """`plans[r]`: rank r's `(record, part)` checks in order (`[]`: its
+    script ended; `ended` lists the ranks whose exit key says so)."""
+    store = Store()
+    for r in ended:
+        store.values[f"{shutdown._PREFIX}/{r}"] = "done"
+    agreement._calls = PerThread()
+    raised, took = {}, {}
+
+    def rank(r):
+        ctx = Ctx(store)
+        context = types.SimpleNamespace(context=lambda: ctx)
+        runtime = types.SimpleNamespace(
+            collectives=True,
+            cluster=types.SimpleNamespace(rank=r, world_size=len(plans)),
+            config=types.SimpleNamespace(collective_timeout_seconds=30))
+        began = time.monotonic()
+        raised[r] = []
+        for record, part in plans[r]:
+            try:
+                agreement.check_same_call(runtime, record, part,
+                                          context=context)
+                raised[r].append(None)
+            except Exception as e:  # noqa: BLE001
+                raised[r].append([type(e).__name__, str(e)])
+        took[r] = time.monotonic() - began
+
+    threads = [threading.Thread(target=rank, args=(r,))
+               for r in range(len(plans))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    print(json.dumps({"scenario": name, "raised": raised,
+                      "seconds": max(took.values())}), flush=True)
+
+
+inputs = [("float32", [None, 8]), ("float32", [None, 2])]
+evaluate = (call_record("evaluate", steps=4, arguments={"batch_size": 16},
+                        inputs=inputs), None)
+fit = (call_record("fit", steps=4, arguments={"epochs": 3}, inputs=inputs),
+       None)
+validation = (call_record("validation of fit", steps=2, inputs=[
+    ("float32", [16, 8]), ("float32", [16, 2])]), "validation")
+calls("calls agree", [[evaluate, fit, validation]] * 3)
+predict = (call_record("predict", steps=4, arguments={"batch_size": 16},
+                       inputs=inputs[:1]), None)
+short = (call_record("fit", steps=3, arguments={"epochs": 3}, inputs=[
+    ("float64", [None, 8]), ("float32", [None, 2])]), None)
+other = (call_record("validation of fit", steps=1, inputs=[
+    ("float32", [32, 8]), ("float32", [32, 2])]), "validation")
+calls("calls differ", [[evaluate, fit, validation],
+                       [predict, fit, other],
+                       [evaluate, short, validation]])
+calls("ended", [[evaluate], [evaluate], []], ended=[2])
+calls("rank 0 ended", [[], [evaluate], [evaluate]], ended=[0])

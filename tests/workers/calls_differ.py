@@ -1,0 +1,86 @@
+"""Ranks that make different fit / evaluate / predict calls (used by tests).
+
+Run under `keras-smp launch -n 2 -- python calls_differ.py MODE`, MODE
+"dp" (data parallel, one replica per process) or "pp" (2 stages, one per
+process). In order, each rank prints `ROW {json}` per scenario: whether
+its call raised, the message, and the seconds the call took:
+
+1. "rows": fit on 64 rows on rank 0, 48 on rank 1 (4 and 3 steps);
+2. "call": rank 0 evaluates where rank 1 predicts;
+3. "validation": the same training data, validation data of 32 rows on
+   rank 0 and 16 on rank 1 (the check comes at the first validation);
+4. "agree": the same fit (with validation), evaluate and predict on both
+   ranks: they run, and give the same results (the refused calls before
+   left nothing behind);
+5. "ended": rank 1's script ends; rank 0 evaluates once more, as
+   `if rank == 0: model.evaluate(...)` would.
+
+With `collective_timeout_seconds=120`, every refusal must come well
+before it: the check runs before the first step of each call.
+"""
+
+import json
+import sys
+import time
+
+import numpy as np
+
+import keras_smp
+
+mode = sys.argv[1]
+options = dict(collective_timeout_seconds=120)
+if mode == "pp":
+    options.update(partitions=2, microbatches=2)
+strategy = keras_smp.SMPStrategy(**options)
+
+import keras  # noqa: E402
+
+rank = keras_smp.rank()
+keras.utils.set_random_seed(0)
+x = np.random.RandomState(0).randn(64, 8).astype("float32")
+y = np.random.RandomState(1).randn(64, 2).astype("float32")
+with strategy.scope():
+    model = keras.Sequential([
+        keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(2)])
+    if mode == "pp":
+        model = keras_smp.DistributedModel(model)
+    model.compile("sgd", "mse")
+
+
+def scenario(name, fn):
+    began = time.monotonic()
+    row = {"scenario": name, "rank": rank}
+    try:
+        row["result"] = fn()
+        row["raised"] = None
+    except ValueError as e:
+        row["raised"] = str(e)
+    row["seconds"] = time.monotonic() - began
+    print("ROW " + json.dumps(row), flush=True)
+
+
+n = 64 if rank == 0 else 48
+scenario("rows", lambda: model.fit(x[:n], y[:n], batch_size=16, epochs=1,
+                                   verbose=0).history["loss"])
+scenario("call", lambda: float(model.evaluate(x, y, batch_size=16, verbose=0))
+         if rank == 0 else model.predict(x, batch_size=16, verbose=0).tolist())
+v = 32 if rank == 0 else 16
+scenario("validation", lambda: model.fit(
+    x, y, batch_size=16, epochs=1, verbose=0,
+    validation_data=(x[:v], y[:v])).history["loss"])
+
+
+def agree():
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                        validation_data=(x[:32], y[:32])).history
+    return {"history": history,
+            "evaluate": float(model.evaluate(x, y, batch_size=16,
+                                             verbose=0)),
+            "predict": model.predict(x, batch_size=16, verbose=0).tolist()}
+
+
+scenario("agree", agree)
+if rank == 0:
+    scenario("ended", lambda: float(model.evaluate(x, y, batch_size=16,
+                                                   verbose=0)))
