@@ -225,27 +225,36 @@ def test_call_check_over_a_fake_coordination_service(fake_service_checks):
     # Before the first step of each fit / evaluate / predict (and of a
     # fit's validation), every rank says what it runs; rank 0 compares.
     rows = fake_service_checks
-    assert rows["calls agree"]["raised"] == {
-        str(r): [None, None, None] for r in range(3)}
+    agree = rows["calls agree"]
+    assert agree["raised"] == {str(r): [None] * 4 for r in range(3)}
+    # Rank 0 deleted each call's keys once every rank had started the
+    # next: left are the last call's and the fit's (call 1) validation's,
+    # made after call 2 (a predict within the fit) started.
+    assert agree["keys"] == [f"keras_smp/calls/{c}/{k}" for c in (
+        "1/validation", "2") for k in ("0", "1", "2", "verdict")]
     differ = rows["calls differ"]["raised"]
     assert sorted(differ) == ["0", "1", "2"]
-    # Every rank raises the same error for each of the three calls.
+    # Every rank raises the same error for each differing call.
     assert differ["1"] == differ["0"] and differ["2"] == differ["0"], differ
-    first, second, validation = [m for _, m in differ["0"]]
-    assert all(kind == "ValueError" for kind, _ in differ["0"])
+    assert differ["0"][1] is None  # the fit itself agrees
+    first, validation, third = [m for _, m in differ["0"][::2] + differ[
+        "0"][3:]]
+    assert all(raised[0] == "ValueError" for raised in differ["0"] if raised)
     assert first.startswith("keras-smp: the processes of this job differ "
                             "in their 1st fit/evaluate/predict call")
     assert "- call: evaluate on ranks 0, 2; predict on rank 1" in \
         first.splitlines()
-    assert "- steps: 4 on ranks 0, 1; 3 on rank 2" in second.splitlines()
-    assert ("- batch inputs: [float32[None, 8], float32[None, 2]] on ranks "
-            "0, 1; [float64[None, 8], float32[None, 2]] on rank 2") in \
-        second.splitlines()
-    assert "- epochs" not in second  # equal on every rank: not named
     assert validation.startswith(
         "keras-smp: the processes of this job differ in the validation "
         "data of their 2nd fit/evaluate/predict call")
     assert "- steps: 2 on ranks 0, 2; 1 on rank 1" in validation
+    assert third.startswith("keras-smp: the processes of this job differ "
+                            "in their 3rd fit/evaluate/predict call")
+    assert "- steps: 4 on ranks 0, 1; 3 on rank 2" in third.splitlines()
+    assert ("- batch inputs: [float32[None, 8], float32[None, 2]] on ranks "
+            "0, 1; [float64[None, 8], float32[None, 2]] on rank 2") in \
+        third.splitlines()
+    assert "- batch_size" not in third  # equal on every rank: not named
     assert "not `if rank == 0: model.evaluate(...)`" in first
     # A rank whose script ended: the others fail at the first 1 s slice of
     # their wait, not at the 30 s timeout, all with the same message.
@@ -330,13 +339,16 @@ def test_ranks_making_different_calls_fail_at_the_call_naming_it(mode):
     assert agree["raised"] is None and rows["agree", 1]["raised"] is None
     assert agree["result"] == rows["agree", 1]["result"]
     assert len(agree["result"]["history"]["val_loss"]) == 2
+    # Left in the coordination service: the last call's keys, and those of
+    # the fit's validation (made after the callback's predicts started).
+    assert rows["keys", 0]["result"] == [
+        "keras_smp/calls/7/0", "keras_smp/calls/3/validation/0"]
     # Rank 1's script ended; rank 0's evaluate fails at once saying so.
     ended = rows["ended", 0]
-    assert ("keras-smp: rank 0 starts evaluate() (its 7th "
-            "fit/evaluate/predict call), but rank 1's script ended after 6 "
+    assert ("keras-smp: rank 0 starts evaluate() (its 9th "
+            "fit/evaluate/predict call), but rank 1's script ended after 8 "
             "such calls") in ended["raised"], ended
     assert ended["seconds"] < 60, ended
-    assert ("ended", 1) not in rows
     assert "lost" not in proc.stdout.lower(), proc.stdout[-3000:]
 
 

@@ -636,23 +636,25 @@ def test_a_config_passed_to_build_keeps_its_origins():
 def test_call_records_compare_steps_arguments_and_batch_shapes():
     x = [("float32", [None, 8]), ("int64", [None])]
     fit = calls.call_record("fit", steps=4, arguments={
-        "epochs": 3, "batch_size": 16, "validation data": False}, inputs=x)
+        "epochs": 3, "validation_split": 0.2, "validation data": False},
+        inputs=x)
     same = {r: fit for r in range(6)}
     assert calls.call_disagreements(same, 0) is None
     # Each differing field is named with the ranks holding each value
     # (at most 4 ranks listed); equal fields are not named.
     other = dict(same)
     other[5] = calls.call_record("fit", steps=None, arguments={
-        "epochs": 2, "batch_size": 16, "validation data": True}, inputs=x)
+        "epochs": 2, "validation_split": 0.2, "validation data": True},
+        inputs=x)
     lines = calls.call_disagreements(other, 4).splitlines()
     assert lines[0].startswith("keras-smp: the processes of this job differ "
                                "in their 5th fit/evaluate/predict call")
     assert "- steps: 4 on ranks 0, 1, 2, 3 and 1 more; unknown on rank 5" \
         in lines
     assert "- epochs: 3 on ranks 0, 1, 2, 3 and 1 more; 2 on rank 5" in lines
-    assert ("- validation data: false on ranks 0, 1, 2, 3 and 1 more; true "
+    assert ("- validation data: False on ranks 0, 1, 2, 3 and 1 more; True "
             "on rank 5") in lines
-    assert not any(line.startswith("- batch_size") for line in lines)
+    assert not any(line.startswith("- validation_split") for line in lines)
     # Another call: named alone (its steps and arguments are another
     # call's).
     evaluate = calls.call_record("evaluate", steps=2, inputs=x)

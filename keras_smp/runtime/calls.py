@@ -120,7 +120,7 @@ def _shown(value):
     value = json.loads(value)
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return "[" + ", ".join(value) + "]"
-    return value if isinstance(value, str) else json.dumps(value)
+    return value if isinstance(value, str) else repr(value)
 
 
 def call_disagreements(records: Mapping[int, Mapping], index: int
@@ -184,14 +184,20 @@ def ended_message(rank: int, record: Mapping, index: int, other: int) -> str:
     assert message.startswith("keras-smp: rank 0 starts evaluate() (its "
                               "2nd fit/evaluate/predict call), but rank 1's "
                               "script ended after 1 such call")
+    message = ended_message(0, call_record("validation of fit", steps=2),
+                            1, 1)
+    assert "starts the validation of fit (its 2nd fit/evaluate/predict " \
+        "call), but rank 1's script ended after 2 such calls" in message
     ```
     """
     call = record.get("call", "a call")
     what = (f"{call}()" if call in ("fit", "evaluate", "predict")
             else f"the {call}")
+    # The fit being validated is a call the other rank made too.
+    made = index + 1 if call == "validation of fit" else index
     return (
         f"keras-smp: rank {rank} starts {what} (its {_ordinal(index)} "
         f"fit/evaluate/predict call), but rank {other}'s script ended after "
-        f"{index} such call{'' if index == 1 else 's'}: every step needs "
+        f"{made} such call{'' if made == 1 else 's'}: every step needs "
         "every rank, so this one would wait until collective_timeout_seconds."
         "\n" + _FIX)

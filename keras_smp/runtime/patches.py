@@ -298,25 +298,25 @@ def _symbolic_batch(epoch_iterator):
     return parts
 
 
-# The arguments of each call that decide its steps and batch shapes
-# (compared across ranks; the data's steps and shapes are compared too).
+# The arguments of each call, beyond its data's steps and batch shapes,
+# that decide how many steps it runs (compared across ranks). Not
+# `batch_size`: the steps and shapes show its effect, and `None` and 32
+# run the same batches of arrays.
 _CALL_ARGUMENTS = {
-    "fit": ("batch_size", "epochs", "initial_epoch", "validation_split",
-            "validation_freq"),
-    "evaluate": ("batch_size",),
-    "predict": ("batch_size",),
+    "fit": ("epochs", "initial_epoch", "validation_split", "validation_freq"),
+    "evaluate": (),
+    "predict": (),
 }
-_VALIDATION_ARGUMENTS = ("validation_batch_size",)
 
 
-class _Calls(threading.local):
+class _CallsInProgress(threading.local):
     """This thread's `fit` / `evaluate` / `predict` calls in progress."""
 
     def __init__(self):
         self.stack = []
 
 
-_calls = _Calls()
+_in_progress = _CallsInProgress()
 
 
 def _plain(value):
@@ -325,10 +325,13 @@ def _plain(value):
         return value
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
-    try:
-        return int(value)  # a NumPy integer
-    except (TypeError, ValueError):
-        return repr(value)
+    item = getattr(value, "item", None)  # a NumPy scalar
+    if callable(item):
+        try:
+            return _plain(item())
+        except (TypeError, ValueError):
+            pass
+    return repr(value)
 
 
 def _patch_calls(trainer):
@@ -356,16 +359,12 @@ def _patch_calls(trainer):
                 arguments["validation data"] = (
                     given.get("validation_data") is not None
                     or bool(given.get("validation_split")))
-                validation = {k: _plain(given.get(k))
-                              for k in _VALIDATION_ARGUMENTS}
-            else:
-                validation = {}
-            _calls.stack.append({"call": _name, "arguments": arguments,
-                                 "validation": validation, "iterators": 0})
+            _in_progress.stack.append({"call": _name, "arguments": arguments,
+                                       "iterators": 0, "index": None})
             try:
                 return _original(self, *args, **kwargs)
             finally:
-                _calls.stack.pop()
+                _in_progress.stack.pop()
 
         call._smp_patched = True
         setattr(trainer, name, call)
@@ -381,27 +380,28 @@ def _check_call(epoch_iterator):
     from keras_smp.runtime import keras_private
     from keras_smp.runtime.calls import call_record
 
-    if not _calls.stack:
+    if not _in_progress.stack:
         return  # an epoch iterator made outside these calls
     runtime = _runtime_of(keras_private.epoch_iterator_strategy(
         epoch_iterator))
     if runtime is None or not runtime.collectives:
         return
-    frame = _calls.stack[-1]
+    frame = _in_progress.stack[-1]
     frame["iterators"] += 1
     if frame["iterators"] == 1:
-        call, part, arguments = frame["call"], None, frame["arguments"]
-    elif frame["call"] == "fit":
-        call, part, arguments = ("validation of fit", "validation",
-                                 frame["validation"])
+        call, arguments = frame["call"], frame["arguments"]
+    elif frame["call"] == "fit" and frame["iterators"] == 2:
+        call, arguments = "validation of fit", {}
     else:
         return
     spec = _symbolic_batch(epoch_iterator)
     inputs = None if spec is None else [
         (s.dtype.name, s.shape.as_list()) for s in tf.nest.flatten(spec)]
-    agreement.check_same_call(runtime, call_record(
+    index = agreement.check_same_call(runtime, call_record(
         call, steps=keras_private.epoch_iterator_steps(epoch_iterator),
-        arguments=arguments, inputs=inputs), part)
+        arguments=arguments, inputs=inputs), of_call=frame["index"])
+    if frame["index"] is None:
+        frame["index"] = index
 
 
 def _raise_if_optimizer_outside_scope(model, error):

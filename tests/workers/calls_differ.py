@@ -9,9 +9,11 @@ its call raised, the message, and the seconds the call took:
 2. "call": rank 0 evaluates where rank 1 predicts;
 3. "validation": the same training data, validation data of 32 rows on
    rank 0 and 16 on rank 1 (the check comes at the first validation);
-4. "agree": the same fit (with validation), evaluate and predict on both
-   ranks: they run, and give the same results (the refused calls before
-   left nothing behind);
+4. "agree": the same fit (with validation, and a callback predicting at
+   the start of each epoch: calls within the fit, before its validation),
+   evaluate and predict on both ranks: they run, and give the same results
+   (the refused calls before left nothing behind); rank 0 then says which
+   calls' keys the coordination service still holds;
 5. "ended": rank 1's script ends; rank 0 evaluates once more, as
    `if rank == 0: model.evaluate(...)` would.
 
@@ -71,9 +73,15 @@ scenario("validation", lambda: model.fit(
     validation_data=(x[:v], y[:v])).history["loss"])
 
 
+class Predicts(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        model.predict(x[:16], batch_size=16, verbose=0)
+
+
 def agree():
     history = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
-                        validation_data=(x[:32], y[:32])).history
+                        validation_data=(x[:32], y[:32]),
+                        callbacks=[Predicts()]).history
     return {"history": history,
             "evaluate": float(model.evaluate(x, y, batch_size=16,
                                              verbose=0)),
@@ -81,6 +89,27 @@ def agree():
 
 
 scenario("agree", agree)
+
+
+def keys():
+    # Calls 0-2 were refused, 3 is the fit (4, 5 its callback's predicts),
+    # 6 the evaluate, 7 the predict: rank 0 deleted each call's keys once
+    # every rank had started the next.
+    from tensorflow.python.eager import context
+
+    held = []
+    for key in [f"keras_smp/calls/{c}/0" for c in range(8)] + [
+            "keras_smp/calls/3/validation/0"]:
+        try:
+            context.context().get_config_key_value(key, 1)
+            held.append(key)
+        except Exception:  # noqa: BLE001 (not there: a timeout)
+            pass
+    return held
+
+
+if rank == 0:
+    scenario("keys", keys)
 if rank == 0:
     scenario("ended", lambda: float(model.evaluate(x, y, batch_size=16,
                                                    verbose=0)))

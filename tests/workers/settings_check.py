@@ -10,11 +10,13 @@ Scenarios:
 - "race": rank 1's wait for the verdict ends just as rank 0 fails (its
   failure published, the verdict stored): rank 1 still raises the verdict
   itself, whole, not rank 0's one-line report of it.
-- "calls agree": 3 ranks start the same evaluate, then the same fit and its
-  validation: none raises.
-- "calls differ": rank 1 starts predict where the others evaluate, then
-  (a fit each) rank 2 runs fewer steps with other batch shapes, then rank 1
-  validates on other data: every rank raises the same ValueError each time.
+- "calls agree": 3 ranks start the same evaluate, then the same fit, a
+  predict within it (a callback's) and the fit's validation: none raises;
+  rank 0 deleted each call's keys once every rank had started the next.
+- "calls differ": rank 1 starts predict where the others evaluate; the
+  same fit, but rank 1 validates on other data; an evaluate, rank 2's
+  with fewer steps and other batch dtypes: every rank raises the same
+  ValueError each time.
 - "ended": rank 2's script has ended (its exit key says so): ranks 0 and 1
   raise the same ValueError naming it, within seconds, not at the timeout.
 - "rank 0 ended": ranks 1 and 2 wait for rank 0's verdict, but its script
@@ -58,6 +60,13 @@ class Ctx:
                 raise tf.errors.AlreadyExistsError(None, None, key)
             self.store.values[key] = value
             self.store.cond.notify_all()
+
+    def delete_config_key_value(self, key):
+        # The coordination service's: the key, and the keys under it.
+        with self.store.cond:
+            for k in [k for k in self.store.values
+                      if k == key or k.startswith(key + "/")]:
+                del self.store.values[k]
 
     def get_config_key_value(self, key, timeout_in_ms):
         if key == self.fail_first_get_of:
@@ -118,25 +127,25 @@ run("race", [SMPConfig.build(microbatches=4, environ={}),
 
 
 class PerThread(threading.local):
-    """`agreement._calls`, one count per thread (each thread a rank)."""
+    """`agreement._call_checks` (a process's count of its calls), one per
+    thread here: each thread plays a rank, i.e. a process."""
 
     def __init__(self):
-        self.counts = {"checked": 0}
+        self.n = 0
 
-    def __getitem__(self, key):
-        return self.counts[key]
-
-    def __setitem__(self, key, value):
-        self.counts[key] = value
+    def __next__(self):
+        self.n += 1
+        return self.n - 1
 
 
 def calls(name, plans, ended=()):
-    """`plans[r]`: rank r's `(record, part)` checks in order (`[]`: its
+    """`plans[r]`: rank r's `(record, of)` checks in order, `of` the
+    position in the plan of the call a validation belongs to (`[]`: its
     script ended; `ended` lists the ranks whose exit key says so)."""
     store = Store()
     for r in ended:
         store.values[f"{shutdown._PREFIX}/{r}"] = "done"
-    agreement._calls = PerThread()
+    agreement._call_checks = PerThread()
     raised, took = {}, {}
 
     def rank(r):
@@ -147,11 +156,12 @@ def calls(name, plans, ended=()):
             cluster=types.SimpleNamespace(rank=r, world_size=len(plans)),
             config=types.SimpleNamespace(collective_timeout_seconds=30))
         began = time.monotonic()
-        raised[r] = []
-        for record, part in plans[r]:
+        raised[r], indices = [], []
+        for record, of in plans[r]:
+            indices.append(None if of is None else indices[of])
             try:
-                agreement.check_same_call(runtime, record, part,
-                                          context=context)
+                indices[-1] = agreement.check_same_call(
+                    runtime, record, indices[-1], context=context)
                 raised[r].append(None)
             except Exception as e:  # noqa: BLE001
                 raised[r].append([type(e).__name__, str(e)])
@@ -164,7 +174,10 @@ def calls(name, plans, ended=()):
     for t in threads:
         t.join(90)
     print(json.dumps({"scenario": name, "raised": raised,
-                      "seconds": max(took.values())}), flush=True)
+                      "seconds": max(took.values()),
+                      "keys": sorted(k for k in store.values
+                                     if k.startswith("keras_smp/calls"))}),
+          flush=True)
 
 
 inputs = [("float32", [None, 8]), ("float32", [None, 2])]
@@ -173,16 +186,16 @@ evaluate = (call_record("evaluate", steps=4, arguments={"batch_size": 16},
 fit = (call_record("fit", steps=4, arguments={"epochs": 3}, inputs=inputs),
        None)
 validation = (call_record("validation of fit", steps=2, inputs=[
-    ("float32", [16, 8]), ("float32", [16, 2])]), "validation")
-calls("calls agree", [[evaluate, fit, validation]] * 3)
-predict = (call_record("predict", steps=4, arguments={"batch_size": 16},
-                       inputs=inputs[:1]), None)
-short = (call_record("fit", steps=3, arguments={"epochs": 3}, inputs=[
-    ("float64", [None, 8]), ("float32", [None, 2])]), None)
+    ("float32", [16, 8]), ("float32", [16, 2])]), 1)
+predict = (call_record("predict", steps=4, inputs=inputs[:1]), None)
+calls("calls agree", [[evaluate, fit, predict, validation]] * 3)
+short = (call_record("evaluate", steps=3, arguments={"batch_size": 16},
+                     inputs=[("float64", [None, 8]), ("float32", [None, 2])]),
+         None)
 other = (call_record("validation of fit", steps=1, inputs=[
-    ("float32", [32, 8]), ("float32", [32, 2])]), "validation")
-calls("calls differ", [[evaluate, fit, validation],
-                       [predict, fit, other],
-                       [evaluate, short, validation]])
+    ("float32", [32, 8]), ("float32", [32, 2])]), 1)
+calls("calls differ", [[evaluate, fit, validation, evaluate],
+                       [predict, fit, other, evaluate],
+                       [evaluate, fit, validation, short]])
 calls("ended", [[evaluate], [evaluate], []], ended=[2])
 calls("rank 0 ended", [[], [evaluate], [evaluate]], ended=[0])
