@@ -85,6 +85,15 @@ class Ctx:
             return self.store.values[key]
 
 
+def in_threads(rank, n, timeout):
+    """Runs `rank(r)` for r < n, one thread each, and waits for them."""
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+
+
 def run(name, configs, devices, race=False):
     store = Store()
     process._settings_checks = itertools.repeat(0)  # one check per thread
@@ -109,12 +118,7 @@ def run(name, configs, devices, race=False):
                                          f"ValueError: {e}"[:100])
                 ctx.set_config_key_value(shutdown._FAILED, "0")
 
-    threads = [threading.Thread(target=rank, args=(r,))
-               for r in range(len(configs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    in_threads(rank, len(configs), 60)
     print(json.dumps({"scenario": name, "raised": raised}), flush=True)
 
 
@@ -167,12 +171,7 @@ def calls(name, plans, ended=()):
                 raised[r].append([type(e).__name__, str(e)])
         took[r] = time.monotonic() - began
 
-    threads = [threading.Thread(target=rank, args=(r,))
-               for r in range(len(plans))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
+    in_threads(rank, len(plans), 90)
     print(json.dumps({"scenario": name, "raised": raised,
                       "seconds": max(took.values()),
                       "keys": sorted(k for k in store.values
