@@ -112,7 +112,17 @@ GROUPS = {
              + [dict(c, partial="static") for c in
                 _cases("tokens", (2,), ("1f1b",), (4,), "adam")]),
     "manual": (_cases("manual", (2, 4), BOTH, (1, 4), "sgd")
-               + _cases("manual", (4,), ("1f1b",), (8,), "adam")),
+               + _cases("manual", (4,), ("1f1b",), (8,), "adam")
+               # Nested models (a backbone holding a Sequential block, an
+               # encoder applied twice): their layers placed one by one
+               # (the backbone was one node: 4 stages were refused), also
+               # split backwards and virtual stages; a backbone marked for
+               # recomputation stays whole (one recomputed unit).
+               + _cases("nested", (2, 4), BOTH, (4,), "sgd")
+               + _cases("nested", (2,), ("zb_h1",), (4,), "adam")
+               + _cases("nested", (2,), ("interleaved_1f1b",), (2,), "sgd")
+               + [dict(c, recompute_layers=[1]) for c in _cases(
+                   "nested", (2,), ("1f1b",), (4,), "sgd")]),
     # 4 logical CPUs = 2 pipeline replicas x 2 stages (per-replica batch 16).
     "dp_x_pp": (_cases("mlp", (2,), BOTH, (2, 8), "sgd", devices=4)
                 + _cases("skip", (2,), BOTH, (1, 4), "sgd", devices=4)
@@ -188,7 +198,8 @@ GROUPS = {
             + _cases("penalized_ops", (2,), ("1f1b",), (2,), "sgd")
             # compiled stages give an unused head zero gradients: none
             + _cases("two_heads", (4,), ("1f1b",), (4,), "sgd")
-            + _cases("tokens", (2,), ("1f1b",), (4,), "sgd")]
+            + _cases("tokens", (2,), ("1f1b",), (4,), "sgd")
+            + _cases("nested", (2,), ("1f1b",), (4,), "adam")]
     # ... a partial last batch (other shapes: compiled again).
     + [dict(c, xla=True, partial=True) for c in
        _cases("mlp", (2,), ("1f1b",), (4,), "sgd")]
@@ -299,6 +310,14 @@ def test_pipelined_training_matches_single_device(group):
         # weight decay, no constraint), as in Keras.
         if row["model"] == "two_heads":
             assert row["unused_moved"] == [0.0, 0.0], (label, row)
+        # ... and nested models were expanded (the encoder at both of its
+        # calls), except one marked for recomputation.
+        if row["model"] == "nested":
+            assert row["expanded"] == (
+                ["encoder", "encoder"] if row.get("recompute_layers")
+                else ["block", "backbone", "encoder", "encoder"]), row
+        else:
+            assert row["expanded"] == [], row
         virtual = row.get("virtual_stages") or (
             2 if row["pipeline"] in ("interleaved_1f1b", "zb_v") else 1)
         assert len(row["stage_layers"]) == row["partitions"] * virtual, row
@@ -351,6 +370,40 @@ def test_fidelity_detects_a_wrong_gradient():
                       pipeline="1f1b", optimizer="sgd",
                       break_loss_weight=2.0)], timeout=300)
     assert rows[0]["weights"] > 1e-3, rows
+
+
+def test_nested_models_expand_into_the_layers_their_calls_run():
+    # A nested Sequential or functional model is one node of the graph
+    # around it; `expand_nested_models` puts its layers in its place (so
+    # partitioning can cut inside it). The expanded graph computes what
+    # the model computes for training None, True and False: a `training=`
+    # given to a nested model reaches its layers, the nearest enclosing
+    # one wins, and the call's own `training` overrides them all (Keras'
+    # functional call). Its weights are the model's own objects.
+    proc = run_python([os.path.join(WORKERS, "nested_models.py")],
+                      timeout=300)
+    out = json.loads(proc.stdout.splitlines()[-1])
+    for name, case in out.items():
+        if name == "docstring":
+            continue
+        assert case["same"] == {"None": True, "True": True, "False": True}, (
+            name, case)
+        assert case["own_weights"], (name, case)
+    # Two levels (a inside the model, b inside a), a sibling, a Sequential.
+    assert out["training"]["expanded"] == ["b", "a", "c", "seq"]
+    assert out["training"]["layers"] == [
+        "add", "mode_a", "mode_b", "mode_c", "sd"]
+    # A nested output nothing uses: expanding would drop its layers'
+    # weights from the graph, so nothing is expanded.
+    assert out["unused_output"]["unchanged"]
+    assert out["unused_output"]["expanded"] == []
+    # Kept whole: a subclassed model, a call passing a mask, inputs of
+    # another dtype, a model `keep` names; a dict-input model expands.
+    assert out["kept"]["expanded"] == ["dict_model"]
+    assert {"custom", "masked", "casting", "kept", "dadd"} <= set(
+        out["kept"]["layers"]), out["kept"]
+    assert out["plain"]["unchanged"] and out["plain"]["expanded"] == []
+    assert out["docstring"]
 
 
 @pytest.fixture(scope="module", params=["1f1b", "zb_v"])
@@ -434,6 +487,11 @@ ERROR_CASES = {
     "indivisible_batch_mean_with_sample_weight": ("ValueError", [
         "30 samples does not divide into microbatches=4",
         "mean_with_sample_weight", "overrides `Loss.__call__`"]),
+    "nested_model_marked_after_wrapping": ("ValueError", [
+        "Nested model(s) ['block'] were marked",
+        "after DistributedModel placed their layers one by one",
+        "Mark them before wrapping the model",
+        "name them in the config's activation_checkpointing"]),
     "partition_index_out_of_range": ("ValueError", [
         "partition(2)", "partitions=2"]),
     "empty_stage": ("ValueError", ["[1]", "no layers"]),
@@ -585,7 +643,10 @@ def test_saved_pipelined_model_loads_back_pipelined(tmp_path):
     # Virtual stages: each process runs 2 of the 4 model stages (rank 0
     # stages 0 and 2 / 0 and 3), one collective group per boundary; ZB-V's
     # turn (stages 1 -> 2) stays in rank 1, and rank 0 computes the loss.
-    (2, "interleaved_1f1b", "callbacks"), (4, "zb_v", "deep")])
+    (2, "interleaved_1f1b", "callbacks"), (4, "zb_v", "deep"),
+    # A backbone model holding a Sequential block, called with
+    # training=False: its layers split between the two stage processes.
+    (2, "1f1b", "nested")])
 def test_one_stage_per_process_matches_single_device(
         tmp_path, reference, workers, pipeline, variant):
     # partitions=2 over 2 or 4 worker processes (1 or 2 replicas x 2
@@ -616,6 +677,9 @@ def test_one_stage_per_process_matches_single_device(
     if pipeline in ("interleaved_1f1b", "zb_v"):  # 4 model stages
         flags += ["--model", "deep"]
         ref_flags = ("--model", "deep")
+    if variant == "nested":
+        flags += ["--model", "nested"]
+        ref_flags = ("--model", "nested")
     if variant == "manual":
         # Subclassed DistributedModel placed with partition scopes.
         flags = ["--pipelined", "--model", "manual", "--config", json.dumps(
@@ -639,6 +703,10 @@ def test_one_stage_per_process_matches_single_device(
     assert "[0] Epoch 3/3" in proc.stdout and "[1] Epoch" not in proc.stdout
     if variant == "callbacks":
         assert (tmp_path / "files" / "ckpt.keras").is_file()
+    if variant == "nested":  # the backbone's layers on both stages
+        got = load(tmp_path, 0)
+        assert list(got["expanded"]) == ["block", "backbone"], got
+        assert list(got["stage_layers"]) == ["d1", "d2 out"], got
 
 
 

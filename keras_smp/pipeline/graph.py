@@ -58,6 +58,133 @@ def _operation_weights(operation):
     return list(getattr(operation, "weights", None) or [])
 
 
+def _paired_inputs(given, inner_inputs):
+    """`[(given tensor, nested model input)]` when `given` (what a call
+    passed the nested model) maps onto its inputs one to one with the same
+    dtype and rank, as its `call` would take them without converting;
+    otherwise None."""
+    if isinstance(inner_inputs, dict):
+        if not isinstance(given, dict) or set(given) != set(inner_inputs):
+            return None
+        pairs = [(given[k], inner_inputs[k]) for k in inner_inputs]
+    else:
+        flat_given, flat_inner = tree.flatten(given), tree.flatten(
+            inner_inputs)
+        if isinstance(given, dict) or len(flat_given) != len(flat_inner):
+            return None
+        pairs = list(zip(flat_given, flat_inner))
+    for outer, inner in pairs:
+        if (getattr(outer, "dtype", None) != inner.dtype
+                or len(getattr(outer, "shape", ())) != len(inner.shape)):
+            return None
+    return pairs
+
+
+def _expandable(node, keep):
+    """The functional graph of the nested model `node` calls, when its
+    layers can stand in its place; otherwise None."""
+    op = node.operation
+    functional = keras_private.plain_functional(op)
+    if functional is None or keep(op):
+        return None
+    args, kwargs = node.arguments.args, node.arguments.kwargs
+    if (len(args) != 1 or set(kwargs) - {"training", "mask"}
+            or any(m is not None for m in tree.flatten(kwargs.get("mask")))):
+        return None
+    if any(hasattr(layer, "_smp_tp_mode")
+           for layer in keras_private.flatten_layers(op)):
+        return None  # tensor-parallel layers pair up at their first call
+    inner_inputs, _ = keras_private.functional_structs(functional)
+    if _paired_inputs(args[0], inner_inputs) is None:
+        return None
+    return functional
+
+
+def _call_again(nodes, values, training, keep, expanded):
+    """Calls the operations of `nodes` again on the symbolic tensors in
+    `values` (`id(old tensor) -> new tensor`, filled in as they run),
+    expanding nested models; `training`: what an enclosing nested model's
+    call passes its layers (None: each layer's own argument)."""
+    for node in nodes:
+        functional = _expandable(node, keep)
+        args, kwargs = node.arguments.fill_in(values)
+        if functional is not None:
+            inner_inputs, inner_outputs = keras_private.functional_structs(
+                functional)
+            inner = {id(i): o for o, i in _paired_inputs(
+                args[0], inner_inputs)}
+            # The nearest explicit `training` of an enclosing call wins,
+            # as Keras' functional call passes it down (the step's own
+            # `training` overrides all of them when the stages run).
+            _call_again(
+                StagedGraph.topological_nodes(inner_inputs, inner_outputs),
+                inner, training if training is not None
+                else kwargs.get("training"), keep, expanded)
+            outs = [inner[id(t)] for t in tree.flatten(inner_outputs)]
+            expanded.append(node.operation)
+        else:
+            if training is not None and "training" in (
+                    keras_private.call_context_arguments(node.operation)):
+                kwargs["training"] = training
+            outs = tree.flatten(node.operation(*args, **kwargs))
+        for old, new in zip(tree.flatten(node.outputs), outs):
+            values[id(old)] = new
+
+
+def expand_nested_models(inputs, outputs, keep=lambda model: False):
+    """A model graph with each nested model's layers in its place, so that
+    partitioning can cut inside it.
+
+    A Sequential or functional model used as a layer (a backbone such as
+    `keras.applications.ResNet50`, a block built as a `keras.Model`) is one
+    node of the graph around it, which automatic partitioning could only
+    place whole on one stage. Here its layers are called again, from the
+    same symbolic `inputs`, as its own `call` calls them, recursively: a
+    `training=` given to the nested model reaches its layers (and the
+    step's `training` overrides it, as in Keras). They are the same layer
+    objects: weights, names and saving do not change.
+
+    Kept whole: models for which `keep(model)` is true (marked for
+    recomputation, named as a split point), models with their own `call`,
+    calls passing a `mask` or inputs of another dtype or rank than the
+    model's inputs, and models holding tensor-parallel layers.
+
+    Returns `(outputs, models)`: the new outputs (the same structure) and
+    the nested models expanded, at each call (innermost first);
+    `(outputs, [])` unchanged when none is, or when the expanded graph
+    would leave out a weight (an output of a nested model that nothing
+    uses).
+
+    ```python
+    import keras
+    from keras_smp.pipeline.graph import expand_nested_models
+
+    block_in = keras.Input((4,))
+    block = keras.Model(block_in, keras.layers.Dense(4)(
+        keras.layers.Dense(4)(block_in)), name="block")
+    x = keras.Input((4,))
+    y = keras.layers.Dense(2)(block(x))
+    new_y, models = expand_nested_models(x, y)
+    assert models == [block] and new_y is not y
+    ```
+    """
+    nodes = StagedGraph.topological_nodes(inputs, outputs)
+    if not any(_expandable(n, keep) is not None for n in nodes):
+        return outputs, []
+    values = {id(t): t for t in tree.flatten(inputs)}
+    expanded = []
+    _call_again(nodes, values, None, keep, expanded)
+    new_outputs = tree.map_structure(lambda t: values[id(t)], outputs)
+
+    def weights(outs):
+        return {id(w) for n in StagedGraph.topological_nodes(inputs, outs)
+                for w in _operation_weights(n.operation)}
+
+    if weights(new_outputs) != weights(outputs):
+        return outputs, []
+    return new_outputs, expanded
+
+
 class MaskOf:
     """A carry entry: the Keras mask a carried tensor holds when the
     stages run (its `shape` and `dtype` as traced), sent after the
@@ -94,8 +221,17 @@ class StagedGraph:
         self.nodes = [n for n in nodes if n.operation and not n.is_input]
         self.stage_of = {id(n): stage_of_node[id(n)] for n in self.nodes}
         self.names = names
+        #: Nested models whose layers were placed one by one, at each call
+        #: (`expand_nested_models`).
+        self.expanded_models = []
         self._validate()
         self._compute_carries()
+
+    @property
+    def expanded(self):
+        """Names of the nested models placed layer by layer (one per call
+        of each)."""
+        return [m.name for m in self.expanded_models]
 
     # -- construction -----------------------------------------------------
 
@@ -437,6 +573,18 @@ class StagedGraph:
     def checkpointed_names(self, checkpointing):
         """The layer names in a config's `activation_checkpointing` (a set),
         checked against the model's layers."""
+        late = sorted({m.name for m in self.expanded_models
+                       if getattr(m, "_smp_recompute", False)})
+        if late:
+            raise ValueError(
+                f"Nested model(s) {late} were marked with "
+                "keras_smp.set_activation_checkpointing after "
+                "DistributedModel placed their layers one by one (they can "
+                "sit on different stages), so they cannot be recomputed as "
+                "one unit. Mark them before wrapping the model "
+                "(set_activation_checkpointing(layer), then "
+                "DistributedModel(model)), name them in the config's "
+                "activation_checkpointing, or mark layers inside them.")
         if not isinstance(checkpointing, tuple):
             return set()
         names = {c for c in checkpointing if isinstance(c, str)}

@@ -21,10 +21,12 @@ import tensorflow as tf
 from keras_smp import runtime
 from keras_smp import tensor
 from keras_smp.pipeline import microbatch
+from keras_smp.pipeline import recompute as recompute_lib
 from keras_smp.pipeline import shards
 from keras_smp.pipeline.backward import accumulate
 from keras_smp.pipeline.backward import variable_gradients
 from keras_smp.pipeline.graph import StagedGraph
+from keras_smp.pipeline.graph import expand_nested_models
 from keras_smp.pipeline.graph import record_partitions
 from keras_smp.pipeline.partition import COST_METHODS
 from keras_smp.pipeline.profiling import executed_timeline
@@ -268,10 +270,21 @@ class DistributedModel(keras.Model):
                 "SMPStrategy config to place layers manually.", stacklevel=3)
         cost = self._smp_cost or (
             "flops" if config.optimize == "speed" else "parameters")
-        return StagedGraph.auto(
+        # Nested models' layers are placed one by one, except a model
+        # recomputed as one unit or named as a split point.
+        whole = set(self._smp_split_points or ())
+        if isinstance(config.activation_checkpointing, tuple):
+            whole |= {c for c in config.activation_checkpointing
+                      if isinstance(c, str)}
+        outputs, expanded = expand_nested_models(
+            inputs, outputs,
+            keep=lambda layer: recompute_lib.marked(layer, whole))
+        graph = StagedGraph.auto(
             inputs, outputs, p, cost=cost,
             split_points=self._smp_split_points,
             stages_name=stages if config.virtual_stages > 1 else None)
+        graph.expanded_models = expanded
+        return graph
 
     def _smp_set_graph(self, graph):
         self._smp_graph = graph

@@ -40,6 +40,30 @@ def functional_of(model):
     return functional if hasattr(functional, "_outputs_struct") else None
 
 
+def plain_functional(layer):
+    """The functional graph behind `layer` when it is a built Sequential or
+    functional model running Keras' own `call` (no subclass overriding
+    it): what its call computes node by node. Otherwise None."""
+    from keras.src.models.sequential import Sequential
+
+    if type(layer).call not in (functional_lib.Functional.call,
+                                Sequential.call):
+        return None
+    if not getattr(layer, "built", False):
+        return None
+    functional = functional_of(layer)
+    if functional is None or (
+            type(functional).call is not functional_lib.Functional.call):
+        return None
+    return functional
+
+
+def call_context_arguments(layer):
+    """The call-context arguments (`training`, ...) a functional model
+    passes on to `layer` when it calls it (Keras' `operation_fn`)."""
+    return set(getattr(layer, "_call_context_args", ()) or ())
+
+
 def functional_structs(functional):
     """`(inputs, outputs)` structures of a functional graph."""
     return functional._inputs_struct, functional._outputs_struct

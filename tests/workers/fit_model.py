@@ -32,10 +32,13 @@ p.add_argument("--load-weights", default=None,
 p.add_argument("--partial", action="store_true",
                help="keep the data's last, partial batch (no drop_remainder)")
 p.add_argument("--model",
-               choices=["mlp", "tied", "manual", "deep", "tokens", "wide"],
+               choices=["mlp", "tied", "manual", "deep", "tokens", "wide",
+                        "nested"],
                default="mlp",
                help="manual: the mlp as a subclassed DistributedModel with "
                "partition scopes when pipelined (plain mlp otherwise); "
+               "nested: the mlp's layers in a backbone model (called with "
+               "training=False) holding a Sequential block; "
                "wide: a 1024 x 1024 kernel (4 MB of gradients: a bucket "
                "the ring all-reduce cuts into pieces on CPU)")
 p.add_argument("--no-metrics", action="store_true",
@@ -137,6 +140,17 @@ def build():
             keras.layers.Dense(1024, activation="tanh"),
             keras.layers.Dense(3),
         ])
+    elif args.model == "nested":
+        block = keras.Sequential([
+            keras.Input((32,)),
+            keras.layers.Dense(16, activation="relu", name="d2"),
+        ], name="block")
+        b_in = keras.Input((8,))
+        backbone = keras.Model(b_in, block(keras.layers.Dense(
+            32, activation="tanh", name="d1")(b_in)), name="backbone")
+        inputs = keras.Input((8,))
+        model = keras.Model(inputs, keras.layers.Dense(3, name="out")(
+            backbone(inputs, training=False)))
     elif args.model == "deep":
         model = keras.Sequential([keras.Input((8,))] + [
             keras.layers.Dense(n, activation="tanh") for n in (32, 32, 16, 16)
@@ -253,6 +267,12 @@ if strategy is not None:
     result["algorithm"] = np.array(strategy.allreduce_algorithm)
     result["compiled_calls"] = np.array(compiled_calls[0])
     result["jit_compile"] = np.array(bool(model.jit_compile))
+if args.pipelined:
+    graph = model.staged_graph
+    result["expanded"] = np.array(graph.expanded, dtype=str)
+    result["stage_layers"] = np.array(
+        [" ".join(graph.names[id(n)] for n in graph.stage_nodes(s))
+         for s in range(graph.num_stages)], dtype=str)
 os.makedirs(args.out, exist_ok=True)
 np.savez(os.path.join(args.out, f"rank{rank}.npz"), **result)
 print(f"rank {rank} done", flush=True)

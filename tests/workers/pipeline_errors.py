@@ -371,6 +371,19 @@ def mean_with_sample_weight_reduced_by_keras():
               batch_size=16, epochs=1, verbose=0)
 
 
+def nested_model_marked_after_wrapping():
+    # Its layers were placed one by one when DistributedModel was made:
+    # a mark on the nested model afterwards cannot recompute it whole.
+    with keras_smp.SMPStrategy(partitions=2, microbatches=2).scope():
+        block = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8),
+                                  keras.layers.Dense(8)], name="block")
+        model = keras_smp.DistributedModel(keras.Sequential([
+            keras.Input((8,)), block, keras.layers.Dense(2)]))
+        keras_smp.set_activation_checkpointing(block)
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(X, Y, batch_size=32, epochs=1, verbose=0)
+
+
 def devices_not_divisible():
     keras_smp.SMPStrategy(partitions=3, local_devices=4)
 

@@ -7,7 +7,7 @@ one device with the same global batch.
 
 Usage: pipeline_fit.py CASE [CASE ...], CASE = JSON object with keys model
 (mlp|cnn|skip|manual|penalized|penalized_ops|penalized_helper: losses added
-from a helper function|autoencoder: compiled without a
+from a helper function|nested: nested models|autoencoder: compiled without a
 loss|two_heads: a loss on one of two outputs, weight decay|mixed: a mean loss
 and a "mean_with_sample_weight" one, an activity regularizer|tokens:
 padded token sequences, a loss per token under the embedding's mask),
@@ -176,6 +176,29 @@ def mixed():
     return keras.Model(inputs, {"cls": cls, "aux": aux})
 
 
+def nested():
+    """Nested models: a backbone model (called with training=False, as for
+    fine-tuning) holding a Sequential block and returning two outputs, and
+    an encoder model applied to both (its weights shared by the two
+    calls). Their layers are placed one by one (`expanded`)."""
+    block = keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(16, activation="tanh", name="b1"),
+        keras.layers.Dense(16, activation="tanh", name="b2"),
+    ], name="block")
+    b_in = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="tanh", name="stem")(b_in)
+    backbone = keras.Model(b_in, [block(h), h], name="backbone")
+    e_in = keras.Input((16,))
+    encoder = keras.Model(
+        e_in, keras.layers.Dense(8, activation="tanh", name="enc")(e_in),
+        name="encoder")
+    inputs = keras.Input((8,))
+    a, b = backbone(inputs, training=False)
+    h = keras.layers.Add(name="add")([encoder(a), encoder(b)])
+    return keras.Model(inputs, keras.layers.Dense(3, name="out")(h))
+
+
 def tokens():
     """A loss per token of padded sequences: the embedding's mask must
     cross every stage boundary to reach the loss and the metric, and each
@@ -229,6 +252,7 @@ def build(case, pipelined):
                  "autoencoder": autoencoder,
                  "two_heads": two_heads,
                  "mixed": mixed,
+                 "nested": nested,
                  "tokens": tokens}[kind]()
         if pipelined:
             if case.get("recompute_layers"):  # by layer index
@@ -386,5 +410,6 @@ for case in CASES:
         split_fallbacks=_split_fallbacks[0],
         # per stage function traced once: [pipeline calls, forward runs]
         traced=[list(c) for c in _traced],
+        expanded=graph.expanded,
     )
     print(json.dumps(row), flush=True)
