@@ -707,6 +707,8 @@ def test_one_stage_per_process_matches_single_device(
         got = load(tmp_path, 0)
         assert list(got["expanded"]) == ["block", "backbone"], got
         assert list(got["stage_layers"]) == ["d1", "d2 out"], got
+        assert str(got["summary"]).endswith(
+            "Nested models placed layer by layer: block, backbone"), got
 
 
 

@@ -655,6 +655,9 @@ class StagedGraph:
             names = ", ".join(self.names[id(n)] for n in self.stage_nodes(s))
             lines.append(f"{s:>5}  " + (f"{rank_of(s):>4}  " if ranks else "")
                          + f"{params:>10,}  {names}")
+        if self.expanded_models:
+            lines.append("Nested models placed layer by layer: "
+                         + ", ".join(dict.fromkeys(self.expanded)))
         return "\n".join(lines)
 
 

@@ -270,6 +270,7 @@ if strategy is not None:
 if args.pipelined:
     graph = model.staged_graph
     result["expanded"] = np.array(graph.expanded, dtype=str)
+    result["summary"] = np.array(model.partition_summary())
     result["stage_layers"] = np.array(
         [" ".join(graph.names[id(n)] for n in graph.stage_nodes(s))
          for s in range(graph.num_stages)], dtype=str)
