@@ -122,7 +122,11 @@ GROUPS = {
                + _cases("nested", (2,), ("zb_h1",), (4,), "adam")
                + _cases("nested", (2,), ("interleaved_1f1b",), (2,), "sgd")
                + [dict(c, recompute_layers=[1]) for c in _cases(
-                   "nested", (2,), ("1f1b",), (4,), "sgd")]),
+                   "nested", (2,), ("1f1b",), (4,), "sgd")]
+               # ... a BatchNormalization in the block: fit's training=True
+               # overrides the backbone's training=False, as in Keras (1
+               # microbatch: the batch's statistics).
+               + _cases("nested_bn", (2,), BOTH, (1,), "sgd")),
     # 4 logical CPUs = 2 pipeline replicas x 2 stages (per-replica batch 16).
     "dp_x_pp": (_cases("mlp", (2,), BOTH, (2, 8), "sgd", devices=4)
                 + _cases("skip", (2,), BOTH, (1, 4), "sgd", devices=4)
@@ -312,7 +316,7 @@ def test_pipelined_training_matches_single_device(group):
             assert row["unused_moved"] == [0.0, 0.0], (label, row)
         # ... and nested models were expanded (the encoder at both of its
         # calls), except one marked for recomputation.
-        if row["model"] == "nested":
+        if row["model"].startswith("nested"):
             assert row["expanded"] == (
                 ["encoder", "encoder"] if row.get("recompute_layers")
                 else ["block", "backbone", "encoder", "encoder"]), row
@@ -377,9 +381,10 @@ def test_nested_models_expand_into_the_layers_their_calls_run():
     # around it; `expand_nested_models` puts its layers in its place (so
     # partitioning can cut inside it). The expanded graph computes what
     # the model computes for training None, True and False: a `training=`
-    # given to a nested model reaches its layers, the nearest enclosing
-    # one wins, and the call's own `training` overrides them all (Keras'
-    # functional call). Its weights are the model's own objects.
+    # given to a nested model reaches its layers, the outermost one given
+    # wins, and the call's own `training` overrides them all (Keras'
+    # functional call), and the losses its layers add. Its weights are the
+    # model's own objects.
     proc = run_python([os.path.join(WORKERS, "nested_models.py")],
                       timeout=300)
     out = json.loads(proc.stdout.splitlines()[-1])
@@ -393,10 +398,13 @@ def test_nested_models_expand_into_the_layers_their_calls_run():
     assert out["training"]["expanded"] == ["b", "a", "c", "seq"]
     assert out["training"]["layers"] == [
         "add", "mode_a", "mode_b", "mode_c", "sd"]
-    # A nested output nothing uses: expanding would drop its layers'
-    # weights from the graph, so nothing is expanded.
-    assert out["unused_output"]["unchanged"]
-    assert out["unused_output"]["expanded"] == []
+    # A nested output nothing uses: expanding would drop its branch (and
+    # the loss it adds), so that model stays whole; the next one expands.
+    assert out["unused_output"]["expanded"] == ["other"]
+    assert "two" in out["unused_output"]["layers"]
+    # Layers of different nested models named alike: none expands, and a
+    # warning says why.
+    assert out["same_names"]["unchanged"] and out["same_names"]["warned"]
     # Kept whole: a subclassed model, a call passing a mask, inputs of
     # another dtype, a model `keep` names; a dict-input model expands.
     assert out["kept"]["expanded"] == ["dict_model"]

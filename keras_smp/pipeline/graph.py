@@ -27,6 +27,7 @@ the collective transport) assume.
 
 import contextlib
 import math
+import warnings
 
 from keras import tree
 
@@ -61,8 +62,8 @@ def _operation_weights(operation):
 def _paired_inputs(given, inner_inputs):
     """`[(given tensor, nested model input)]` when `given` (what a call
     passed the nested model) maps onto its inputs one to one with the same
-    dtype and rank, as its `call` would take them without converting;
-    otherwise None."""
+    dtype, rank, sparseness and raggedness, as its `call` would take them
+    without converting; otherwise None."""
     if isinstance(inner_inputs, dict):
         if not isinstance(given, dict) or set(given) != set(inner_inputs):
             return None
@@ -75,14 +76,19 @@ def _paired_inputs(given, inner_inputs):
         pairs = list(zip(flat_given, flat_inner))
     for outer, inner in pairs:
         if (getattr(outer, "dtype", None) != inner.dtype
-                or len(getattr(outer, "shape", ())) != len(inner.shape)):
+                or len(getattr(outer, "shape", ())) != len(inner.shape)
+                or any(bool(getattr(outer, a, False))
+                       != bool(getattr(inner, a, False))
+                       for a in ("sparse", "ragged"))):
             return None
     return pairs
 
 
-def _expandable(node, keep):
+def _expandable(node, keep, used):
     """The functional graph of the nested model `node` calls, when its
-    layers can stand in its place; otherwise None."""
+    layers can stand in its place; otherwise None. `used`: ids of the
+    tensors the enclosing graph uses (an output nothing uses keeps the
+    model whole: its branch, and the losses it adds, would be lost)."""
     op = node.operation
     functional = keras_private.plain_functional(op)
     if functional is None or keep(op):
@@ -91,35 +97,54 @@ def _expandable(node, keep):
     if (len(args) != 1 or set(kwargs) - {"training", "mask"}
             or any(m is not None for m in tree.flatten(kwargs.get("mask")))):
         return None
-    if any(hasattr(layer, "_smp_tp_mode")
-           for layer in keras_private.flatten_layers(op)):
-        return None  # tensor-parallel layers pair up at their first call
+    if any(id(t) not in used for t in tree.flatten(node.outputs)):
+        return None
     inner_inputs, _ = keras_private.functional_structs(functional)
     if _paired_inputs(args[0], inner_inputs) is None:
         return None
     return functional
 
 
-def _call_again(nodes, values, training, keep, expanded):
+def _layers_of(op):
+    """`op` and every layer inside it (an op that is not a layer alone)."""
+    return (keras_private.flatten_layers(op)
+            if hasattr(op, "_flatten_layers") else [op])
+
+
+def _used(nodes, outputs):
+    return {id(t) for n in nodes for t in tree.flatten(n.input_tensors)} | {
+        id(t) for t in tree.flatten(outputs)}
+
+
+def _call_again(nodes, values, training, keep, used, expanded):
     """Calls the operations of `nodes` again on the symbolic tensors in
     `values` (`id(old tensor) -> new tensor`, filled in as they run),
     expanding nested models; `training`: what an enclosing nested model's
-    call passes its layers (None: each layer's own argument)."""
+    call passes its layers (None: each layer's own argument). A node whose
+    inputs are all unchanged keeps its outputs (not called again)."""
     for node in nodes:
-        functional = _expandable(node, keep)
+        functional = _expandable(node, keep, used)
+        if functional is None and training is None and all(
+                values.get(id(t), t) is t
+                for t in tree.flatten(node.input_tensors)):
+            for t in tree.flatten(node.outputs):
+                values[id(t)] = t
+            continue
         args, kwargs = node.arguments.fill_in(values)
         if functional is not None:
             inner_inputs, inner_outputs = keras_private.functional_structs(
                 functional)
             inner = {id(i): o for o, i in _paired_inputs(
                 args[0], inner_inputs)}
-            # The nearest explicit `training` of an enclosing call wins,
-            # as Keras' functional call passes it down (the step's own
-            # `training` overrides all of them when the stages run).
+            inner_nodes = StagedGraph.topological_nodes(
+                inner_inputs, inner_outputs)
+            # The outermost explicit `training` wins, as Keras' functional
+            # call passes it down (the step's own `training` overrides
+            # all of them when the stages run).
             _call_again(
-                StagedGraph.topological_nodes(inner_inputs, inner_outputs),
-                inner, training if training is not None
-                else kwargs.get("training"), keep, expanded)
+                inner_nodes, inner, training if training is not None
+                else kwargs.get("training"), keep,
+                _used(inner_nodes, inner_outputs), expanded)
             outs = [inner[id(t)] for t in tree.flatten(inner_outputs)]
             expanded.append(node.operation)
         else:
@@ -140,20 +165,23 @@ def expand_nested_models(inputs, outputs, keep=lambda model: False):
     node of the graph around it, which automatic partitioning could only
     place whole on one stage. Here its layers are called again, from the
     same symbolic `inputs`, as its own `call` calls them, recursively: a
-    `training=` given to the nested model reaches its layers (and the
-    step's `training` overrides it, as in Keras). They are the same layer
-    objects: weights, names and saving do not change.
+    `training=` given to the nested model reaches its layers (the
+    outermost one given wins, and the step's `training` overrides it, as
+    in Keras). They are the same layer objects: weights, names and saving
+    do not change.
 
     Kept whole: models for which `keep(model)` is true (marked for
     recomputation, named as a split point), models with their own `call`,
-    calls passing a `mask` or inputs of another dtype or rank than the
-    model's inputs, and models holding tensor-parallel layers.
+    calls passing a `mask` or inputs of another dtype, rank, sparseness or
+    raggedness than the model's inputs, and calls with an output nothing
+    uses. Nothing is expanded in a model with tensor-parallel layers (their
+    pairing counts the calls made so far), or when two different layers
+    would share a name (split points and recomputation name layers): a
+    warning names them.
 
     Returns `(outputs, models)`: the new outputs (the same structure) and
     the nested models expanded, at each call (innermost first);
-    `(outputs, [])` unchanged when none is, or when the expanded graph
-    would leave out a weight (an output of a nested model that nothing
-    uses).
+    `(outputs, [])` unchanged when none is.
 
     ```python
     import keras
@@ -169,20 +197,29 @@ def expand_nested_models(inputs, outputs, keep=lambda model: False):
     ```
     """
     nodes = StagedGraph.topological_nodes(inputs, outputs)
-    if not any(_expandable(n, keep) is not None for n in nodes):
+    used = _used(nodes, outputs)
+    if not any(_expandable(n, keep, used) is not None for n in nodes):
+        return outputs, []
+    layers = {}
+    for node in nodes:
+        for layer in _layers_of(node.operation):
+            if hasattr(layer, "_smp_tp_mode"):
+                return outputs, []
+            layers.setdefault(layer.name, set()).add(id(layer))
+    shared = sorted(name for name, ids in layers.items() if len(ids) > 1)
+    if shared:
+        warnings.warn(
+            f"keras-smp: nested models are placed whole (each on one "
+            f"stage) because different layers of the model share the "
+            f"name(s) {shared[:5]}: split points and recomputation name "
+            f"layers. Give the layers unique names to let stages cut "
+            f"inside nested models.", stacklevel=4)
         return outputs, []
     values = {id(t): t for t in tree.flatten(inputs)}
     expanded = []
-    _call_again(nodes, values, None, keep, expanded)
-    new_outputs = tree.map_structure(lambda t: values[id(t)], outputs)
-
-    def weights(outs):
-        return {id(w) for n in StagedGraph.topological_nodes(inputs, outs)
-                for w in _operation_weights(n.operation)}
-
-    if weights(new_outputs) != weights(outputs):
-        return outputs, []
-    return new_outputs, expanded
+    _call_again(nodes, values, None, keep, used, expanded)
+    return tree.map_structure(lambda t: values.get(id(t), t),
+                              outputs), expanded
 
 
 class MaskOf:
@@ -517,9 +554,7 @@ class StagedGraph:
         """The layers stage `stage` runs (nested layers included)."""
         out, seen = [], set()
         for node in self.stage_nodes(stage):
-            op = node.operation
-            for layer in (keras_private.flatten_layers(op)
-                          if hasattr(op, "_flatten_layers") else [op]):
+            for layer in _layers_of(node.operation):
                 if id(layer) not in seen:
                     seen.add(id(layer))
                     out.append(layer)

@@ -13,6 +13,7 @@ optimizer slots here; `keras_smp.pipeline.shards` saves them stage by stage.
 import contextlib
 import inspect
 import os
+import re
 import warnings
 
 import keras
@@ -272,7 +273,8 @@ class DistributedModel(keras.Model):
             "flops" if config.optimize == "speed" else "parameters")
         # Nested models' layers are placed one by one, except a model
         # recomputed as one unit or named as a split point.
-        whole = set(self._smp_split_points or ())
+        whole = {re.sub(r"#\d+$", "", str(name))
+                 for name in self._smp_split_points or ()}
         if isinstance(config.activation_checkpointing, tuple):
             whole |= {c for c in config.activation_checkpointing
                       if isinstance(c, str)}

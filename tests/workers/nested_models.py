@@ -10,6 +10,7 @@ the model's own objects.
 import json
 import os
 import textwrap
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -56,10 +57,12 @@ def check(model, keep=lambda m: False, feed=None):
     same = {}
     for training in (None, True, False):
         a = keras.tree.flatten(model(feed, training=training))
+        a_losses = [float(v) for v in model.losses]
         b = keras.tree.flatten(flat(feed, training=training))
+        b_losses = [float(v) for v in flat.losses]
         same[str(training)] = all(
             np.array_equal(np.asarray(x), np.asarray(y))
-            for x, y in zip(a, b))
+            for x, y in zip(a, b)) and a_losses == b_losses
     return {
         "expanded": [m.name for m in models],
         "same": same,
@@ -84,10 +87,26 @@ x = keras.Input((4,))
 out["training"] = check(keras.Model(x, keras.layers.Add()(
     [a(x, training=False), c(x), seq(x)])))
 
-# A nested model whose second output nothing uses: left unchanged.
+# A nested model whose second output nothing uses (its branch adds a
+# loss): kept whole; the other nested model is expanded.
 two = keras.Model(x, [keras.layers.Dense(4, name="used")(x),
-                      keras.layers.Dense(4, name="unused")(x)], name="two")
-out["unused_output"] = check(keras.Model(x, two(x)[0]))
+                      keras.layers.ActivityRegularization(
+                          l1=1.0, name="unused")(x)], name="two")
+other = functional("other", lambda t: keras.layers.Dense(4, name="od")(t))
+out["unused_output"] = check(keras.Model(x, other(two(x)[0])))
+
+# Two different layers named alike (factory-made blocks): nothing is
+# expanded, with a warning naming them.
+def named_block(name):
+    return functional(name, lambda t: keras.layers.Dense(4, name="conv")(t))
+
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out["same_names"] = check(keras.Model(
+        x, named_block("first")(named_block("second")(x))))
+out["same_names"]["warned"] = any(
+    "share the name(s) ['conv']" in str(w.message) for w in caught)
 
 # Kept whole: a subclassed model, a call with a mask, another dtype, and a
 # model `keep` names; expanded: a dict-input model.

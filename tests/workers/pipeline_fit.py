@@ -176,14 +176,18 @@ def mixed():
     return keras.Model(inputs, {"cls": cls, "aux": aux})
 
 
-def nested():
+def nested(bn=False):
     """Nested models: a backbone model (called with training=False, as for
     fine-tuning) holding a Sequential block and returning two outputs, and
     an encoder model applied to both (its weights shared by the two
-    calls). Their layers are placed one by one (`expanded`)."""
+    calls). Their layers are placed one by one (`expanded`). `bn`: a
+    BatchNormalization in the block, which must see the step's `training`
+    (True in fit: Keras' functional call overrides the backbone's False)."""
+    norm = [keras.layers.BatchNormalization(name="bn")] if bn else []
     block = keras.Sequential([
         keras.Input((16,)),
         keras.layers.Dense(16, activation="tanh", name="b1"),
+    ] + norm + [
         keras.layers.Dense(16, activation="tanh", name="b2"),
     ], name="block")
     b_in = keras.Input((8,))
@@ -253,6 +257,7 @@ def build(case, pipelined):
                  "two_heads": two_heads,
                  "mixed": mixed,
                  "nested": nested,
+                 "nested_bn": lambda: nested(bn=True),
                  "tokens": tokens}[kind]()
         if pipelined:
             if case.get("recompute_layers"):  # by layer index
@@ -327,19 +332,21 @@ def run(case, pipelined):
     pred = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
     if isinstance(pred, dict):  # every output, side by side
         pred = np.concatenate([pred[k] for k in sorted(pred)], axis=1)
+    weights = [w.numpy() for w in kept]  # (the call below updates
+    # BatchNormalization's moving statistics)
     added = 0.0
     if not pipelined:  # the losses layers add in call (guard: they count)
         model(x[:GLOBAL_BATCH], training=True)
         added = sum(float(l) for l in model.losses)
     return model, {
         "added": added,
-        "weights": [w.numpy() for w in kept],
+        "weights": weights,
         "loss": np.array(hist.history["loss"]),
         "evaluate": np.array([ev["loss"],
                               ev.get("sparse_categorical_accuracy", 0.0)]),
         "predict": pred,
-        "moved": max(float(np.abs(w.numpy() - w0).max())
-                     for w, w0 in zip(kept, initial)),
+        "moved": max(float(np.abs(w - w0).max())
+                     for w, w0 in zip(weights, initial)),
         # The largest change of a weight the loss does not depend on.
         "unused_moved": max([float(np.abs(w.numpy() - w0).max())
                              for w, w0 in zip(kept, initial)
