@@ -414,6 +414,22 @@ def test_nested_models_expand_into_the_layers_their_calls_run():
     assert out["docstring"]
 
 
+def test_keras_applications_backbone_is_split_across_stages():
+    # The transfer-learning pattern (a keras.applications backbone called
+    # with training=False under a new head): the backbone's layers are
+    # spread over both stages, and 2 steps at 2 microbatches match plain
+    # Keras on one device within float32 rounding (the bounds of the
+    # fidelity groups above).
+    proc = run_python([os.path.join(WORKERS, "applications_pipeline.py")],
+                      timeout=600)
+    row = json.loads(proc.stdout.splitlines()[-1])
+    assert row["expanded"] == ["vgg16"], row
+    assert min(row["backbone_layers_per_stage"]) > 0, row
+    assert row["num_weights"][0] == row["num_weights"][1] == 28, row
+    assert row["weights"] <= SGD_ATOL, row
+    assert row["loss"] <= OUT_ATOL and row["predict"] <= OUT_ATOL, row
+
+
 @pytest.fixture(scope="module", params=["1f1b", "zb_v"])
 def placement(request):
     # zb_v: 4 model stages, rank 0 running stages 0 and 3, rank 1 1 and 2.
