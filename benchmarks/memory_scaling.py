@@ -23,6 +23,14 @@ state / P.
 With `--checkpoint`, every run also writes a checkpoint at the end
 (`model.save_weights`: sharded per stage with one stage per process) and
 the peak includes it.
+
+With `--nested`, the first 7 layers form a nested `keras.Sequential`
+("backbone") under the last ("head"), the shape of a fine-tuned backbone;
+each P also runs with the backbone placed whole on stage 0 (`split_points=
+["head"]`: what automatic partitioning did before it placed nested models'
+layers one by one), to show what splitting the backbone saves:
+
+    python benchmarks/memory_scaling.py --nested --stages 2
 """
 
 import argparse
@@ -61,12 +69,17 @@ def worker(args):
     y = np.random.RandomState(1).randn(BATCH * STEPS, width).astype("float32")
 
     def build():
-        model = keras.Sequential(
-            [keras.Input((width,))]
-            + [keras.layers.Dense(width, activation="relu")
-               for _ in range(layers)])
+        dense = [keras.layers.Dense(
+            width, activation="relu",
+            name="head" if args.nested and i == layers - 1 else None)
+            for i in range(layers)]
+        if args.nested:
+            dense = [keras.Sequential([keras.Input((width,))] + dense[:-1],
+                                      name="backbone"), dense[-1]]
+        model = keras.Sequential([keras.Input((width,))] + dense)
         if strategy is not None:
-            model = keras_smp.DistributedModel(model)
+            model = keras_smp.DistributedModel(
+                model, split_points=["head"] if args.whole else None)
         model.compile(optimizer="adam", loss="mse")
         return model
 
@@ -124,6 +137,10 @@ def main():
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--checkpoint", nargs="?", const="", default=None,
                    help="also save a checkpoint at the end of each run")
+    p.add_argument("--nested", action="store_true",
+                   help="7 of the layers in a nested backbone model; also "
+                   "run each P with the backbone whole on stage 0")
+    p.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         if args.mode == "stages":
@@ -139,6 +156,10 @@ def main():
              else ""))
     me = [sys.executable, os.path.abspath(__file__), "--worker",
           "--width", str(args.width), "--microbatches", str(args.microbatches)]
+    if args.nested:
+        me.append("--nested")
+        print("layers 1-7 in a nested Sequential (backbone), layer 8 the "
+              "head")
 
     def flags(tmp):
         return [] if args.checkpoint is None else ["--checkpoint", tmp]
@@ -161,12 +182,15 @@ def main():
             # The same job with a tiny model: TensorFlow, Keras and
             # keras-smp's runtime (server, collectives) without model state.
             base = max(stages("--tiny"))
-            peaks = stages()
-            worst = max(peaks) - base
-            print(f"{f'{P} stages':>9} {base:>9.0f} "
-                  f"{' / '.join(f'{v:.0f}' for v in peaks):>27} "
-                  f"{worst:>6.0f} {worst / state:>8.2f}x "
-                  f"{1.15 / P:>6.2f}x", flush=True)
+            for label, extra in ([(f"{P} stages", ())] + (
+                    [(f"{P}, whole", ("--whole",))]
+                    if args.nested and P == 2 else [])):
+                peaks = stages(*extra)
+                worst = max(peaks) - base
+                print(f"{label:>9} {base:>9.0f} "
+                      f"{' / '.join(f'{v:.0f}' for v in peaks):>27} "
+                      f"{worst:>6.0f} {worst / state:>8.2f}x "
+                      f"{1.15 / P:>6.2f}x", flush=True)
 
 if __name__ == "__main__":
     main()
