@@ -115,8 +115,8 @@ GROUPS = {
                + _cases("manual", (4,), ("1f1b",), (8,), "adam")
                # Nested models (a backbone holding a Sequential block, an
                # encoder applied twice): their layers placed one by one
-               # (the backbone was one node: 4 stages were refused), also
-               # split backwards and virtual stages; a backbone marked for
+               # (the backbone was one node, whole on stage 0), also split
+               # backwards and virtual stages; a backbone marked for
                # recomputation stays whole (one recomputed unit).
                + _cases("nested", (2, 4), BOTH, (4,), "sgd")
                + _cases("nested", (2,), ("zb_h1",), (4,), "adam")
@@ -405,12 +405,19 @@ def test_nested_models_expand_into_the_layers_their_calls_run():
     # Layers of different nested models named alike: none expands, and a
     # warning says why.
     assert out["same_names"]["unchanged"] and out["same_names"]["warned"]
-    # Kept whole: a subclassed model, a call passing a mask, inputs of
-    # another dtype, a model `keep` names; a dict-input model expands.
+    # Kept whole: a subclassed model, a call passing a mask, floats into
+    # an int input, a model `keep` names; a dict-input model expands.
     assert out["kept"]["expanded"] == ["dict_model"]
     assert {"custom", "masked", "casting", "kept", "dadd"} <= set(
         out["kept"]["layers"]), out["kept"]
     assert out["plain"]["unchanged"] and out["plain"]["expanded"] == []
+    # Sublayers named alike inside layers that stay whole (two
+    # MultiHeadAttention layers' "query", "key", ...) do not count.
+    assert out["sublayer_names"]["expanded"] == ["blk"], out
+    # A float16 output into a nested model's float32 input (mixed
+    # precision) is cast as its call casts it, and expands.
+    assert out["mixed_precision"]["input_dtypes"] == ["float16", "float32"]
+    assert out["mixed_precision"]["expanded"] == ["mixed_block"], out
     assert out["docstring"]
 
 

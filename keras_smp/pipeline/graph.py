@@ -29,6 +29,8 @@ import contextlib
 import math
 import warnings
 
+from keras import backend
+from keras import ops
 from keras import tree
 
 from keras_smp.pipeline import partition as partition_lib
@@ -62,8 +64,9 @@ def _operation_weights(operation):
 def _paired_inputs(given, inner_inputs):
     """`[(given tensor, nested model input)]` when `given` (what a call
     passed the nested model) maps onto its inputs one to one with the same
-    dtype, rank, sparseness and raggedness, as its `call` would take them
-    without converting; otherwise None."""
+    rank, sparseness and raggedness, and the same dtype or floating dtypes
+    (its `call` casts those: mixed precision feeds float16 outputs to
+    float32 inputs); otherwise None."""
     if isinstance(inner_inputs, dict):
         if not isinstance(given, dict) or set(given) != set(inner_inputs):
             return None
@@ -75,7 +78,10 @@ def _paired_inputs(given, inner_inputs):
             return None
         pairs = list(zip(flat_given, flat_inner))
     for outer, inner in pairs:
-        if (getattr(outer, "dtype", None) != inner.dtype
+        dtype = getattr(outer, "dtype", None)
+        if ((dtype != inner.dtype and not (
+                dtype is not None and backend.is_float_dtype(dtype)
+                and backend.is_float_dtype(inner.dtype)))
                 or len(getattr(outer, "shape", ())) != len(inner.shape)
                 or any(bool(getattr(outer, a, False))
                        != bool(getattr(inner, a, False))
@@ -134,8 +140,9 @@ def _call_again(nodes, values, training, keep, used, expanded):
         if functional is not None:
             inner_inputs, inner_outputs = keras_private.functional_structs(
                 functional)
-            inner = {id(i): o for o, i in _paired_inputs(
-                args[0], inner_inputs)}
+            # (cast as the nested model's call casts its inputs)
+            inner = {id(i): o if o.dtype == i.dtype else ops.cast(o, i.dtype)
+                     for o, i in _paired_inputs(args[0], inner_inputs)}
             inner_nodes = StagedGraph.topological_nodes(
                 inner_inputs, inner_outputs)
             # The outermost explicit `training` wins, as Keras' functional
@@ -176,8 +183,8 @@ def expand_nested_models(inputs, outputs, keep=lambda model: False):
     raggedness than the model's inputs, and calls with an output nothing
     uses. Nothing is expanded in a model with tensor-parallel layers (their
     pairing counts the calls made so far), or when two different layers
-    would share a name (split points and recomputation name layers): a
-    warning names them.
+    the expanded graph calls would share a name (split points and
+    recomputation name layers): a warning names them.
 
     Returns `(outputs, models)`: the new outputs (the same structure) and
     the nested models expanded, at each call (innermost first);
@@ -200,26 +207,26 @@ def expand_nested_models(inputs, outputs, keep=lambda model: False):
     used = _used(nodes, outputs)
     if not any(_expandable(n, keep, used) is not None for n in nodes):
         return outputs, []
-    layers = {}
-    for node in nodes:
-        for layer in _layers_of(node.operation):
-            if hasattr(layer, "_smp_tp_mode"):
-                return outputs, []
-            layers.setdefault(layer.name, set()).add(id(layer))
-    shared = sorted(name for name, ids in layers.items() if len(ids) > 1)
-    if shared:
-        warnings.warn(
-            f"keras-smp: nested models are placed whole (each on one "
-            f"stage) because different layers of the model share the "
-            f"name(s) {shared[:5]}: split points and recomputation name "
-            f"layers. Give the layers unique names to let stages cut "
-            f"inside nested models.", stacklevel=4)
+    if any(hasattr(layer, "_smp_tp_mode") for node in nodes
+           for layer in _layers_of(node.operation)):
         return outputs, []
     values = {id(t): t for t in tree.flatten(inputs)}
     expanded = []
     _call_again(nodes, values, None, keep, used, expanded)
-    return tree.map_structure(lambda t: values.get(id(t), t),
-                              outputs), expanded
+    new_outputs = tree.map_structure(lambda t: values.get(id(t), t), outputs)
+    named = {}
+    for node in StagedGraph.topological_nodes(inputs, new_outputs):
+        named.setdefault(node.operation.name, set()).add(id(node.operation))
+    shared = sorted(name for name, ids in named.items() if len(ids) > 1)
+    if shared:
+        warnings.warn(
+            f"keras-smp: nested models are placed whole (each on one "
+            f"stage) because different layers in them share the name(s) "
+            f"{shared[:5]}: split points and recomputation name layers. "
+            f"Give the layers unique names to let stages cut inside nested "
+            f"models.", stacklevel=4)
+        return outputs, []
+    return new_outputs, expanded
 
 
 class MaskOf:

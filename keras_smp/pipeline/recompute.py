@@ -103,7 +103,11 @@ def set_activation_checkpointing(layers, enabled=True):
 
     Args:
         layers: a Keras layer or a list of them (layers of the model given
-            to `DistributedModel`).
+            to `DistributedModel`, or of its nested models). A nested
+            Sequential or functional model is recomputed as one unit only
+            when marked before `DistributedModel(model)` is made: otherwise
+            its layers are placed one by one, and a later mark is an error
+            at the first step.
         enabled: `False` turns it off again (before the model's first
             step).
 

@@ -108,13 +108,14 @@ with warnings.catch_warnings(record=True) as caught:
 out["same_names"]["warned"] = any(
     "share the name(s) ['conv']" in str(w.message) for w in caught)
 
-# Kept whole: a subclassed model, a call with a mask, another dtype, and a
-# model `keep` names; expanded: a dict-input model.
+# Kept whole: a subclassed model, a call with a mask, floats into an int
+# input (cast by the model's call), and a model `keep` names; expanded: a
+# dict-input model.
 custom = Custom(name="custom")
 custom.build((None, 4))
 masked = functional("masked", lambda t: keras.layers.Dense(4, name="md")(t))
-casting = functional("casting", lambda t: keras.layers.Dense(
-    4, name="cd")(t), dtype="float64")
+casting = functional("casting", lambda t: keras.layers.Flatten()(
+    keras.layers.Embedding(8, 1, name="ce")(t)), dtype="int32")
 kept = functional("kept", lambda t: keras.layers.Dense(4, name="kd")(t))
 di = {"p": keras.Input((4,), name="p"), "q": keras.Input((4,), name="q")}
 dict_model = keras.Model(di, keras.layers.Add(name="dadd")(
@@ -125,6 +126,29 @@ h = keras.layers.Add()([
         x[:, 0]) > 0),
     casting(x), kept(x), dict_model({"p": x, "q": x})])
 out["kept"] = check(keras.Model(x, h), keep=lambda m: m.name == "kept")
+
+# Built-in layers with sublayers of fixed names (two MultiHeadAttention:
+# "query", "key", ...) do not stop a nested block from expanding.
+seq_in = keras.Input((3, 4))
+attend = [keras.layers.MultiHeadAttention(1, 2) for _ in range(2)]
+h = attend[1](attend[0](seq_in, seq_in), seq_in)
+out["sublayer_names"] = check(
+    keras.Model(seq_in, functional("blk", lambda t: keras.layers.Dense(
+        4, name="bd")(t), shape=(3, 4))(h)),
+    feed=np.arange(24, dtype="float32").reshape(2, 3, 4) / 24)
+
+# Mixed precision: a float16 output fed to a nested model's float32
+# input, cast there as its call casts it.
+keras.config.set_dtype_policy("mixed_float16")
+try:
+    pre = keras.layers.Dense(4, name="pre")(x)
+    mixed_block = functional("mixed_block", lambda t: keras.layers.Dense(
+        4, name="md2")(t))
+    out["mixed_precision"] = check(keras.Model(x, mixed_block(pre)))
+    out["mixed_precision"]["input_dtypes"] = [
+        str(pre.dtype), str(mixed_block.inputs[0].dtype)]
+finally:
+    keras.config.set_dtype_policy("float32")
 
 # No nested model: the same outputs object back.
 plain = keras.Model(x, keras.layers.Dense(2)(x))
