@@ -126,7 +126,13 @@ GROUPS = {
                # ... a BatchNormalization in the block: fit's training=True
                # overrides the backbone's training=False, as in Keras (1
                # microbatch: the batch's statistics).
-               + _cases("nested_bn", (2,), BOTH, (1,), "sgd")),
+               + _cases("nested_bn", (2,), BOTH, (1,), "sgd")
+               # A subclassed keras.Model (its own call: a skip connection,
+               # a keras.ops call, a Sequential block given `training`)
+               # wrapped unbuilt: its call traced into layers at the first
+               # step (it was refused), the block's layers placed one by one.
+               + _cases("subclassed", (2, 4), BOTH, (4,), "sgd")
+               + _cases("subclassed", (2,), ("zb_h1",), (2,), "adam")),
     # 4 logical CPUs = 2 pipeline replicas x 2 stages (per-replica batch 16).
     "dp_x_pp": (_cases("mlp", (2,), BOTH, (2, 8), "sgd", devices=4)
                 + _cases("skip", (2,), BOTH, (1, 4), "sgd", devices=4)
@@ -320,6 +326,8 @@ def test_pipelined_training_matches_single_device(group):
             assert row["expanded"] == (
                 ["encoder", "encoder"] if row.get("recompute_layers")
                 else ["block", "backbone", "encoder", "encoder"]), row
+        elif row["model"] == "subclassed":
+            assert row["expanded"] == ["sub_block"], row
         else:
             assert row["expanded"] == [], row
         virtual = row.get("virtual_stages") or (
@@ -523,6 +531,10 @@ ERROR_CASES = {
         "after DistributedModel placed their layers one by one",
         "Mark them before wrapping the model",
         "name them in the config's activation_checkpointing"]),
+    "subclassed_call_branching_on_training": ("ValueError", [
+        "Noisy.call calls other layers with training=True",
+        "only then: noise", "branches on `training` in Python",
+        "Move the branch into a layer"]),
     "partition_index_out_of_range": ("ValueError", [
         "partition(2)", "partitions=2"]),
     "empty_stage": ("ValueError", ["[1]", "no layers"]),
@@ -677,7 +689,11 @@ def test_saved_pipelined_model_loads_back_pipelined(tmp_path):
     (2, "interleaved_1f1b", "callbacks"), (4, "zb_v", "deep"),
     # A backbone model holding a Sequential block, called with
     # training=False: its layers split between the two stage processes.
-    (2, "1f1b", "nested")])
+    (2, "1f1b", "nested"),
+    # A subclassed keras.Model (its own call) wrapped unbuilt: its call is
+    # traced into layers at the first step, its weights made only on their
+    # stage's process.
+    (2, "1f1b", "subclassed")])
 def test_one_stage_per_process_matches_single_device(
         tmp_path, reference, workers, pipeline, variant):
     # partitions=2 over 2 or 4 worker processes (1 or 2 replicas x 2
@@ -711,6 +727,8 @@ def test_one_stage_per_process_matches_single_device(
     if variant == "nested":
         flags += ["--model", "nested"]
         ref_flags = ("--model", "nested")
+    if variant == "subclassed":  # against the plain mlp's training
+        flags += ["--model", "subclassed"]
     if variant == "manual":
         # Subclassed DistributedModel placed with partition scopes.
         flags = ["--pipelined", "--model", "manual", "--config", json.dumps(
@@ -740,7 +758,40 @@ def test_one_stage_per_process_matches_single_device(
         assert list(got["stage_layers"]) == ["d1", "d2 out"], got
         assert str(got["summary"]).endswith(
             "Nested models placed layer by layer: block, backbone"), got
+    if variant == "subclassed":  # its layers split between the processes
+        got = load(tmp_path, 0)
+        assert list(got["stage_layers"]) == ["d1", "d2 head"], got
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["sequential", "subclassed"])
+def test_weights_given_before_wrapping_train_as_on_one_device(tmp_path,
+                                                              model):
+    # Fine-tuning: the model is built in the scope and loads its weights
+    # (`load_weights`) before it is wrapped, so they hold values in the
+    # process before any plan exists. In one process the stage-0 weights
+    # stayed process-local variables (already on the right device) and
+    # fit failed with a bare AssertionError; a wrapped subclassed model
+    # (traced at its first step) read the other stage's freed weights when
+    # Keras traced it for shapes, with one stage per process. Both: 2
+    # steps, = plain Keras from the same weights (float32 bounds).
+    worker = os.path.join(WORKERS, "weights_before_wrapping.py")
+    ref_dir, one, two = (tmp_path / d for d in ("ref", "one", "two"))
+    for d in (ref_dir, one, two):
+        d.mkdir()
+    run_python([worker, "--out", str(ref_dir), "--model", model,
+                "--mode", "reference"], timeout=300)
+    given = ["--model", model, "--mode", "pipeline",
+             "--weights", str(ref_dir / "initial.weights.h5")]
+    run_python([worker, "--out", str(one), "--local-devices", "2", *given],
+               timeout=300)
+    launch(2, [worker, "--out", str(two), *given])
+    ref = load(ref_dir)
+    for got in (load(one), load(two, 0), load(two, 1)):
+        assert list(got["stage_layers"]) == (
+            [1, 2] if model == "sequential" else [2, 2]), got
+        assert_same_training(got, ref, keys=("predict",))
 
 
 def test_one_stage_per_process_takes_any_batch_size_in_turn(tmp_path):

@@ -66,7 +66,7 @@ def _validates(freq, epochs):
 class DistributedModel(keras.Model):
     """A Keras model trained, evaluated and run as a microbatch pipeline.
 
-    Three ways to make one:
+    Four ways to make one:
 
     - subclass it and write `call`, placing layers with
       `with keras_smp.partition(i):` scopes (used when the config sets
@@ -74,7 +74,13 @@ class DistributedModel(keras.Model):
       automatically, as in SageMaker's library);
     - `DistributedModel(inputs, outputs)`, like a functional `keras.Model`;
     - `DistributedModel(model)`, wrapping a built Sequential or functional
-      model (its layers and weights are shared, not copied).
+      model (its layers and weights are shared, not copied);
+    - `DistributedModel(model)`, wrapping a subclassed `keras.Model` (built
+      or not): its `call` is traced into layers when the model is built
+      (the first step, or `build(input_shape)`), then partitioned
+      automatically. A `call` branching on `training` in Python is refused
+      (each layer is told the step's `training` when it runs, as in a
+      functional model).
 
     The number of stages (`partitions`), `microbatches` and `pipeline`
     schedule come from the `SMPStrategy` in whose scope the model is built
@@ -144,7 +150,12 @@ class DistributedModel(keras.Model):
             None if split_points is None else list(split_points))
         self._smp_graph = None
         self._smp_functional = None
-        if inner is not None:
+        if inner is not None and keras_private.is_subclassed_model(inner):
+            # Its `call` is traced into layers when the model is built
+            # (the first step, or `build(input_shape)`), as a subclass's.
+            _check_no_custom_steps(type(inner), keras.Model, wrapped=True)
+            self.inner_model = inner
+        elif inner is not None:
             functional = keras_private.functional_of(inner)
             if functional is None or not getattr(inner, "built", False):
                 raise ValueError(
@@ -163,7 +174,7 @@ class DistributedModel(keras.Model):
             self.built = True
 
     def get_config(self):
-        if self._smp_functional is None:
+        if getattr(self, "inner_model", None) is None:
             return super().get_config()
         return {
             "name": self.name,
@@ -351,7 +362,16 @@ class DistributedModel(keras.Model):
                     parts = getattr(value, "values", (value,))
                     have = [tf_private.canonical_device(v.device)
                             for v in parts]
-                    if have == want:
+                    # A weight of the scope given its values in this
+                    # process before the plan (read or assigned while
+                    # deferred: `set_weights`, `load_weights` before
+                    # wrapping) is a process-local variable, even where
+                    # it belongs: made again under the strategy. (One made
+                    # outside the scope is refused before the first step.)
+                    local = (not hasattr(value, "values") and self.
+                             distribute_strategy.extended.
+                             variable_created_in_scope(value))
+                    if have == want and not local:
                         continue
                     current = w.numpy()
                     w._value = None
@@ -364,7 +384,8 @@ class DistributedModel(keras.Model):
         if self._smp_graph is not None:
             self.built = True
             return
-        if type(self).call is DistributedModel.call:
+        if (type(self).call is DistributedModel.call
+                and getattr(self, "inner_model", None) is None):
             raise ValueError(
                 "DistributedModel needs a `call` (subclass it), or "
                 "`inputs`/`outputs`, or a model to wrap.")
@@ -388,7 +409,14 @@ class DistributedModel(keras.Model):
                 self.distribute_strategy.scope() if rt
                 else contextlib.nullcontext()), (
                 record_partitions()) as recorded:
-            outputs = self.call(inputs)
+            # A subclass's call, or a wrapped subclassed model's, layer by
+            # layer.
+            inner = getattr(self, "inner_model", None)
+            owner = self if inner is None else inner
+            outputs = owner.call(inputs)
+            _check_no_training_branches(owner, inputs, outputs)
+            if inner is not None:
+                inner.built = True
             self._smp_set_graph(self._smp_plan(inputs, outputs, recorded))
         self.built = True
 
@@ -620,16 +648,25 @@ class DistributedModel(keras.Model):
         if getattr(self, "optimizer", None) is not None and self.built:
             self.optimizer.build(self.trainable_variables)
 
-    def _symbolic_build(self, *args, **kwargs):
+    def _symbolic_build(self, iterator=None, data_batch=None):
         # Keras may trace the whole model here (shapes only).
+        if (self._smp_graph is None and data_batch is not None
+                and self._smp_multi_process()):
+            # Not traced yet (a subclass, or a wrapped subclassed model):
+            # its stages first, so that the trace below reads other
+            # stages' weights as shapes.
+            x = keras.utils.unpack_x_y_sample_weight(data_batch)[0]
+            self.build(keras.tree.map_structure(
+                lambda t: tuple(t.shape), x))
+        kwargs = dict(iterator=iterator, data_batch=data_batch)
         residency = self._smp_residency()
         if residency is None:
-            return super()._symbolic_build(*args, **kwargs)
+            return super()._symbolic_build(**kwargs)
         if self.optimizer is not None and not self.optimizer.built:
             # Other stages' weights get deferred slots (no storage).
             self.optimizer.build(self.trainable_variables)
         with residency.symbolic():
-            super()._symbolic_build(*args, **kwargs)
+            super()._symbolic_build(**kwargs)
 
     def get_weights(self):
         with self._smp_gathered():
@@ -1195,6 +1232,49 @@ def _check_no_custom_steps(cls, base, wrapped):
         "custom-loop API (`@smp.step`, docs/custom-loop.md), or train "
         "the model unwrapped with data parallelism (`SMPStrategy()` "
         "without `partitions`).")
+
+
+def _check_no_training_branches(owner, inputs, outputs):
+    """Raises if `owner.call` calls other layers when traced with
+    `training=True` than with `training=False` (a Python `if training:`).
+
+    The pipeline runs the layers one trace of `call` made (`outputs`, traced
+    without `training`), each told the step's `training` at run time, as a
+    functional model's are: a branch in `call` itself would be frozen.
+    Operations that are not layers (`keras.ops` calls) are compared by type.
+    """
+    if "training" not in inspect.signature(owner.call).parameters:
+        return
+
+    def layers_called(traced):
+        ops = [n.operation for n in StagedGraph.topological_nodes(
+            inputs, traced)]
+        return [op if isinstance(op, keras.layers.Layer) else type(op)
+                for op in ops]
+
+    def names(ops):
+        return ", ".join(sorted({getattr(op, "name", None) or op.__name__
+                                 for op in ops})) or "none"
+
+    traced = layers_called(outputs)
+    for training in (True, False):
+        other = layers_called(owner.call(inputs, training=training))
+        if other == traced:
+            continue
+        only = [op for op in other if op not in traced]
+        missing = [op for op in traced if op not in other]
+        raise ValueError(
+            f"{type(owner).__name__}.call calls other layers with "
+            f"training={training} than without `training` (only then: "
+            f"{names(only)}; not then: {names(missing)}): it branches on "
+            "`training` in Python. A DistributedModel runs the layers one "
+            "trace of `call` makes and tells each the step's `training` "
+            "when it runs (as a functional model does), so such a branch "
+            "would be frozen. Move the branch into a layer (a custom "
+            "`keras.layers.Layer` whose `call` takes `training`), or call "
+            "the layers unconditionally and pass them `training` "
+            "(`Dropout`, `BatchNormalization` and the noise layers decide "
+            "by it).")
 
 
 def _clear_batch_errors(fn):

@@ -40,6 +40,14 @@ def functional_of(model):
     return functional if hasattr(functional, "_outputs_struct") else None
 
 
+def is_subclassed_model(model):
+    """Whether `model` is a subclassed `keras.Model` (its own `call`),
+    rather than a Sequential or functional model (Keras' graph classes)."""
+    from keras.src.models.sequential import Sequential
+
+    return not isinstance(model, (functional_lib.Functional, Sequential))
+
+
 def plain_functional(layer):
     """The functional graph behind `layer` when it is a built Sequential or
     functional model running Keras' own `call` (no subclass overriding

@@ -33,12 +33,14 @@ p.add_argument("--partial", action="store_true",
                help="keep the data's last, partial batch (no drop_remainder)")
 p.add_argument("--model",
                choices=["mlp", "tied", "manual", "deep", "tokens", "wide",
-                        "nested"],
+                        "nested", "subclassed"],
                default="mlp",
                help="manual: the mlp as a subclassed DistributedModel with "
                "partition scopes when pipelined (plain mlp otherwise); "
                "nested: the mlp's layers in a backbone model (called with "
                "training=False) holding a Sequential block; "
+               "subclassed: the mlp as a subclassed keras.Model (its own "
+               "call, no partition scopes), wrapped when pipelined; "
                "wide: a 1024 x 1024 kernel (4 MB of gradients: a bucket "
                "the ring all-reduce cuts into pieces on CPU)")
 p.add_argument("--no-metrics", action="store_true",
@@ -151,6 +153,23 @@ def build():
         inputs = keras.Input((8,))
         model = keras.Model(inputs, keras.layers.Dense(3, name="out")(
             backbone(inputs, training=False)))
+    elif args.model == "subclassed":
+        # The mlp's layers, made in the same order (the same initial
+        # weights), called by the model's own `call`; unbuilt: traced when
+        # the first step builds it.
+        class Subclassed(keras.Model):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.d1 = keras.layers.Dense(32, activation="tanh",
+                                             name="d1")
+                self.d2 = keras.layers.Dense(16, activation="relu",
+                                             name="d2")
+                self.head = keras.layers.Dense(3, name="head")
+
+            def call(self, inputs, training=None):
+                return self.head(self.d2(self.d1(inputs)))
+
+        model = Subclassed()
     elif args.model == "deep":
         model = keras.Sequential([keras.Input((8,))] + [
             keras.layers.Dense(n, activation="tanh") for n in (32, 32, 16, 16)

@@ -384,6 +384,28 @@ def nested_model_marked_after_wrapping():
     model.fit(X, Y, batch_size=32, epochs=1, verbose=0)
 
 
+def subclassed_call_branching_on_training():
+    # `if training:` in a wrapped subclassed model's call: one trace would
+    # freeze the branch (the noise layer would never run in training).
+    class Noisy(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.first = keras.layers.Dense(8)
+            self.noise = keras.layers.GaussianNoise(0.1, name="noise")
+            self.out = keras.layers.Dense(2)
+
+        def call(self, x, training=False):
+            h = self.first(x)
+            if training:
+                h = self.noise(h, training=training)
+            return self.out(h)
+
+    with keras_smp.SMPStrategy(partitions=2, microbatches=2).scope():
+        model = keras_smp.DistributedModel(Noisy())
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(X, Y, batch_size=32, epochs=1, verbose=0)
+
+
 def devices_not_divisible():
     keras_smp.SMPStrategy(partitions=3, local_devices=4)
 

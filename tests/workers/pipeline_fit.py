@@ -7,9 +7,9 @@ one device with the same global batch.
 
 Usage: pipeline_fit.py CASE [CASE ...], CASE = JSON object with keys model
 (mlp|cnn|skip|manual|penalized|penalized_ops|penalized_helper: losses added
-from a helper function|nested: nested models|autoencoder: compiled without a
-loss|two_heads: a loss on one of two outputs, weight decay|mixed: a mean loss
-and a "mean_with_sample_weight" one, an activity regularizer|tokens:
+from a helper function|nested: nested models|subclassed: a subclassed
+keras.Model wrapped unbuilt|autoencoder: compiled without a loss|two_heads:
+a loss on one of two outputs, weight decay|mixed: a mean loss and a "mean_with_sample_weight" one, an activity regularizer|tokens:
 padded token sequences, a loss per token under the embedding's mask),
 partitions, microbatches, pipeline, optimizer (sgd|adam), devices (logical
 CPUs, default = partitions), virtual_stages (model stages per rank, for
@@ -239,6 +239,29 @@ class ManualPipelined(Manual, keras_smp.DistributedModel):
     pass
 
 
+class Subclassed(keras.Model):
+    """A subclassed model (its own call, no partition scopes): a skip
+    connection with a `keras.ops` call, a nested Sequential block given
+    `training`; wrapped unbuilt in a DistributedModel (traced at the first
+    step), automatic partitioning."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.first = keras.layers.Dense(16, activation="tanh")
+        self.block = keras.Sequential([
+            keras.Input((16,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(16, activation="tanh"),
+        ], name="sub_block")
+        self.last = keras.layers.Dense(16, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x, training=None):
+        h = self.first(x)
+        h = self.block(h, training=training) + keras.ops.tanh(h)
+        return self.out(self.last(h))
+
+
 def build(case, pipelined):
     keras.utils.set_random_seed(1234)
     kind = case["model"]
@@ -258,6 +281,7 @@ def build(case, pipelined):
                  "mixed": mixed,
                  "nested": nested,
                  "nested_bn": lambda: nested(bn=True),
+                 "subclassed": Subclassed,
                  "tokens": tokens}[kind]()
         if pipelined:
             if case.get("recompute_layers"):  # by layer index
