@@ -535,6 +535,9 @@ ERROR_CASES = {
         "Noisy.call calls other layers with training=True",
         "only then: noise", "branches on `training` in Python",
         "Move the branch into a layer"]),
+    "subclassed_model_adds_its_own_loss": ("ValueError", [
+        "Regularized.call calls `self.add_loss(...)` on the model itself",
+        "Add it in a layer", "compile(loss=...)"]),
     "partition_index_out_of_range": ("ValueError", [
         "partition(2)", "partitions=2"]),
     "empty_stage": ("ValueError", ["[1]", "no layers"]),

@@ -413,7 +413,7 @@ class DistributedModel(keras.Model):
             # layer.
             inner = getattr(self, "inner_model", None)
             owner = self if inner is None else inner
-            outputs = owner.call(inputs)
+            outputs = _traced_call(owner, inputs)
             _check_no_training_branches(owner, inputs, outputs)
             if inner is not None:
                 inner.built = True
@@ -1234,6 +1234,28 @@ def _check_no_custom_steps(cls, base, wrapped):
         "without `partitions`).")
 
 
+def _traced_call(owner, inputs, **kwargs):
+    """`owner.call` on symbolic `inputs`: the layer graph to partition.
+
+    Keras refuses `add_loss` on symbolic tensors (a model's own
+    `self.add_loss(...)` in `call`, outside any layer): said here with the
+    fix."""
+    try:
+        return owner.call(inputs, **kwargs)
+    except ValueError as e:
+        if "`add_loss()` can only be called" not in str(e):
+            raise
+        raise ValueError(
+            f"{type(owner).__name__}.call calls `self.add_loss(...)` on the "
+            "model itself: a DistributedModel traces `call` once into the "
+            "layers it calls and runs them stage by stage, so a loss the "
+            "model adds outside its layers cannot be placed. Add it in a "
+            "layer: a custom `keras.layers.Layer` whose `call` calls "
+            "`self.add_loss(...)` (it runs on its stage, and its loss "
+            "counts as in Keras), or give the loss to `compile(loss=...)`."
+        ) from e
+
+
 def _check_no_training_branches(owner, inputs, outputs):
     """Raises if `owner.call` calls other layers when traced with
     `training=True` than with `training=False` (a Python `if training:`).
@@ -1258,7 +1280,8 @@ def _check_no_training_branches(owner, inputs, outputs):
 
     traced = layers_called(outputs)
     for training in (True, False):
-        other = layers_called(owner.call(inputs, training=training))
+        other = layers_called(_traced_call(owner, inputs,
+                                           training=training))
         if other == traced:
             continue
         only = [op for op in other if op not in traced]

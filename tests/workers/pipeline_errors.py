@@ -406,6 +406,27 @@ def subclassed_call_branching_on_training():
     model.fit(X, Y, batch_size=32, epochs=1, verbose=0)
 
 
+def subclassed_model_adds_its_own_loss():
+    # A VAE-style `self.add_loss(...)` on the model in its call: Keras'
+    # "can only be called from inside build() or call()" on the traced
+    # symbolic tensor, said with the fix.
+    class Regularized(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.first = keras.layers.Dense(8)
+            self.out = keras.layers.Dense(2)
+
+        def call(self, x):
+            h = self.first(x)
+            self.add_loss(0.01 * keras.ops.mean(keras.ops.square(h)))
+            return self.out(h)
+
+    with keras_smp.SMPStrategy(partitions=2, microbatches=2).scope():
+        model = keras_smp.DistributedModel(Regularized())
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(X, Y, batch_size=32, epochs=1, verbose=0)
+
+
 def devices_not_divisible():
     keras_smp.SMPStrategy(partitions=3, local_devices=4)
 
