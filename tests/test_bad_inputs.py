@@ -154,9 +154,6 @@ TF_CASES = {
                       r"max_shard_size=1.*'.weights.json'"),
     "wrap_a_non_model": (
         "TypeError", r"expects a keras.Model.*received str 'not a model'"),
-    "wrap_an_unbuilt_sequential": (
-        "ValueError", r"needs a built functional or Sequential model.*"
-                      r"keras.Input"),
 }
 
 

@@ -132,7 +132,10 @@ GROUPS = {
                # wrapped unbuilt: its call traced into layers at the first
                # step (it was refused), the block's layers placed one by one.
                + _cases("subclassed", (2, 4), BOTH, (4,), "sgd")
-               + _cases("subclassed", (2,), ("zb_h1",), (2,), "adam")),
+               + _cases("subclassed", (2,), ("zb_h1",), (2,), "adam")
+               # ... and a Sequential model without an Input (it was
+               # refused): built from the data's shapes at the first step.
+               + _cases("mlp_unbuilt", (2, 4), ("1f1b",), (4,), "sgd")),
     # 4 logical CPUs = 2 pipeline replicas x 2 stages (per-replica batch 16).
     "dp_x_pp": (_cases("mlp", (2,), BOTH, (2, 8), "sgd", devices=4)
                 + _cases("skip", (2,), BOTH, (1, 4), "sgd", devices=4)

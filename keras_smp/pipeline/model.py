@@ -73,8 +73,9 @@ class DistributedModel(keras.Model):
       `auto_partition=False`; otherwise the traced `call` is partitioned
       automatically, as in SageMaker's library);
     - `DistributedModel(inputs, outputs)`, like a functional `keras.Model`;
-    - `DistributedModel(model)`, wrapping a built Sequential or functional
-      model (its layers and weights are shared, not copied);
+    - `DistributedModel(model)`, wrapping a Sequential or functional model
+      (its layers and weights are shared, not copied; a Sequential model
+      without an `Input` is built when this model is, from the data);
     - `DistributedModel(model)`, wrapping a subclassed `keras.Model` (built
       or not): its `call` is traced into layers when the model is built
       (the first step, or `build(input_shape)`), then partitioned
@@ -150,28 +151,30 @@ class DistributedModel(keras.Model):
             None if split_points is None else list(split_points))
         self._smp_graph = None
         self._smp_functional = None
-        if inner is not None and keras_private.is_subclassed_model(inner):
-            # Its `call` is traced into layers when the model is built
-            # (the first step, or `build(input_shape)`), as a subclass's.
+        if inner is not None:
             _check_no_custom_steps(type(inner), keras.Model, wrapped=True)
             self.inner_model = inner
-        elif inner is not None:
-            functional = keras_private.functional_of(inner)
-            if functional is None or not getattr(inner, "built", False):
-                raise ValueError(
-                    f"DistributedModel({type(inner).__name__}) needs a built "
-                    "functional or Sequential model. Start a Sequential "
-                    "model with keras.Input(shape), or pass "
-                    "DistributedModel(inputs, outputs).")
-            _check_no_custom_steps(type(inner), keras.Model, wrapped=True)
-            self.inner_model = inner
-            self._smp_functional = functional
-            # Keras maps dict losses and metrics to outputs by these names.
-            if getattr(functional, "output_names", None) is not None:
-                self.output_names = list(functional.output_names)
-            inputs, outputs = keras_private.functional_structs(functional)
-            self._smp_set_graph(self._smp_plan(inputs, outputs, {}))
-            self.built = True
+            # A subclassed model's `call` is traced into layers, and a
+            # Sequential model without an `Input` is built, when this model
+            # is built (the first step, or `build(input_shape)`).
+            if not keras_private.is_subclassed_model(inner) and getattr(
+                    inner, "built", False):
+                self._smp_wrap_functional()
+
+    def _smp_wrap_functional(self):
+        """Partitions the wrapped Sequential or functional model's graph."""
+        functional = keras_private.functional_of(self.inner_model)
+        if functional is None:  # pragma: no cover - built, Keras' classes
+            raise ValueError(
+                f"DistributedModel({type(self.inner_model).__name__}) "
+                "found no layer graph in the model it wraps.")
+        self._smp_functional = functional
+        # Keras maps dict losses and metrics to outputs by these names.
+        if getattr(functional, "output_names", None) is not None:
+            self.output_names = list(functional.output_names)
+        inputs, outputs = keras_private.functional_structs(functional)
+        self._smp_set_graph(self._smp_plan(inputs, outputs, {}))
+        self.built = True
 
     def get_config(self):
         if getattr(self, "inner_model", None) is None:
@@ -409,9 +412,17 @@ class DistributedModel(keras.Model):
                 self.distribute_strategy.scope() if rt
                 else contextlib.nullcontext()), (
                 record_partitions()) as recorded:
+            inner = getattr(self, "inner_model", None)
+            if inner is not None and not keras_private.is_subclassed_model(
+                    inner):
+                # A wrapped Sequential model without an `Input`: built
+                # here, from the data's shapes, then partitioned.
+                inner.build(keras.tree.map_structure(
+                    lambda t: tuple(t.shape), inputs))
+                self._smp_wrap_functional()
+                return
             # A subclass's call, or a wrapped subclassed model's, layer by
             # layer.
-            inner = getattr(self, "inner_model", None)
             owner = self if inner is None else inner
             outputs = _traced_call(owner, inputs)
             _check_no_training_branches(owner, inputs, outputs)

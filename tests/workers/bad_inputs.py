@@ -95,10 +95,6 @@ def case_checkpoint_of_wrong_type():
     keras_smp.CheckpointManager({"model": 1}, "/tmp/unused")
 
 
-def case_wrap_an_unbuilt_sequential():
-    keras_smp.DistributedModel(keras.Sequential([keras.layers.Dense(2)]))
-
-
 def case_save_model_before_build():
     class Unbuilt(keras_smp.DistributedModel):
         def __init__(self):

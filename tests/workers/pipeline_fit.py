@@ -8,7 +8,8 @@ one device with the same global batch.
 Usage: pipeline_fit.py CASE [CASE ...], CASE = JSON object with keys model
 (mlp|cnn|skip|manual|penalized|penalized_ops|penalized_helper: losses added
 from a helper function|nested: nested models|subclassed: a subclassed
-keras.Model wrapped unbuilt|autoencoder: compiled without a loss|two_heads:
+keras.Model wrapped unbuilt|mlp_unbuilt: the mlp as a Sequential without
+an Input|autoencoder: compiled without a loss|two_heads:
 a loss on one of two outputs, weight decay|mixed: a mean loss and a "mean_with_sample_weight" one, an activity regularizer|tokens:
 padded token sequences, a loss per token under the embedding's mask),
 partitions, microbatches, pipeline, optimizer (sgd|adam), devices (logical
@@ -61,15 +62,19 @@ Y_TOK = X_TOK % 5
 Y_AUX = rng.randn(N, 4).astype("float32")
 
 
-def mlp():
-    return keras.Sequential([
-        keras.Input((8,)),
+def mlp(with_input=True):
+    return keras.Sequential([keras.Input((8,))] * with_input + [
         keras.layers.Dense(32, activation="tanh"),
         keras.layers.Dense(32, activation="relu"),
         keras.layers.Dense(16, activation="tanh"),
         keras.layers.Dense(16, activation="tanh"),
         keras.layers.Dense(3),
     ])
+
+
+def mlp_unbuilt():
+    """The mlp without an `Input`: built from the data at the first step."""
+    return mlp(with_input=False)
 
 
 def cnn():
@@ -282,7 +287,10 @@ def build(case, pipelined):
                  "nested": nested,
                  "nested_bn": lambda: nested(bn=True),
                  "subclassed": Subclassed,
+                 "mlp_unbuilt": mlp_unbuilt,
                  "tokens": tokens}[kind]()
+        if kind == "mlp_unbuilt" and not pipelined:
+            model.build((None, 8))  # (Keras builds it in the traced step)
         if pipelined:
             if case.get("recompute_layers"):  # by layer index
                 keras_smp.set_activation_checkpointing(
@@ -349,9 +357,18 @@ def run(case, pipelined):
     if case.get("partial") == "static":  # batches of 30 rows, shape known
         ds = tf.data.Dataset.from_tensor_slices(data).batch(
             GLOBAL_BATCH - 2, drop_remainder=True)
+    initial = []
+
+    class Initial(keras.callbacks.Callback):
+        """The weights training starts from (a model without an Input is
+        built by fit, before this)."""
+
+        def on_train_begin(self, logs=None):
+            initial[:] = [w.numpy() for w in model.weights
+                          if "seed" not in w.path]
+
+    hist = model.fit(ds, epochs=1, verbose=0, callbacks=[Initial()])
     kept = [w for w in model.weights if "seed" not in w.path]
-    initial = [w.numpy() for w in kept]
-    hist = model.fit(ds, epochs=1, verbose=0)
     ev = model.evaluate(ds, verbose=0, return_dict=True)
     pred = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
     if isinstance(pred, dict):  # every output, side by side
