@@ -289,8 +289,10 @@ def build(case, pipelined):
                  "subclassed": Subclassed,
                  "mlp_unbuilt": mlp_unbuilt,
                  "tokens": tokens}[kind]()
-        if kind == "mlp_unbuilt" and not pipelined:
-            model.build((None, 8))  # (Keras builds it in the traced step)
+        if kind in ("mlp_unbuilt", "subclassed") and not pipelined:
+            # (Keras would build them in the traced step, after the
+            # callbacks' on_train_begin reads the initial weights)
+            model(X_FLAT[:1])
         if pipelined:
             if case.get("recompute_layers"):  # by layer index
                 keras_smp.set_activation_checkpointing(
