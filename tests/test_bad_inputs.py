@@ -154,6 +154,9 @@ TF_CASES = {
                       r"max_shard_size=1.*'.weights.json'"),
     "wrap_a_non_model": (
         "TypeError", r"expects a keras.Model.*received str 'not a model'"),
+    "wrap_a_distributed_model": (
+        "TypeError", r"DistributedModel\(already\) wraps a model that is "
+                     r"already a DistributedModel"),
 }
 
 

@@ -128,9 +128,11 @@ GROUPS = {
                # microbatch: the batch's statistics).
                + _cases("nested_bn", (2,), BOTH, (1,), "sgd")
                # A subclassed keras.Model (its own call: a skip connection,
-               # a keras.ops call, a Sequential block given `training`)
-               # wrapped unbuilt: its call traced into layers at the first
-               # step (it was refused), the block's layers placed one by one.
+               # a keras.ops call, a Sequential block given `training`, a
+               # BatchNormalization and a block given training=False, kept
+               # in fit as Keras keeps it) wrapped unbuilt: its call traced
+               # into layers at the first step (it was refused), the
+               # blocks' layers placed one by one.
                + _cases("subclassed", (2, 4), BOTH, (4,), "sgd")
                + _cases("subclassed", (2,), ("zb_h1",), (2,), "adam")
                # ... and a Sequential model without an Input (it was
@@ -330,7 +332,7 @@ def test_pipelined_training_matches_single_device(group):
                 ["encoder", "encoder"] if row.get("recompute_layers")
                 else ["block", "backbone", "encoder", "encoder"]), row
         elif row["model"] == "subclassed":
-            assert row["expanded"] == ["sub_block"], row
+            assert row["expanded"] == ["sub_block", "frozen_block"], row
         else:
             assert row["expanded"] == [], row
         virtual = row.get("virtual_stages") or (
@@ -541,6 +543,12 @@ ERROR_CASES = {
     "subclassed_model_adds_its_own_loss": ("ValueError", [
         "Regularized.call calls `self.add_loss(...)` on the model itself",
         "Add it in a layer", "compile(loss=...)"]),
+    "subclassed_model_with_its_own_weight": ("ValueError", [
+        "Scaled holds weights of its own", "self.add_weight",
+        "Move them into a layer"]),
+    "subclassed_call_negating_training": ("ValueError", [
+        "Negated.call gives layer 'drop' training=True, False, True",
+        "Pass `training` on unchanged, or a constant"]),
     "partition_index_out_of_range": ("ValueError", [
         "partition(2)", "partitions=2"]),
     "empty_stage": ("ValueError", ["[1]", "no layers"]),
@@ -780,11 +788,15 @@ def test_weights_given_before_wrapping_train_as_on_one_device(tmp_path,
     # stayed process-local variables (already on the right device) and
     # fit failed with a bare AssertionError; a wrapped subclassed model
     # (traced at its first step) read the other stage's freed weights when
-    # Keras traced it for shapes, with one stage per process. Both: 2
-    # steps, = plain Keras from the same weights (float32 bounds).
+    # Keras traced it for shapes, with one stage per process. Also the
+    # order that never holds the whole model (one stage per process):
+    # wrap, build from shapes, then load (each process reads its own
+    # stage's weights). All: 2 steps, = plain Keras from the same weights
+    # (float32 bounds).
     worker = os.path.join(WORKERS, "weights_before_wrapping.py")
-    ref_dir, one, two = (tmp_path / d for d in ("ref", "one", "two"))
-    for d in (ref_dir, one, two):
+    ref_dir, one, two, after = (tmp_path / d
+                                for d in ("ref", "one", "two", "after"))
+    for d in (ref_dir, one, two, after):
         d.mkdir()
     run_python([worker, "--out", str(ref_dir), "--model", model,
                 "--mode", "reference"], timeout=300)
@@ -793,11 +805,15 @@ def test_weights_given_before_wrapping_train_as_on_one_device(tmp_path,
     run_python([worker, "--out", str(one), "--local-devices", "2", *given],
                timeout=300)
     launch(2, [worker, "--out", str(two), *given])
+    launch(2, [worker, "--out", str(after), "--after", *given])
     ref = load(ref_dir)
-    for got in (load(one), load(two, 0), load(two, 1)):
+    for got in (load(one), load(two, 0), load(two, 1), load(after, 0),
+                load(after, 1)):
         assert list(got["stage_layers"]) == (
             [1, 2] if model == "sequential" else [2, 2]), got
         assert_same_training(got, ref, keys=("predict",))
+    held = [int(load(after, r)["held"]) for r in range(2)]
+    assert max(held) < int(ref["held"]) == sum(held), (held, ref["held"])
 
 
 def test_one_stage_per_process_takes_any_batch_size_in_turn(tmp_path):

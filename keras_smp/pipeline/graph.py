@@ -122,12 +122,28 @@ def _used(nodes, outputs):
         id(t) for t in tree.flatten(outputs)}
 
 
-def _call_again(nodes, values, training, keep, used, expanded):
+def fixed_training(node):
+    """Whether `node`'s `training` argument is a constant its caller fixed
+    (a subclassed model's `call` passing `training=False`), which the
+    step's own `training` must not override (`mark_fixed_training`)."""
+    return getattr(node, "_smp_fixed_training", False)
+
+
+def mark_fixed_training(node):
+    """Marks a node whose `training` argument a subclassed model's `call`
+    fixed: its layer runs with it whatever the step's `training`, as in
+    Keras (a functional model's recorded `training` is overridden)."""
+    node._smp_fixed_training = True
+
+
+def _call_again(nodes, values, training, keep, used, expanded,
+                fixed=False):
     """Calls the operations of `nodes` again on the symbolic tensors in
     `values` (`id(old tensor) -> new tensor`, filled in as they run),
     expanding nested models; `training`: what an enclosing nested model's
-    call passes its layers (None: each layer's own argument). A node whose
-    inputs are all unchanged keeps its outputs (not called again)."""
+    call passes its layers (None: each layer's own argument), `fixed`:
+    whether that call's `training` was fixed (`fixed_training`). A node
+    whose inputs are all unchanged keeps its outputs (not called again)."""
     for node in nodes:
         functional = _expandable(node, keep, used)
         if functional is None and training is None and all(
@@ -151,7 +167,8 @@ def _call_again(nodes, values, training, keep, used, expanded):
             _call_again(
                 inner_nodes, inner, training if training is not None
                 else kwargs.get("training"), keep,
-                _used(inner_nodes, inner_outputs), expanded)
+                _used(inner_nodes, inner_outputs), expanded,
+                fixed=fixed or fixed_training(node))
             outs = [inner[id(t)] for t in tree.flatten(inner_outputs)]
             expanded.append(node.operation)
         else:
@@ -159,6 +176,8 @@ def _call_again(nodes, values, training, keep, used, expanded):
                     keras_private.call_context_arguments(node.operation)):
                 kwargs["training"] = training
             outs = tree.flatten(node.operation(*args, **kwargs))
+            if (fixed or fixed_training(node)) and outs:
+                mark_fixed_training(keras_private.producing_node(outs[0]))
         for old, new in zip(tree.flatten(node.outputs), outs):
             values[id(old)] = new
 
@@ -585,8 +604,10 @@ class StagedGraph:
                     keras_private.set_keras_mask(values[t.owner_id], v)
             for node in nodes:
                 args, kwargs = node.arguments.fill_in(values)
+                # (a `training` a subclassed call fixed is kept)
                 op = keras_private.operation_fn(
-                    node.operation, training=training)
+                    node.operation,
+                    training=None if fixed_training(node) else training)
                 if recompute is not None and recompute_lib.marked(
                         node.operation, recompute):
                     op = recompute_lib.checkpointed(op, node.operation)

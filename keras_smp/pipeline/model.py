@@ -17,6 +17,7 @@ import re
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_smp import runtime
@@ -28,6 +29,7 @@ from keras_smp.pipeline.backward import accumulate
 from keras_smp.pipeline.backward import variable_gradients
 from keras_smp.pipeline.graph import StagedGraph
 from keras_smp.pipeline.graph import expand_nested_models
+from keras_smp.pipeline.graph import mark_fixed_training
 from keras_smp.pipeline.graph import record_partitions
 from keras_smp.pipeline.partition import COST_METHODS
 from keras_smp.pipeline.profiling import executed_timeline
@@ -127,8 +129,8 @@ class DistributedModel(keras.Model):
             inner, args = args[0], ()
         elif len(args) == 1 and not keras_private.functional_init_arguments(args, kwargs):
             raise TypeError(
-                "DistributedModel(model) expects a keras.Model (Sequential "
-                "or functional) to pipeline; received "
+                "DistributedModel(model) expects a keras.Model (Sequential, "
+                "functional or subclassed) to pipeline; received "
                 f"{type(args[0]).__name__} {args[0]!r:.80}. Or subclass "
                 "DistributedModel and write `call`, or pass "
                 "DistributedModel(inputs=..., outputs=...).")
@@ -151,6 +153,10 @@ class DistributedModel(keras.Model):
             None if split_points is None else list(split_points))
         self._smp_graph = None
         self._smp_functional = None
+        if isinstance(inner, DistributedModel):
+            raise TypeError(
+                f"DistributedModel({inner.name}) wraps a model that is "
+                "already a DistributedModel: use it as it is.")
         if inner is not None:
             _check_no_custom_steps(type(inner), keras.Model, wrapped=True)
             self.inner_model = inner
@@ -401,6 +407,14 @@ class DistributedModel(keras.Model):
             inputs = symbolic(input_shape)
         else:
             inputs = keras.tree.map_shape_structure(symbolic, input_shape)
+        # The data's dtypes, when a step builds the model (int token ids,
+        # strings); float32 otherwise, as Keras' own build.
+        dtypes = getattr(self, "_smp_input_dtypes", None)
+        flat = keras.tree.flatten(inputs)
+        if dtypes is not None and len(dtypes) == len(flat):
+            inputs = keras.tree.pack_sequence_as(inputs, [
+                keras.Input(batch_shape=t.shape, dtype=d)
+                for t, d in zip(flat, dtypes)])
         self._smp_trace(inputs)
 
     def _smp_trace(self, inputs):
@@ -424,9 +438,18 @@ class DistributedModel(keras.Model):
             # A subclass's call, or a wrapped subclassed model's, layer by
             # layer.
             owner = self if inner is None else inner
+            shapes = keras.tree.map_structure(lambda t: tuple(t.shape),
+                                              inputs)
+            if inner is not None and not inner.built and (
+                    keras_private.overrides_build(inner)):
+                inner.build(shapes)  # its own build() makes its layers
             outputs = _traced_call(owner, inputs)
-            _check_no_training_branches(owner, inputs, outputs)
+            _mark_fixed_training(owner, inputs, outputs)
+            _check_own_weights(owner)
             if inner is not None:
+                # Built, for the shapes it was traced with (kept in its
+                # `.keras` files' build config, as Keras' build does).
+                keras_private.record_build_shapes(inner, shapes)
                 inner.built = True
             self._smp_set_graph(self._smp_plan(inputs, outputs, recorded))
         self.built = True
@@ -661,14 +684,19 @@ class DistributedModel(keras.Model):
 
     def _symbolic_build(self, iterator=None, data_batch=None):
         # Keras may trace the whole model here (shapes only).
-        if (self._smp_graph is None and data_batch is not None
-                and self._smp_multi_process()):
-            # Not traced yet (a subclass, or a wrapped subclassed model):
-            # its stages first, so that the trace below reads other
-            # stages' weights as shapes.
+        if self._smp_graph is None and data_batch is not None:
+            # Not traced yet (a subclass, a wrapped subclassed or unbuilt
+            # Sequential model): traced first, on inputs of the data's
+            # shapes and dtypes (with one stage per process, the trace
+            # below then reads other stages' weights as shapes).
             x = keras.utils.unpack_x_y_sample_weight(data_batch)[0]
-            self.build(keras.tree.map_structure(
-                lambda t: tuple(t.shape), x))
+            flat = keras.tree.flatten(x)
+            if flat and all(isinstance(t, (tf.Tensor, tf.TensorSpec,
+                                           np.ndarray)) for t in flat):
+                self._smp_input_dtypes = [
+                    keras.backend.standardize_dtype(t.dtype) for t in flat]
+                self.build(keras.tree.map_structure(
+                    lambda t: tuple(t.shape), x))
         kwargs = dict(iterator=iterator, data_batch=data_batch)
         residency = self._smp_residency()
         if residency is None:
@@ -1245,6 +1273,16 @@ def _check_no_custom_steps(cls, base, wrapped):
         "without `partitions`).")
 
 
+def _call_kwargs(owner):
+    """What tracing `owner.call` must pass besides the inputs: `None` for
+    a `training` or `mask` argument without a default (Keras' `__call__`
+    fills them in)."""
+    return {name: None for name, p in
+            inspect.signature(owner.call).parameters.items()
+            if name in ("training", "mask") and p.default is p.empty
+            and p.kind is not p.VAR_KEYWORD}
+
+
 def _traced_call(owner, inputs, **kwargs):
     """`owner.call` on symbolic `inputs`: the layer graph to partition.
 
@@ -1252,7 +1290,7 @@ def _traced_call(owner, inputs, **kwargs):
     `self.add_loss(...)` in `call`, outside any layer): said here with the
     fix."""
     try:
-        return owner.call(inputs, **kwargs)
+        return owner.call(inputs, **{**_call_kwargs(owner), **kwargs})
     except ValueError as e:
         if "`add_loss()` can only be called" not in str(e):
             raise
@@ -1267,48 +1305,97 @@ def _traced_call(owner, inputs, **kwargs):
         ) from e
 
 
-def _check_no_training_branches(owner, inputs, outputs):
-    """Raises if `owner.call` calls other layers when traced with
-    `training=True` than with `training=False` (a Python `if training:`).
+_ABSENT = object()
 
-    The pipeline runs the layers one trace of `call` made (`outputs`, traced
-    without `training`), each told the step's `training` at run time, as a
-    functional model's are: a branch in `call` itself would be frozen.
-    Operations that are not layers (`keras.ops` calls) are compared by type.
+
+def _mark_fixed_training(owner, inputs, outputs):
+    """Marks the layer calls whose `training` the traced `owner.call`
+    fixed (`self.bn(h, training=False)`), which the step's `training` must
+    not override; raises if `call` depends on `training` otherwise.
+
+    A DistributedModel runs the layers one trace of `call` made
+    (`outputs`, traced without `training`) and tells each the step's
+    `training` when it runs. So `call` is traced with `training=True` and
+    `False` too: the same layers must be called (a Python `if training:`
+    would be frozen; operations that are not layers, `keras.ops` calls,
+    are compared by type), each given either the traced `training` itself
+    or one constant in every trace (kept, as Keras keeps an explicit
+    argument).
     """
-    if "training" not in inspect.signature(owner.call).parameters:
-        return
+    nodes = StagedGraph.topological_nodes(inputs, outputs)
+    parameters = inspect.signature(owner.call).parameters
+    takes = "training" in parameters or any(
+        p.kind is p.VAR_KEYWORD for p in parameters.values())
+    traces = {None: nodes}
+    if takes:
+        for training in (True, False):
+            traces[training] = StagedGraph.topological_nodes(
+                inputs, _traced_call(owner, inputs, training=training))
+    name = type(owner).__name__
 
-    def layers_called(traced):
-        ops = [n.operation for n in StagedGraph.topological_nodes(
-            inputs, traced)]
-        return [op if isinstance(op, keras.layers.Layer) else type(op)
-                for op in ops]
+    def layers_called(trace):
+        return [n.operation if isinstance(n.operation, keras.layers.Layer)
+                else type(n.operation) for n in trace]
 
     def names(ops):
         return ", ".join(sorted({getattr(op, "name", None) or op.__name__
                                  for op in ops})) or "none"
 
-    traced = layers_called(outputs)
-    for training in (True, False):
-        other = layers_called(_traced_call(owner, inputs,
-                                           training=training))
-        if other == traced:
+    called = layers_called(nodes)
+    for training in (True, False) if takes else ():
+        other = layers_called(traces[training])
+        if other == called:
             continue
-        only = [op for op in other if op not in traced]
-        missing = [op for op in traced if op not in other]
         raise ValueError(
-            f"{type(owner).__name__}.call calls other layers with "
-            f"training={training} than without `training` (only then: "
-            f"{names(only)}; not then: {names(missing)}): it branches on "
-            "`training` in Python. A DistributedModel runs the layers one "
-            "trace of `call` makes and tells each the step's `training` "
-            "when it runs (as a functional model does), so such a branch "
-            "would be frozen. Move the branch into a layer (a custom "
-            "`keras.layers.Layer` whose `call` takes `training`), or call "
-            "the layers unconditionally and pass them `training` "
+            f"{name}.call calls other layers with training={training} than "
+            f"without `training` (only then: "
+            f"{names([op for op in other if op not in called])}; not then: "
+            f"{names([op for op in called if op not in other])}): it "
+            "branches on `training` in Python. A DistributedModel runs the "
+            "layers one trace of `call` makes and tells each the step's "
+            "`training` when it runs (as a functional model does), so such "
+            "a branch would be frozen. Move the branch into a layer (a "
+            "custom `keras.layers.Layer` whose `call` takes `training`), "
+            "or call the layers unconditionally and pass them `training` "
             "(`Dropout`, `BatchNormalization` and the noise layers decide "
             "by it).")
+    for i, node in enumerate(nodes):
+        given = [traces[t][i].arguments.kwargs.get("training", _ABSENT)
+                 for t in traces]
+        if given[1:] == [True, False] and given[0] in (None, _ABSENT):
+            continue  # it passes `training` on: the step decides
+        if all(g is given[0] for g in given):
+            if given[0] is True or given[0] is False:
+                mark_fixed_training(node)
+            if given[0] in (None, _ABSENT, True, False):
+                continue
+        raise ValueError(
+            f"{name}.call gives layer '{node.operation.name}' training="
+            + ", ".join(f"{g!r}" for g in given if g is not _ABSENT)
+            + f" when `call` is traced with training={list(traces)}: a "
+            "DistributedModel keeps a constant `training` (True or False) "
+            "a call passes a layer, or lets the step's `training` decide "
+            "when the layer is given `call`'s own `training`; other values "
+            "(`not training`, computed flags) cannot be run layer by "
+            "layer. Pass `training` on unchanged, or a constant.")
+
+
+def _check_own_weights(owner):
+    """Raises if `owner` made variables itself (`self.add_weight` in the
+    model, a model's `SeedGenerator`) that its `call` uses outside its
+    layers: no stage would train or hold them."""
+    own = keras_private.own_variables(owner)
+    if not own:
+        return
+    names = ", ".join(repr(v.path) for v in own[:3])
+    raise ValueError(
+        f"{type(owner).__name__} holds weights of its own ({names}"
+        f"{', ...' if len(own) > 3 else ''}), made with `self.add_weight` "
+        "(or a SeedGenerator) on the model rather than in a layer: a "
+        "DistributedModel trains the weights of the layers its `call` "
+        "runs, stage by stage, so these would be left out. Move them into "
+        "a layer: a custom `keras.layers.Layer` that makes them in "
+        "`build` and uses them in its `call`.")
 
 
 def _clear_batch_errors(fn):

@@ -215,8 +215,11 @@ class StageResidency:
                 "one-stage-per-process SMPStrategy (or given values before "
                 "the model was partitioned), so this process already held "
                 "them. Build the model inside "
-                "`strategy.scope()`: each stage process then only ever "
-                "holds its own stage's weights.", stacklevel=4)
+                "`strategy.scope()` and give it its weights after wrapping "
+                "it (`model = DistributedModel(model)`, `model.build("
+                "input_shape)`, then `model.load_weights(path)`): each "
+                "stage process then only ever holds its own stage's "
+                "weights.", stacklevel=4)
         with self.model.distribute_strategy.scope():
             for w in mine:
                 if deferred.is_pending(w):

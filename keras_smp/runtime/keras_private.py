@@ -644,6 +644,38 @@ def producer_of(tensor):
     return getattr(history, "operation", None)
 
 
+def producing_node(tensor):
+    """The graph node (one call of a layer) that made a symbolic
+    `KerasTensor`, or None."""
+    history = getattr(tensor, "_keras_history", None)
+    if history is None:
+        return None
+    return history.operation._inbound_nodes[history.node_index]
+
+
+def own_variables(layer):
+    """The variables `layer` made itself (`add_weight` on it, its own
+    `SeedGenerator`s), not those of the layers it holds."""
+    return (list(layer._trainable_variables)
+            + list(layer._non_trainable_variables)
+            + [g.state for g in layer._seed_generators])
+
+
+def overrides_build(layer):
+    """Whether `layer`'s class writes its own `build` (Keras' default one
+    of a subclassed model builds nothing)."""
+    import keras
+
+    return type(layer).build not in (keras.Model.build,
+                                     keras.layers.Layer.build)
+
+
+def record_build_shapes(layer, input_shape):
+    """Records `input_shape` as what `layer` was built for, as Keras'
+    `build` does (its `get_build_config`, which `.keras` files keep)."""
+    layer._build_shapes_dict = {"input_shape": input_shape}
+
+
 def consumers(layer):
     """How many calls of other layers take one of `layer`'s outputs (its
     outbound nodes in the functional graphs built so far)."""

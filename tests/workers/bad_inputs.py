@@ -95,6 +95,12 @@ def case_checkpoint_of_wrong_type():
     keras_smp.CheckpointManager({"model": 1}, "/tmp/unused")
 
 
+def case_wrap_a_distributed_model():
+    keras_smp.DistributedModel(keras_smp.DistributedModel(keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(2), keras.layers.Dense(2)]),
+        name="already"))
+
+
 def case_save_model_before_build():
     class Unbuilt(keras_smp.DistributedModel):
         def __init__(self):

@@ -427,6 +427,42 @@ def subclassed_model_adds_its_own_loss():
     model.fit(X, Y, batch_size=32, epochs=1, verbose=0)
 
 
+def subclassed_model_with_its_own_weight():
+    # A weight the model makes itself, used by keras.ops in call: no stage
+    # would train it (it was left at its initial value, silently).
+    class Scaled(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.first = keras.layers.Dense(8)
+            self.scale = self.add_weight(shape=(8,), initializer="ones")
+            self.out = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.out(self.first(x) * self.scale)
+
+    with keras_smp.SMPStrategy(partitions=2, microbatches=2).scope():
+        model = keras_smp.DistributedModel(Scaled())
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(X, Y, batch_size=32, epochs=1, verbose=0)
+
+
+def subclassed_call_negating_training():
+    class Negated(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.first = keras.layers.Dense(8)
+            self.drop = keras.layers.Dropout(0.1, name="drop")
+            self.out = keras.layers.Dense(2)
+
+        def call(self, x, training=None):
+            return self.out(self.drop(self.first(x), training=not training))
+
+    with keras_smp.SMPStrategy(partitions=2, microbatches=2).scope():
+        model = keras_smp.DistributedModel(Negated())
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(X, Y, batch_size=32, epochs=1, verbose=0)
+
+
 def devices_not_divisible():
     keras_smp.SMPStrategy(partitions=3, local_devices=4)
 

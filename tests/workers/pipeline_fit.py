@@ -247,23 +247,35 @@ class ManualPipelined(Manual, keras_smp.DistributedModel):
 class Subclassed(keras.Model):
     """A subclassed model (its own call, no partition scopes): a skip
     connection with a `keras.ops` call, a nested Sequential block given
-    `training`; wrapped unbuilt in a DistributedModel (traced at the first
+    `training`, a BatchNormalization and a nested block holding one given
+    `training=False` (a frozen part: inference mode in fit too, as in
+    Keras); wrapped unbuilt in a DistributedModel (traced at the first
     step), automatic partitioning."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.first = keras.layers.Dense(16, activation="tanh")
+        self.bn = keras.layers.BatchNormalization(
+            moving_mean_initializer="random_normal")
         self.block = keras.Sequential([
             keras.Input((16,)),
             keras.layers.Dense(16, activation="relu"),
             keras.layers.Dense(16, activation="tanh"),
         ], name="sub_block")
+        self.frozen = keras.Sequential([
+            keras.Input((16,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.BatchNormalization(
+                moving_variance_initializer=keras.initializers.RandomUniform(
+                    0.5, 1.5)),
+        ], name="frozen_block")
         self.last = keras.layers.Dense(16, activation="tanh")
         self.out = keras.layers.Dense(3)
 
     def call(self, x, training=None):
-        h = self.first(x)
+        h = self.bn(self.first(x), training=False)
         h = self.block(h, training=training) + keras.ops.tanh(h)
+        h = self.frozen(h, training=False)
         return self.out(self.last(h))
 
 

@@ -2,14 +2,15 @@
 DistributedModel, trained: the fine-tuning pattern (used by tests).
 
 Usage: weights_before_wrapping.py --out DIR --model sequential|subclassed
-       --mode reference|pipeline [--weights FILE]
+       --mode reference|pipeline [--weights FILE] [--after]
 
 reference: plain Keras on one device; writes the initial weights it was
 given (its own, seeded, scaled) to DIR/initial.weights.h5 before training.
 pipeline: an SMPStrategy with 2 stages (one process with 2 logical CPUs:
 `--local-devices 2`, or one stage per process under `keras-smp launch -n
 2`); the model is
-built inside the scope, loads FILE, and only then is wrapped.
+built inside the scope, loads FILE, and only then is wrapped (`--after`:
+wrapped, built from shapes, then loads FILE).
 Writes DIR/rank{R}.npz: the trained weights and the predictions.
 """
 
@@ -22,6 +23,9 @@ p.add_argument("--model", choices=["sequential", "subclassed"],
                required=True)
 p.add_argument("--mode", choices=["reference", "pipeline"], required=True)
 p.add_argument("--weights", default=None)
+p.add_argument("--after", action="store_true",
+               help="wrap the model first (built from shapes: `build`), "
+               "then load the weights (each stage process reads its own)")
 p.add_argument("--local-devices", type=int, default=None,
                help="2: both stages in this process, on 2 logical CPUs")
 args = p.parse_args()
@@ -66,7 +70,8 @@ def build():
     keras.utils.set_random_seed(5)
     if args.model == "subclassed":
         model = Subclassed()
-        model(x[:1])  # built by a call (Keras' build() would not build it)
+        if not args.after:  # built by a call (Keras' build() builds none)
+            model(x[:1])
         return model
     return keras.Sequential([
         keras.Input((8,)),
@@ -82,6 +87,10 @@ with strategy.scope() if strategy else contextlib.nullcontext():
         # "Pretrained" weights: not the ones the seed gives.
         model.set_weights([1.5 * w + 0.01 for w in model.get_weights()])
         model.save_weights(os.path.join(args.out, "initial.weights.h5"))
+    elif args.after:
+        model = keras_smp.DistributedModel(model)
+        model.build((None, 8))
+        model.load_weights(args.weights)
     else:
         model.load_weights(args.weights)
         model = keras_smp.DistributedModel(model)
@@ -91,6 +100,9 @@ with strategy.scope() if strategy else contextlib.nullcontext():
 model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
 result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
 result["predict"] = model.predict(x, batch_size=32, verbose=0)
+# Elements this process holds (one stage per process: its stage's only).
+result["held"] = np.array(sum(int(np.prod(w.value.shape))
+                              for w in model.weights))
 rank = strategy.topology.rank if strategy else 0
 if strategy is not None:
     result["stage_layers"] = np.array(
