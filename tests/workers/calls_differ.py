@@ -101,7 +101,10 @@ def keys():
     for key in [f"keras_smp/calls/{c}/0" for c in range(8)] + [
             "keras_smp/calls/3/validation/0"]:
         try:
-            context.context().get_config_key_value(key, 1)
+            # (a key held is found at once; 1 ms was too short for the
+            # service's answer on a loaded machine: a held key then read
+            # as absent)
+            context.context().get_config_key_value(key, 1000)
             held.append(key)
         except Exception:  # noqa: BLE001 (not there: a timeout)
             pass
