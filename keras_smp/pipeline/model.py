@@ -839,11 +839,12 @@ class DistributedModel(keras.Model):
         """Writes the whole model as one unpartitioned SavedModel (SMP's).
 
         Every process must call it; rank 0 writes `save_path`, the others
-        wait. With one stage per process nothing is gathered into every
-        process: the stages write their weights into shards, from which
-        rank 0 alone builds the plain model and exports it (rank 0 then
-        holds the whole model's weights, which serving needs, but no other
-        stage's optimizer state).
+        wait. With one stage per process, a wrapped Sequential or
+        functional model is not gathered into every process: the stages
+        write their weights into shards, from which rank 0 alone builds
+        the plain model and exports it (rank 0 then holds the whole
+        model's weights, which serving needs, but no other stage's
+        optimizer state); a subclassed model is gathered for the call.
         The SavedModel's `serve` signature runs the plain, unpipelined
         forward pass: load it with `tf.saved_model.load` or
         `keras.layers.TFSMLayer` anywhere, without keras-smp.
@@ -877,10 +878,12 @@ class DistributedModel(keras.Model):
         wait. `input_signature` defaults to the model's inputs with any
         batch size (Keras would need the model called directly first; a
         `DistributedModel` trains through its pipeline). With one stage
-        per process nothing is gathered into every process: the stages
-        write their weights into shards, from which rank 0 alone builds
-        the plain model and exports it (`save_model`, SMP's name, does
-        the same).
+        per process, a wrapped Sequential or functional model is not
+        gathered into every process: the stages write their weights into
+        shards, from which rank 0 alone builds the plain model and exports
+        it (`save_model`, SMP's name, does the same). A subclassed model
+        (wrapped, or a `DistributedModel` subclass) is gathered for the
+        call: its class may not be loadable from a file.
 
         Example:
 
