@@ -537,7 +537,7 @@ ERROR_CASES = {
         "Mark them before wrapping the model",
         "name them in the config's activation_checkpointing"]),
     "subclassed_call_branching_on_training": ("ValueError", [
-        "Noisy.call calls other layers with training=True",
+        "Noisy.call calls other layers or operations with training=True",
         "only then: noise", "branches on `training` in Python",
         "Move the branch into a layer"]),
     "subclassed_model_adds_its_own_loss": ("ValueError", [
@@ -547,8 +547,12 @@ ERROR_CASES = {
         "Scaled holds weights of its own", "self.add_weight",
         "Move them into a layer"]),
     "subclassed_call_negating_training": ("ValueError", [
-        "Negated.call gives layer 'drop' training=True, False, True",
+        "Negated.call gives layer 'drop' training=False and True when it "
+        "runs with training=True and False",
         "Pass `training` on unchanged, or a constant"]),
+    "subclassed_call_reading_a_weight": ("ValueError", [
+        "Tied.call reads the weight(s)", "embeddings",
+        "outside any layer", "Use the weight inside a layer's `call`"]),
     "partition_index_out_of_range": ("ValueError", [
         "partition(2)", "partitions=2"]),
     "empty_stage": ("ValueError", ["[1]", "no layers"]),
@@ -776,6 +780,69 @@ def test_one_stage_per_process_matches_single_device(
         got = load(tmp_path, 0)
         assert list(got["stage_layers"]) == ["d1", "d2 head"], got
 
+
+
+def test_wrapped_subclassed_call_keeps_keras_training_semantics(tmp_path):
+    # In a subclassed model's own call, a layer given no `training`
+    # (Dropout) follows fit/evaluate, and one given a constant
+    # (`self.bn(h, training=False)`) keeps it, as in Keras. A first version
+    # froze the Dropout at its default (off in fit), and let fit turn the
+    # BatchNormalization on (its moving statistics moved). Learning rate 0:
+    # the weights stay, so fit's loss shows dropout and evaluate equals
+    # plain Keras exactly.
+    script = tmp_path / "semantics.py"
+    script.write_text(
+        "import json, keras_smp\n"
+        "strategy = keras_smp.SMPStrategy(partitions=2, microbatches=2,\n"
+        "                                 local_devices=2)\n"
+        "import keras, numpy as np\n"
+        "from keras_smp.pipeline.graph import fixed_training\n"
+        "class Net(keras.Model):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.d1 = keras.layers.Dense(16, name='d1')\n"
+        "        self.drop = keras.layers.Dropout(0.5, name='drop')\n"
+        "        self.bn = keras.layers.BatchNormalization(name='bn')\n"
+        "        self.d2 = keras.layers.Dense(1, name='d2')\n"
+        "    def call(self, x, training=None):\n"
+        "        h = self.bn(self.drop(self.d1(x)), training=False)\n"
+        "        return self.d2(h)\n"
+        "x = np.random.RandomState(0).randn(64, 8).astype('float32')\n"
+        "y = np.random.RandomState(1).randn(64, 1).astype('float32')\n"
+        "def run(pipelined):\n"
+        "    keras.utils.set_random_seed(7)\n"
+        "    with strategy.scope() if pipelined else "
+        "keras.name_scope('plain'):\n"
+        "        model = Net()\n"
+        "        if pipelined:\n"
+        "            model = keras_smp.DistributedModel(model)\n"
+        "        model.compile(optimizer=keras.optimizers.SGD(0.0), "
+        "loss='mse')\n"
+        "    fit = model.fit(x, y, batch_size=32, epochs=2, verbose=0,\n"
+        "                    shuffle=False).history['loss']\n"
+        "    ev = model.evaluate(x, y, batch_size=32, verbose=0)\n"
+        "    bn = [w.numpy().tolist() for w in model.get_layer('bn').weights\n"
+        "          if 'moving' in w.path] if not pipelined else [\n"
+        "          w.numpy().tolist() for w in model.inner_model.bn.weights\n"
+        "          if 'moving' in w.path]\n"
+        "    fixed = ({n.operation.name: fixed_training(n)\n"
+        "              for n in model.staged_graph.nodes} if pipelined\n"
+        "             else None)\n"
+        "    return dict(fit=fit, evaluate=ev, bn=bn, fixed=fixed)\n"
+        "print('RESULT', json.dumps({'plain': run(False), "
+        "'pipe': run(True)}))\n")
+    out = run_python([str(script)], timeout=300).stdout
+    result = json.loads(out.split("RESULT ", 1)[1])
+    plain, pipe = result["plain"], result["pipe"]
+    assert pipe["fixed"]["drop"] is None, pipe  # the step decides
+    assert pipe["fixed"]["bn"] is False, pipe  # kept
+    # Dropout on in fit (a loss other than evaluate's), off in evaluate.
+    assert min(abs(f - pipe["evaluate"]) for f in pipe["fit"]) > 1e-3, pipe
+    np.testing.assert_allclose(pipe["evaluate"], plain["evaluate"],
+                               rtol=RTOL)
+    # The BatchNormalization stayed in inference mode: moving statistics
+    # untouched, as in plain Keras.
+    np.testing.assert_array_equal(pipe["bn"], plain["bn"])
 
 
 @pytest.mark.slow

@@ -123,27 +123,28 @@ def _used(nodes, outputs):
 
 
 def fixed_training(node):
-    """Whether `node`'s `training` argument is a constant its caller fixed
-    (a subclassed model's `call` passing `training=False`), which the
-    step's own `training` must not override (`mark_fixed_training`)."""
-    return getattr(node, "_smp_fixed_training", False)
+    """The `training` a subclassed model's `call` fixed for `node` (True
+    or False: `self.bn(h, training=False)`), which the step's own
+    `training` must not override; None when the step decides
+    (`mark_fixed_training`)."""
+    return getattr(node, "_smp_fixed_training", None)
 
 
-def mark_fixed_training(node):
-    """Marks a node whose `training` argument a subclassed model's `call`
-    fixed: its layer runs with it whatever the step's `training`, as in
-    Keras (a functional model's recorded `training` is overridden)."""
-    node._smp_fixed_training = True
+def mark_fixed_training(node, training):
+    """Marks a node whose `training` a subclassed model's `call` fixed:
+    its layer runs with `training` whatever the step's, as in Keras (a
+    functional model's recorded `training` is overridden)."""
+    node._smp_fixed_training = bool(training)
 
 
 def _call_again(nodes, values, training, keep, used, expanded,
-                fixed=False):
+                fixed=None):
     """Calls the operations of `nodes` again on the symbolic tensors in
     `values` (`id(old tensor) -> new tensor`, filled in as they run),
     expanding nested models; `training`: what an enclosing nested model's
-    call passes its layers (None: each layer's own argument), `fixed`:
-    whether that call's `training` was fixed (`fixed_training`). A node
-    whose inputs are all unchanged keeps its outputs (not called again)."""
+    call passes its layers (None: each layer's own argument), `fixed`: the
+    `training` that call fixed (`fixed_training`), or None. A node whose
+    inputs are all unchanged keeps its outputs (not called again)."""
     for node in nodes:
         functional = _expandable(node, keep, used)
         if functional is None and training is None and all(
@@ -168,7 +169,7 @@ def _call_again(nodes, values, training, keep, used, expanded,
                 inner_nodes, inner, training if training is not None
                 else kwargs.get("training"), keep,
                 _used(inner_nodes, inner_outputs), expanded,
-                fixed=fixed or fixed_training(node))
+                fixed=fixed if fixed is not None else fixed_training(node))
             outs = [inner[id(t)] for t in tree.flatten(inner_outputs)]
             expanded.append(node.operation)
         else:
@@ -176,8 +177,10 @@ def _call_again(nodes, values, training, keep, used, expanded,
                     keras_private.call_context_arguments(node.operation)):
                 kwargs["training"] = training
             outs = tree.flatten(node.operation(*args, **kwargs))
-            if (fixed or fixed_training(node)) and outs:
-                mark_fixed_training(keras_private.producing_node(outs[0]))
+            constant = fixed if fixed is not None else fixed_training(node)
+            if constant is not None and outs:
+                mark_fixed_training(keras_private.producing_node(outs[0]),
+                                    constant)
         for old, new in zip(tree.flatten(node.outputs), outs):
             values[id(old)] = new
 
@@ -372,6 +375,7 @@ class StagedGraph:
                         f"{self.stage_of[id(src)]}): data must flow from "
                         "lower to higher partitions. Reorder the "
                         "keras_smp.partition() scopes in `call`.")
+        self._check_weights_given_to_operations()
         used = set(self.stage_of.values())
         empty = [s for s in range(self.num_stages) if s not in used]
         if empty:
@@ -379,6 +383,35 @@ class StagedGraph:
                 f"Pipeline stage(s) {empty} of partitions={self.num_stages} "
                 "have no layers. Put at least one layer in every "
                 "keras_smp.partition(i) scope, or lower `partitions`.")
+
+    def _check_weights_given_to_operations(self):
+        """Raises if an operation that is not a layer (`keras.ops.matmul(h,
+        emb.embeddings)`: a tied output projection) takes a weight of a
+        layer on another stage: that stage's backward would not give the
+        weight this use's gradient (its own layers' weights only)."""
+        weights = {}
+        for node in self.nodes:
+            for w in _operation_weights(node.operation):
+                weights.setdefault(id(w), set()).add(self.stage_of[id(node)])
+        for node in self.nodes:
+            if hasattr(node.operation, "weights"):
+                continue  # a layer: its weights are its stage's
+            stage = self.stage_of[id(node)]
+            for value in tree.flatten((node.arguments.args,
+                                       node.arguments.kwargs)):
+                if (keras_private.is_variable(value)
+                        and stage not in weights.get(id(value), ())):
+                    raise ValueError(
+                        f"Operation '{self.names[id(node)]}' (stage "
+                        f"{stage}) takes the weight {value.path!r} directly, "
+                        "but no layer of its stage holds it (stages "
+                        f"{sorted(weights.get(id(value), ()))}): its "
+                        "gradient from this use would be lost. Use the "
+                        "weight inside a layer on the same stage (a custom "
+                        "layer that holds the layer whose weight it uses, "
+                        "like keras_hub's ReversibleEmbedding for a tied "
+                        "output projection), or keep both on one stage "
+                        "(`split_points`).")
 
     def _compute_carries(self):
         order = {}
@@ -605,9 +638,10 @@ class StagedGraph:
             for node in nodes:
                 args, kwargs = node.arguments.fill_in(values)
                 # (a `training` a subclassed call fixed is kept)
+                fixed = fixed_training(node)
                 op = keras_private.operation_fn(
                     node.operation,
-                    training=None if fixed_training(node) else training)
+                    training=training if fixed is None else fixed)
                 if recompute is not None and recompute_lib.marked(
                         node.operation, recompute):
                     op = recompute_lib.checkpointed(op, node.operation)

@@ -80,7 +80,8 @@ class DistributedModel(keras.Model):
       without an `Input` is built when this model is, from the data);
     - `DistributedModel(model)`, wrapping a subclassed `keras.Model` (built
       or not): its `call` is traced into layers when the model is built
-      (the first step, or `build(input_shape)`), then partitioned
+      (the first `fit` or `evaluate`, or `build(input_shape)`), then
+      partitioned
       automatically. A `call` branching on `training` in Python is refused
       (each layer is told the step's `training` when it runs, as in a
       functional model).
@@ -417,6 +418,21 @@ class DistributedModel(keras.Model):
                 for t, d in zip(flat, dtypes)])
         self._smp_trace(inputs)
 
+    def get_build_config(self):
+        # Keras keeps the input shapes; the data's dtypes (int token ids,
+        # strings) are kept too, so a loaded model is traced as it was.
+        config = super().get_build_config()
+        dtypes = getattr(self, "_smp_input_dtypes", None)
+        if config is not None and dtypes is not None:
+            config = dict(config, input_dtypes=list(dtypes))
+        return config
+
+    def build_from_config(self, config):
+        if "input_dtypes" in config:
+            self._smp_input_dtypes = list(config["input_dtypes"])
+            config = {k: v for k, v in config.items() if k != "input_dtypes"}
+        return super().build_from_config(config)
+
     def _smp_trace(self, inputs):
         # Keras may build the model inside `compute_output_spec` (a scratch
         # graph with stateless/symbolic scopes); the weights must be real,
@@ -693,8 +709,12 @@ class DistributedModel(keras.Model):
             flat = keras.tree.flatten(x)
             if flat and all(isinstance(t, (tf.Tensor, tf.TensorSpec,
                                            np.ndarray)) for t in flat):
+                # (floating data as floatx, as Keras casts it for a model)
+                dtypes = [keras.backend.standardize_dtype(t.dtype)
+                          for t in flat]
                 self._smp_input_dtypes = [
-                    keras.backend.standardize_dtype(t.dtype) for t in flat]
+                    keras.backend.floatx()
+                    if keras.backend.is_float_dtype(d) else d for d in dtypes]
                 self.build(keras.tree.map_structure(
                     lambda t: tuple(t.shape), x))
         kwargs = dict(iterator=iterator, data_batch=data_batch)
@@ -1293,7 +1313,8 @@ def _traced_call(owner, inputs, **kwargs):
     `self.add_loss(...)` in `call`, outside any layer): said here with the
     fix."""
     try:
-        return owner.call(inputs, **{**_call_kwargs(owner), **kwargs})
+        with patches.variable_reads() as reads:
+            outputs = owner.call(inputs, **{**_call_kwargs(owner), **kwargs})
     except ValueError as e:
         if "`add_loss()` can only be called" not in str(e):
             raise
@@ -1306,9 +1327,39 @@ def _traced_call(owner, inputs, **kwargs):
             "`self.add_loss(...)` (it runs on its stage, and its loss "
             "counts as in Keras), or give the loss to `compile(loss=...)`."
         ) from e
+    if reads:
+        names = ", ".join(sorted({repr(v.path) for v in reads}))
+        raise ValueError(
+            f"{type(owner).__name__}.call reads the weight(s) {names} "
+            "outside any layer (e.g. `keras.ops.transpose(self.emb."
+            "embeddings)`): a DistributedModel traces `call` once into the "
+            "layers and operations it runs, so such a use would keep the "
+            "value the weight had at the trace and never train it. Use the "
+            "weight inside a layer's `call` (a custom layer holding the "
+            "layer whose weight it uses, like keras_hub's "
+            "ReversibleEmbedding for a tied output projection).")
+    return outputs
 
 
 _ABSENT = object()
+
+
+def _operation_key(op, arguments, layers):
+    """What identifies a traced call across traces: one of the model's
+    `layers` by identity; a layer made in `call` by its type; a
+    `keras.ops` operation by its type, settings and non-tensor
+    arguments (`h * (0.0 if training else 1.0)` differs)."""
+    if isinstance(op, keras.layers.Layer):
+        return op if id(op) in layers else type(op)
+
+    def plain(value):
+        return "<tensor>" if keras.backend.is_keras_tensor(value) else value
+
+    settings = {k: v for k, v in vars(op).items()
+                if not k.startswith("_") and k != "name"}
+    return (type(op), repr(settings),
+            repr(keras.tree.map_structure(plain, arguments.args)),
+            repr(keras.tree.map_structure(plain, arguments.kwargs)))
 
 
 def _mark_fixed_training(owner, inputs, outputs):
@@ -1317,41 +1368,43 @@ def _mark_fixed_training(owner, inputs, outputs):
     not override; raises if `call` depends on `training` otherwise.
 
     A DistributedModel runs the layers one trace of `call` made
-    (`outputs`, traced without `training`) and tells each the step's
-    `training` when it runs. So `call` is traced with `training=True` and
-    `False` too: the same layers must be called (a Python `if training:`
-    would be frozen; operations that are not layers, `keras.ops` calls,
-    are compared by type), each given either the traced `training` itself
-    or one constant in every trace (kept, as Keras keeps an explicit
-    argument).
+    (`outputs`) and tells each the step's `training` when it runs. So
+    `call` is traced again as Keras runs it with `training=True` and with
+    `False` (a call context holding it, and the argument when `call` names
+    one): the same layers and operations must be called (a Python `if
+    training:` would be frozen by one trace), each given the step's
+    `training` (True, then False: the step decides) or one constant in
+    both (kept, as Keras keeps an explicit argument).
     """
     nodes = StagedGraph.topological_nodes(inputs, outputs)
-    parameters = inspect.signature(owner.call).parameters
-    takes = "training" in parameters or any(
-        p.kind is p.VAR_KEYWORD for p in parameters.values())
-    traces = {None: nodes}
-    if takes:
+    named = "training" in inspect.signature(owner.call).parameters
+    traces = {}
+    layers = keras_private.flatten_layers(owner)
+    with keras_private.graph_nodes_kept(layers):
         for training in (True, False):
-            traces[training] = StagedGraph.topological_nodes(
-                inputs, _traced_call(owner, inputs, training=training))
+            with keras_private.training_context(training):
+                traces[training] = StagedGraph.topological_nodes(
+                    inputs, _traced_call(
+                        owner, inputs,
+                        **({"training": training} if named else {})))
+        ids = {id(layer) for layer in layers}
+        keys = {t: [_operation_key(n.operation, n.arguments, ids)
+                    for n in trace]
+                for t, trace in [(None, nodes), *traces.items()]}
     name = type(owner).__name__
 
-    def layers_called(trace):
-        return [n.operation if isinstance(n.operation, keras.layers.Layer)
-                else type(n.operation) for n in trace]
-
     def names(ops):
-        return ", ".join(sorted({getattr(op, "name", None) or op.__name__
+        return ", ".join(sorted({getattr(op, "name", None) or str(op)
                                  for op in ops})) or "none"
 
-    called = layers_called(nodes)
-    for training in (True, False) if takes else ():
-        other = layers_called(traces[training])
-        if other == called:
+    for training in (True, False):
+        if keys[training] == keys[None]:
             continue
+        other = [n.operation for n in traces[training]]
+        called = [n.operation for n in nodes]
         raise ValueError(
-            f"{name}.call calls other layers with training={training} than "
-            f"without `training` (only then: "
+            f"{name}.call calls other layers or operations with training="
+            f"{training} (only then: "
             f"{names([op for op in other if op not in called])}; not then: "
             f"{names([op for op in called if op not in other])}): it "
             "branches on `training` in Python. A DistributedModel runs the "
@@ -1364,23 +1417,24 @@ def _mark_fixed_training(owner, inputs, outputs):
             "by it).")
     for i, node in enumerate(nodes):
         given = [traces[t][i].arguments.kwargs.get("training", _ABSENT)
-                 for t in traces]
-        if given[1:] == [True, False] and given[0] in (None, _ABSENT):
-            continue  # it passes `training` on: the step decides
-        if all(g is given[0] for g in given):
-            if given[0] is True or given[0] is False:
-                mark_fixed_training(node)
-            if given[0] in (None, _ABSENT, True, False):
+                 for t in (True, False)]
+        if given == [_ABSENT, _ABSENT]:
+            continue  # a layer without `training`
+        if all(isinstance(g, (bool, np.bool_)) for g in given):
+            if bool(given[0]) and not bool(given[1]):
+                continue  # it gets the step's `training`
+            if bool(given[0]) == bool(given[1]):
+                mark_fixed_training(node, given[0])
                 continue
         raise ValueError(
             f"{name}.call gives layer '{node.operation.name}' training="
-            + ", ".join(f"{g!r}" for g in given if g is not _ABSENT)
-            + f" when `call` is traced with training={list(traces)}: a "
+            + " and ".join(repr(g) for g in given if g is not _ABSENT)
+            + " when it runs with training=True and False: a "
             "DistributedModel keeps a constant `training` (True or False) "
             "a call passes a layer, or lets the step's `training` decide "
-            "when the layer is given `call`'s own `training`; other values "
-            "(`not training`, computed flags) cannot be run layer by "
-            "layer. Pass `training` on unchanged, or a constant.")
+            "when the layer is given `call`'s own `training` (or none); "
+            "other values (`not training`, computed flags) cannot be run "
+            "layer by layer. Pass `training` on unchanged, or a constant.")
 
 
 def _check_own_weights(owner):

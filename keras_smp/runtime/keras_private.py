@@ -332,6 +332,38 @@ def call_context(entry, training=None):
         global_state.set_global_attribute("current_call_ctx", None)
 
 
+@contextlib.contextmanager
+def training_context(training):
+    """Layers called in the body get `training` from a fresh Keras call
+    context (as inside a model's `call` run with that `training`), unless
+    given one; the enclosing context is restored after."""
+    from keras.src.layers.layer import CallContext
+
+    before = global_state.get_global_attribute("current_call_ctx")
+    context = CallContext(entry_layer=None)
+    context.set_value("training", training)
+    global_state.set_global_attribute("current_call_ctx", context)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("current_call_ctx", before)
+
+
+@contextlib.contextmanager
+def graph_nodes_kept(layers):
+    """Symbolic calls of `layers` in the body leave no graph nodes on them
+    (their inbound and outbound node lists are cut back after): traces
+    made only to be compared."""
+    kept = [(layer, len(layer._inbound_nodes), len(layer._outbound_nodes))
+            for layer in layers]
+    try:
+        yield
+    finally:
+        for layer, inbound, outbound in kept:
+            del layer._inbound_nodes[inbound:]
+            del layer._outbound_nodes[outbound:]
+
+
 def clear_added_losses(layers):
     """Forgets the `add_loss()` losses of `layers` (their last call's);
     operations that are not layers (`keras.ops` nodes) have none."""
@@ -651,6 +683,13 @@ def producing_node(tensor):
     if history is None:
         return None
     return history.operation._inbound_nodes[history.node_index]
+
+
+def is_variable(value):
+    """Whether `value` is a Keras variable (a weight)."""
+    from keras.src.backend.common.variables import Variable
+
+    return isinstance(value, Variable)
 
 
 def own_variables(layer):

@@ -319,6 +319,26 @@ class _CallsInProgress(threading.local):
 _in_progress = _CallsInProgress()
 
 
+class _Reads(threading.local):
+    recording = None
+
+
+_reads = _Reads()
+
+
+@contextlib.contextmanager
+def variable_reads():
+    """Records the Keras variables read in the body outside Keras'
+    symbolic tracing (a model's `call` traced on symbolic inputs reads a
+    weight only when it uses its value eagerly: `keras.ops.transpose(
+    layer.kernel)` outside any layer): yields the list they go into."""
+    before, _reads.recording = _reads.recording, []
+    try:
+        yield _reads.recording
+    finally:
+        _reads.recording = before
+
+
 def _plain(value):
     """`value` as JSON keeps it (numbers, strings, lists of them)."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -1102,6 +1122,9 @@ def _patch_add_weight(keras):
 
     def wrap_value(value):
         def read(self):
+            if _reads.recording is not None and (
+                    not keras_private.in_stateless_scope()):
+                _reads.recording.append(self)
             initial = deferred.initial_value(self)
             if initial is None:
                 return value(self)

@@ -463,6 +463,28 @@ def subclassed_call_negating_training():
     model.fit(X, Y, batch_size=32, epochs=1, verbose=0)
 
 
+def subclassed_call_reading_a_weight():
+    # A tied output projection written with keras.ops on the embedding's
+    # weight: traced once, it would keep the weight's value at the trace.
+    class Tied(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.emb = keras.layers.Embedding(10, 8)
+            self.d = keras.layers.Dense(8)
+
+        def call(self, ids):
+            h = self.d(self.emb(ids))
+            return keras.ops.matmul(h, keras.ops.transpose(
+                self.emb.embeddings))
+
+    ids = np.random.RandomState(0).randint(0, 10, (32, 3))
+    with keras_smp.SMPStrategy(partitions=2, microbatches=2).scope():
+        model = keras_smp.DistributedModel(Tied())
+        model.compile(optimizer="sgd", loss=(
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True)))
+    model.fit(ids, ids, batch_size=32, epochs=1, verbose=0)
+
+
 def devices_not_divisible():
     keras_smp.SMPStrategy(partitions=3, local_devices=4)
 
