@@ -318,18 +318,14 @@ def call_context(entry, training=None):
     enclosing call context is kept as it is."""
     from keras.src.layers.layer import CallContext
 
-    before = global_state.get_global_attribute("current_call_ctx")
-    if before is not None:
+    if global_state.get_global_attribute("current_call_ctx") is not None:
         yield
         return
     context = CallContext(entry_layer=entry)
     if training is not None:
         context.set_value("training", training)
-    global_state.set_global_attribute("current_call_ctx", context)
-    try:
+    with _current_call_context(context):
         yield
-    finally:
-        global_state.set_global_attribute("current_call_ctx", None)
 
 
 @contextlib.contextmanager
@@ -339,9 +335,16 @@ def training_context(training):
     given one; the enclosing context is restored after."""
     from keras.src.layers.layer import CallContext
 
-    before = global_state.get_global_attribute("current_call_ctx")
     context = CallContext(entry_layer=None)
     context.set_value("training", training)
+    with _current_call_context(context):
+        yield
+
+
+@contextlib.contextmanager
+def _current_call_context(context):
+    """Keras' current call context is `context` for the body."""
+    before = global_state.get_global_attribute("current_call_ctx")
     global_state.set_global_attribute("current_call_ctx", context)
     try:
         yield
