@@ -385,28 +385,32 @@ class StagedGraph:
                 "keras_smp.partition(i) scope, or lower `partitions`.")
 
     def _check_weights_given_to_operations(self):
-        """Raises if an operation that is not a layer (`keras.ops.matmul(h,
-        emb.embeddings)`: a tied output projection) takes a weight of a
-        layer on another stage: that stage's backward would not give the
-        weight this use's gradient (its own layers' weights only)."""
+        """Raises if a graph node (a `keras.ops` call such as
+        `keras.ops.einsum("bd,vd->bv", h, emb.embeddings)`, a tied output
+        projection, or a layer given a weight as an argument) takes a
+        weight of a layer on another stage: its stage's backward would not
+        give the weight this use's gradient (its own layers' weights
+        only)."""
         weights = {}
         for node in self.nodes:
             for w in _operation_weights(node.operation):
                 weights.setdefault(id(w), set()).add(self.stage_of[id(node)])
         for node in self.nodes:
-            if hasattr(node.operation, "weights"):
-                continue  # a layer: its weights are its stage's
             stage = self.stage_of[id(node)]
             for value in tree.flatten((node.arguments.args,
                                        node.arguments.kwargs)):
-                if (keras_private.is_variable(value)
-                        and stage not in weights.get(id(value), ())):
+                holders = (weights.get(id(value), ())
+                           if keras_private.is_variable(value) else ())
+                # (a variable no layer holds, read for its value, is
+                # left as Keras leaves it)
+                if holders and stage not in holders:
                     raise ValueError(
-                        f"Operation '{self.names[id(node)]}' (stage "
-                        f"{stage}) takes the weight {value.path!r} directly, "
-                        "but no layer of its stage holds it (stages "
-                        f"{sorted(weights.get(id(value), ()))}): its "
-                        "gradient from this use would be lost. Use the "
+                        f"'{self.names[id(node)]}' (stage {stage}) takes "
+                        f"the weight {value.path!r} as an argument, but the "
+                        "layer holding it is on stage(s) "
+                        f"{sorted(holders)}: this use's gradient would be "
+                        "lost (and with one stage per process the weight "
+                        "is not held there). Use the "
                         "weight inside a layer on the same stage (a custom "
                         "layer that holds the layer whose weight it uses, "
                         "like keras_hub's ReversibleEmbedding for a tied "

@@ -186,9 +186,14 @@ class DistributedModel(keras.Model):
     def get_config(self):
         if getattr(self, "inner_model", None) is None:
             return super().get_config()
+        inner = keras.saving.serialize_keras_object(self.inner_model)
+        if keras_private.is_subclassed_model(self.inner_model):
+            # Loaded unbuilt: this model traces it (Keras would build it
+            # whole, with float inputs, in every process).
+            inner = {k: v for k, v in inner.items() if k != "build_config"}
         return {
             "name": self.name,
-            "model": keras.saving.serialize_keras_object(self.inner_model),
+            "model": inner,
             "partition_cost": self._smp_cost,
             "split_points": self._smp_split_points,
         }
@@ -1331,13 +1336,17 @@ def _traced_call(owner, inputs, **kwargs):
         names = ", ".join(sorted({repr(v.path) for v in reads}))
         raise ValueError(
             f"{type(owner).__name__}.call reads the weight(s) {names} "
-            "outside any layer (e.g. `keras.ops.transpose(self.emb."
-            "embeddings)`): a DistributedModel traces `call` once into the "
-            "layers and operations it runs, so such a use would keep the "
-            "value the weight had at the trace and never train it. Use the "
-            "weight inside a layer's `call` (a custom layer holding the "
+            "outside the layers' symbolic calls (`keras.ops.transpose(self."
+            "emb.embeddings)`, `keras.ops.shape(w)`, or a layer called on "
+            "values that are not the model's inputs, such as "
+            "`ops.arange(n)`): a DistributedModel traces `call` once into "
+            "the layers and operations it runs, so such a use would keep "
+            "the value the weight had at the trace and never train it. Use "
+            "the weight inside a layer's `call` (a custom layer holding the "
             "layer whose weight it uses, like keras_hub's "
-            "ReversibleEmbedding for a tied output projection).")
+            "ReversibleEmbedding for a tied output projection), compute "
+            "from the inputs (`ops.arange` of `ops.shape(x)`), and read "
+            "shapes as `w.shape`.")
     return outputs
 
 
@@ -1353,13 +1362,20 @@ def _operation_key(op, arguments, layers):
         return op if id(op) in layers else type(op)
 
     def plain(value):
-        return "<tensor>" if keras.backend.is_keras_tensor(value) else value
+        if keras.backend.is_keras_tensor(value):
+            return "<tensor>"
+        if keras_private.is_variable(value):
+            return f"<weight {value.path}>"
+        return value
+
+    def text(value):  # (functions made in `call` differ in address only)
+        return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(
+            keras.tree.map_structure(plain, value)))
 
     settings = {k: v for k, v in vars(op).items()
                 if not k.startswith("_") and k != "name"}
-    return (type(op), repr(settings),
-            repr(keras.tree.map_structure(plain, arguments.args)),
-            repr(keras.tree.map_structure(plain, arguments.kwargs)))
+    return (type(op), text(settings), text(arguments.args),
+            text(arguments.kwargs))
 
 
 def _mark_fixed_training(owner, inputs, outputs):

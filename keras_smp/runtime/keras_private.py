@@ -524,6 +524,19 @@ def wrap_variable_value(wrap):
     cls.value = property(getter, doc=cls.value.__doc__)
 
 
+def wrap_layer_build(wrap):
+    """Replaces `Layer._maybe_build` (what a layer's first call runs to
+    build it) by `wrap(original)`."""
+    from keras.src.layers.layer import Layer
+
+    original = Layer._maybe_build
+    if getattr(original, "_smp_wrapped", False):
+        return
+    wrapped = wrap(original)
+    wrapped._smp_wrapped = True
+    Layer._maybe_build = wrapped
+
+
 def autocast_value(variable, value):
     """`value` cast as reading `variable` would be (mixed precision)."""
     return variable._maybe_autocast(value)

@@ -1148,6 +1148,20 @@ def _patch_add_weight(keras):
 
     keras_private.wrap_variable_value(wrap_value)
 
+    def wrap_build(maybe_build):
+        def build(self, *args, **kwargs):
+            # A layer building itself may read its own weights (adapted
+            # preprocessing layers, seeded initializers): not a use.
+            saved, _reads.recording = _reads.recording, None
+            try:
+                return maybe_build(self, *args, **kwargs)
+            finally:
+                _reads.recording = saved
+
+        return build
+
+    keras_private.wrap_layer_build(wrap_build)
+
     def wrap_assign(direct_assign):
         def assign(self, value):
             if deferred.is_pending(self):

@@ -485,6 +485,19 @@ def subclassed_call_reading_a_weight():
     model.fit(ids, ids, batch_size=32, epochs=1, verbose=0)
 
 
+def operation_takes_a_weight_of_another_stage():
+    # A tied output projection written with keras.ops on the embedding's
+    # weight, in a functional model: the projection's stage would not give
+    # the embedding (stage 0) this use's gradient.
+    ids = keras.Input((3,), dtype="int32")
+    emb = keras.layers.Embedding(10, 8, name="emb")
+    h = keras.layers.Dense(8, name="d")(emb(ids))
+    logits = keras.ops.einsum("btd,vd->btv", h, emb.embeddings)
+    with keras_smp.SMPStrategy(partitions=2, microbatches=2).scope():
+        model = keras_smp.DistributedModel(keras.Model(ids, logits),
+                                           split_points=["d"])
+
+
 def devices_not_divisible():
     keras_smp.SMPStrategy(partitions=3, local_devices=4)
 
