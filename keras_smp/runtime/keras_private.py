@@ -524,17 +524,22 @@ def wrap_variable_value(wrap):
     cls.value = property(getter, doc=cls.value.__doc__)
 
 
+def _wrap_method(cls, name, wrap):
+    """Replaces `cls.<name>` by `wrap(original)`, once."""
+    original = getattr(cls, name)
+    if getattr(original, "_smp_wrapped", False):
+        return
+    wrapped = wrap(original)
+    wrapped._smp_wrapped = True
+    setattr(cls, name, wrapped)
+
+
 def wrap_layer_build(wrap):
     """Replaces `Layer._maybe_build` (what a layer's first call runs to
     build it) by `wrap(original)`."""
     from keras.src.layers.layer import Layer
 
-    original = Layer._maybe_build
-    if getattr(original, "_smp_wrapped", False):
-        return
-    wrapped = wrap(original)
-    wrapped._smp_wrapped = True
-    Layer._maybe_build = wrapped
+    _wrap_method(Layer, "_maybe_build", wrap)
 
 
 def autocast_value(variable, value):
@@ -555,12 +560,7 @@ def wrap_variable_direct_assign(wrap):
     backend: where `assign` writes the storage) by `wrap(original)`."""
     from keras.src.backend.tensorflow.core import Variable
 
-    original = Variable._direct_assign
-    if getattr(original, "_smp_wrapped", False):
-        return
-    wrapped = wrap(original)
-    wrapped._smp_wrapped = True
-    Variable._direct_assign = wrapped
+    _wrap_method(Variable, "_direct_assign", wrap)
 
 
 # --- used by keras_smp.pipeline.shards (sharded checkpoints) ---------------
