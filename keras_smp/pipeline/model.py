@@ -81,10 +81,9 @@ class DistributedModel(keras.Model):
     - `DistributedModel(model)`, wrapping a subclassed `keras.Model` (built
       or not): its `call` is traced into layers when the model is built
       (the first `fit` or `evaluate`, or `build(input_shape)`), then
-      partitioned
-      automatically. A `call` branching on `training` in Python is refused
-      (each layer is told the step's `training` when it runs, as in a
-      functional model).
+      partitioned automatically. Each layer gets the step's `training`
+      when it runs, or the constant `call` gives it (as in Keras); a
+      `call` branching on `training` in Python is refused.
 
     The number of stages (`partitions`), `microbatches` and `pipeline`
     schedule come from the `SMPStrategy` in whose scope the model is built
