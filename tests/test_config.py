@@ -415,10 +415,10 @@ def _python_examples(obj):
     SMPConfig, SMPConfig.build, SMPConfig.to_dict, SMPConfig.origin,
     config_module.agreement_record, config_module.disagreements,
     config_module.ranks_text, calls.call_record, calls.call_disagreements,
-    calls.ended_message],
+    calls.ended_message, calls.data_end_message],
     ids=["SMPConfig", "build", "to_dict", "origin", "agreement_record",
          "disagreements", "ranks_text", "call_record", "call_disagreements",
-         "ended_message"])
+         "ended_message", "data_end_message"])
 def test_docstring_examples_run(obj, monkeypatch):
     for var in ("SMP_CONFIG", "SM_HP_MP_PARAMETERS"):
         monkeypatch.delenv(var, raising=False)
@@ -426,6 +426,24 @@ def test_docstring_examples_run(obj, monkeypatch):
     assert examples
     for code in examples:
         exec(compile(code, f"<{obj.__qualname__} example>", "exec"), {})
+
+
+def test_data_end_agreement_names_the_ranks_whose_data_ended():
+    # TensorFlow's failed assertion (runtime.data_end) prints each vector
+    # as "[1 0 1 0]"; the step function re-raises it as this message.
+    text = ("assertion failed: [" + calls.DATA_END_MARKER + " (batches per "
+            "rank, then replicas per rank):] [1 0 1 0] [1 1 1 1]")
+    counts, expected = calls.parse_data_end(text)
+    assert (counts, expected) == ([1, 0, 1, 0], [1, 1, 1, 1])
+    message = calls.data_end_message(counts, expected)
+    assert message.startswith("keras-smp: the data ended on ranks 1, 3 "
+                              "while ranks 0, 2 still had a batch")
+    assert "steps_per_epoch" in message
+    # A process of 2 local replicas with one batch left counts as ended.
+    assert calls.data_end_message([1, 2], [2, 2]).startswith(
+        "keras-smp: the data ended on rank 0 while rank 1 still had")
+    assert calls.parse_data_end("assertion failed: [x] [1 0] [1 1]") is None
+    assert calls.parse_data_end(calls.DATA_END_MARKER + " [1 0] [1]") is None
 
 
 def test_virtual_stages_follow_the_schedule():

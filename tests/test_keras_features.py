@@ -8,7 +8,10 @@ one device (tests/workers/keras_features.py):
   dropping it. Before keras-smp built from the dataset's spec instead
   (`runtime.patches`), a generator lost 3 of 8 batches (5 optimizer steps
   instead of 9) and a reshuffling source started its first epoch on its
-  second order (weights off by 0.09).
+  second order (weights off by 0.09). With one stage per process, each
+  process seeded differently: the first stage's rank's order trains (the
+  last stage used its own targets, paired with other rows' inputs: the
+  loss barely fell).
 - `gradient_accumulation_steps` and `use_ema` with
   `ema_overwrite_frequency`: Keras updates inside `tf.cond`, where a
   `merge_call` fails; keras-smp sums the gradients first and updates each
@@ -62,7 +65,8 @@ CASES = ("arrays", "tf.data", "generator", "PyDataset",
          "early_stopping_restore_best_weights", "swap_ema_weights",
          "swap_ema_weights_loss_scale",
          "model_checkpoint_best_keras", "validation_freq",
-         "added_loss_only", "partial_loss_weight_decay", "partial_last_batch")
+         "added_loss_only", "partial_loss_weight_decay", "partial_last_batch",
+         "arrays_seeded_per_rank", "PyDataset_seeded_per_rank")
 
 
 # In one process, the cases split over 2 processes: all of them took 206 s

@@ -49,7 +49,7 @@ LAYERS = {
         "keras_smp.runtime.keras_private", "keras_smp.runtime.deferred",
         "keras_smp.runtime.xla", "keras_smp.runtime.tracing",
         "keras_smp.runtime.shutdown", "keras_smp.runtime.agreement",
-        "keras_smp.runtime.loss_shares",
+        "keras_smp.runtime.loss_shares", "keras_smp.runtime.data_end",
     ],
     2: [
         "keras_smp.distribute", "keras_smp.distribute.allreduce",

@@ -94,6 +94,11 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     m = model.num_microbatches
+    links = model._smp_links() if model._smp_multi_process() else None
+    from_first = []
+    if links is not None:
+        x, y, sample_weight, from_first = _from_first_rank(
+            model, links, x, y, sample_weight)
     flat_x = model._smp_flat_inputs(x)
     replicas = model.distribute_strategy.num_replicas_in_sync
     compiled = keras_private.compiled_loss(model) is not None
@@ -166,7 +171,6 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     graph = model.staged_graph
     p = graph.num_stages  # model stages (p x v with virtual stages)
     schedule = model.schedule
-    links = model._smp_links() if model._smp_multi_process() else None
     ranks = [links.rank] if links else list(range(schedule.num_stages))
     held = list(links.held) if links else list(range(p))
     devices = ([None] * p) if links else model._smp_devices()
@@ -249,6 +253,13 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     result = execute({r: lists(r) for r in ranks}, stages,
                      transport, p, xs, loss_fn, forward_only=not training,
                      times=times)
+    if from_first:
+        # Whatever the step returns waits for `done`: the batch shared by
+        # the first rank is then never pruned, even where nothing uses it
+        # (a middle stage without metrics), which would leave the
+        # broadcast waiting for this rank.
+        result = dataclasses.replace(
+            result, done=tf.group(result.done, *from_first))
     if result.split_fallbacks:
         warnings.warn(
             f"pipeline={schedule.name!r}: stage(s) "
@@ -322,6 +333,42 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         total = _after([result.done], total)
     run.added = total
     return run
+
+
+def _from_first_rank(model, links, x, y, sample_weight):
+    """One stage per process: `(x, y, sample_weight, shared)`, the targets
+    and sample weights of the replica's first stage's rank on every rank
+    (with the inputs too, where the last stage computes the outputs' Keras
+    masks from them), and the shared tensors.
+
+    Every rank of a replica reads the data, but the first stage's inputs
+    are that rank's: another rank's batch may hold other rows (its own
+    shuffle order, a `PyDataset` or generator of its own), whose targets
+    would silently train the first rank's inputs' outputs. Strings and
+    composite tensors (sparse, ragged) stay each rank's own.
+    """
+    if links.num_ranks == 1:
+        return x, y, sample_weight, []
+    graph = model.staged_graph
+    parts = [y, sample_weight]
+    if any(graph.output_masks()):
+        parts.append(x)
+    flat = [tf.nest.flatten(part) for part in parts]
+    sent = [t for leaves in flat for t in leaves if _sharable(t)]
+    shared = links.share_from_first(sent, model.num_microbatches)
+    got = iter(shared)
+    parts = [tf.nest.pack_sequence_as(part, [
+                 next(got) if _sharable(t) else t for t in leaves])
+             for part, leaves in zip(parts, flat)]
+    if len(parts) == 3:
+        x = parts[2]
+    return x, parts[0], parts[1], shared
+
+
+def _sharable(t):
+    """Whether a batch's tensor `t` can be broadcast by a collective."""
+    return (isinstance(t, tf.Tensor) and t.dtype != tf.string
+            and t.shape.rank is not None and t.shape.rank >= 1)
 
 
 def _reaching_no_loss(model, graph, has_loss):

@@ -225,6 +225,10 @@ class StageLinks:
     SHARE_SPLIT_OUTPUTS = 60_500  # + output index: vocabulary-split logits
     SHARE_LOSS = 61_000
     SHARE_TRACKED = 61_001  # + loss-tracker variable index
+    # Positions of the batch's tensors the first rank shares (targets,
+    # sample weights, inputs for output masks): + the batch's rows modulo
+    # the microbatches x 100 + the tensor's index (`share_from_first`).
+    SHARE_DATA = 62_000
 
     def __init__(self, num_ranks, rank, replica, keys, timeout_seconds=0,
                  placement=None):
@@ -365,6 +369,51 @@ class StageLinks:
         """
         return self.reduce(tf.zeros([1]), self.keys.world(), world_size,
                            instance_key)
+
+    def share_from_first(self, tensors, microbatches):
+        """Broadcasts the first stage's rank's batch `tensors` (targets,
+        sample weights) to every rank of the replica.
+
+        Each rank of a replica reads the data itself, but only the first
+        stage's rank's batch is used: another rank's data may come in
+        another order (a shuffle or a `PyDataset` seeded differently, a
+        generator of its own), and its targets would then train the first
+        stage's inputs' outputs. On the first stage's rank returns
+        `tensors` (after sending); elsewhere receives tensors of its own
+        tensors' shapes and dtypes (every rank reads batches of the same
+        shapes: `fit` checks that before its first step).
+
+        Args:
+            tensors: dense tensors whose first dimension is the batch's
+                rows (every one the same rows).
+            microbatches: the step's microbatches `m` (keys tell batches of
+                different rows apart by their first microbatch's rows and
+                the rows modulo `m`).
+        """
+        p = self.num_ranks
+        if p == 1 or not tensors:
+            return list(tensors)
+        if len(tensors) > 100 or microbatches > 299:
+            raise ValueError(
+                f"Too many target and sample-weight tensors ({len(tensors)})"
+                f" or microbatches ({microbatches}) for one step: at most "
+                "100 tensors and 299 microbatches. Use fewer.")
+        rows = tf.shape(tensors[0], out_type=tf.int32)[0]
+        first = self.checked_rows((rows + microbatches - 1) // microbatches)
+        position = self.SHARE_DATA + (rows % microbatches) * 100
+        keys = [self.batched_key(position + i, first)
+                for i in range(len(tensors))]
+        group = self.keys.replica(self.replica)
+        if self.rank == self.rank_of(0):
+            sends = [self.send(t, group, p, k) for t, k in zip(tensors, keys)]
+            with tf.control_dependencies(sends):
+                return [tf.identity(t) for t in tensors]
+        received = []
+        for t, k in zip(tensors, keys):
+            r = self.recv(tf.shape(t), t.dtype, group, p, k)
+            r.set_shape(t.shape)
+            received.append(r)
+        return received
 
     def share_from_last(self, tensors, specs, instance_keys):
         """Broadcasts the last stage's `tensors` to every rank of the replica.

@@ -20,6 +20,7 @@ difference, or, when another rank's script already ended, with
 """
 
 import json
+import re
 from collections.abc import Mapping
 
 from keras_smp.config import ranks_text
@@ -201,3 +202,66 @@ def ended_message(rank: int, record: Mapping, index: int, other: int) -> str:
         f"{made} such call{'' if made == 1 else 's'}: every step needs "
         "every rank, so this one would wait until collective_timeout_seconds."
         "\n" + _FIX)
+
+
+#: What the step's agreement on the end of the data (`runtime.data_end`)
+#: puts first in its failed assertion, before the batches per rank.
+DATA_END_MARKER = "keras-smp: data ended at different steps"
+
+
+def data_end_message(counts, expected) -> str:
+    """The message when, with model parallelism across processes, some
+    processes' data of unknown length has a next batch and others' not.
+
+    Args:
+        counts: per rank, its replicas holding a next batch.
+        expected: per rank, its replicas (a batch each when its data has
+            not ended).
+
+    Example:
+
+    ```python
+    from keras_smp.runtime.calls import data_end_message
+
+    message = data_end_message([1, 0], [1, 1])
+    assert message.startswith(
+        "keras-smp: the data ended on rank 1 while rank 0 still had a batch")
+    ```
+    """
+    ended = [r for r, (c, e) in enumerate(zip(counts, expected)) if c < e]
+    going = [r for r, c in enumerate(counts) if c > 0 and r not in ended]
+    return (
+        f"keras-smp: the data ended on {ranks_text(ended)} while "
+        f"{ranks_text(going)} still had a batch, at the same step. With "
+        "model parallelism across processes (pipeline stages, tensor-"
+        "parallel ranks) every process of the job takes each step "
+        "together, so every process's data must end at the same step. Its "
+        "length is unknown here (a generator without `__len__`, a dataset "
+        "of unknown cardinality such as one made with `filter()`), so this "
+        "could not be checked before the first step. Give the processes of "
+        "a pipeline the same data and every replica as many batches (or "
+        "`.repeat()` the data and set `steps_per_epoch`; "
+        "`dataset.apply(tf.data.experimental.assert_cardinality(n))` "
+        "states a known length).")
+
+
+def parse_data_end(text: str):
+    """`(counts, expected)` from the failed agreement's message `text`
+    (TensorFlow prints each as `[1 0]`), or `None` when `text` is not one.
+
+    >>> parse_data_end(DATA_END_MARKER + "] [1 0] [1 1]")
+    ([1, 0], [1, 1])
+    >>> parse_data_end("something else") is None
+    True
+    """
+    at = text.find(DATA_END_MARKER)
+    if at < 0:
+        return None
+    vectors = re.findall(r"\[([\d\s]+)\]", text[at:])
+    if len(vectors) < 2:
+        return None
+    counts, expected = ([int(v) for v in part.split()]
+                        for part in vectors[:2])
+    if len(counts) != len(expected):
+        return None
+    return counts, expected

@@ -9,11 +9,13 @@ coordination service heartbeat) from deep inside TensorFlow. `guard(fn,
 runtime)` wraps a Keras step function so those become one `RuntimeError`
 that names this worker, the worker that was lost (when TensorFlow's message
 tells: a task name or an address of the cluster), the timeout, and what to
-do. `startup_error` does the same for workers that never joined.
+do; and the ranks' data ending at different steps (`runtime.data_end`) a
+`ValueError` naming them. `startup_error` does the same for workers that never joined.
 """
 
 import re
 
+from keras_smp.runtime import calls
 from keras_smp.runtime import shutdown
 
 LOST = shutdown.lost_errors()
@@ -143,6 +145,14 @@ def guard(fn, runtime):
             raise RuntimeError(describe(
                 e, runtime.topology, runtime.cluster,
                 runtime.config.collective_timeout_seconds)) from e
+        except Exception as e:
+            # The ranks' data of unknown length ended at different steps
+            # (`runtime.data_end`): TensorFlow's failed assertion, as the
+            # message naming those ranks.
+            ended = calls.parse_data_end(str(e))
+            if ended is None:
+                raise
+            raise ValueError(calls.data_end_message(*ended)) from None
 
     guarded._smp_lost_peer_guard = True
     guarded.__wrapped__ = fn

@@ -10,6 +10,8 @@ Checked against TensorFlow 2.21.
 """
 
 # pylint: disable=unused-import
+import threading
+
 from tensorflow.core.protobuf import rewriter_config_pb2  # noqa: F401
 from tensorflow.core.protobuf import tensorflow_server_pb2  # noqa: F401
 from tensorflow.python.distribute import collective_all_reduce_strategy  # noqa: F401
@@ -17,10 +19,14 @@ from tensorflow.python.distribute import cross_device_ops  # noqa: F401
 from tensorflow.python.distribute import cross_device_utils  # noqa: F401
 from tensorflow.python.distribute import device_util  # noqa: F401
 from tensorflow.python.distribute import distribute_lib  # noqa: F401
+from tensorflow.python.distribute import input_lib  # noqa: F401
 from tensorflow.python.distribute import multi_worker_util  # noqa: F401
 from tensorflow.python.distribute import reduce_util  # noqa: F401
 from tensorflow.python.distribute import values as distribute_values  # noqa: F401
 from tensorflow.python.eager import context  # noqa: F401
+from tensorflow.python.framework import dtypes  # noqa: F401
+from tensorflow.python.framework import ops  # noqa: F401
+from tensorflow.python.ops import math_ops  # noqa: F401
 from tensorflow.python.ops import collective_ops  # noqa: F401
 from tensorflow.python.util import nest  # noqa: F401
 
@@ -133,3 +139,67 @@ def first_replica_spec(spec):
     if isinstance(spec, distribute_values.PerReplicaSpec) and value_specs:
         return value_specs[0]
     return spec
+
+
+# --- used by keras_smp.runtime.data_end ------------------------------------
+
+UNKNOWN_CARDINALITY = -2  # tf.data.UNKNOWN_CARDINALITY
+_iterating = threading.local()
+
+
+def route_replicas_with_values(hook):
+    """Routes the count by which a distributed iterator decides whether a
+    next batch exists through `hook` (idempotent).
+
+    TensorFlow's `get_next` and `get_next_as_optional` of a distributed
+    iterator (`input_lib.DistributedIteratorBase`) take each local
+    replica's next element as an optional and count the replicas holding
+    one (`input_lib._calculate_replicas_with_values`, summed over the
+    workers by the strategy's reduce): none, and the data has ended; some,
+    and the others get empty batches. `hook(strategy, cardinality, count,
+    replicas, device)` is called instead with the iterator's dataset's
+    `cardinality`, this process's `count` (an int64 scalar tensor) of its
+    `replicas` (a Python int) holding a batch, and its input `device`; it
+    returns the job's count or `None` for TensorFlow's.
+    """
+    original = input_lib._calculate_replicas_with_values
+    if getattr(original, "_smp_routed", False):
+        return
+
+    def calculate(strategy, input_workers, optional_list):
+        stack = getattr(_iterating, "cardinalities", None)
+        if stack:
+            counts = []
+            for worker, optionals in zip(input_workers.worker_devices,
+                                         optional_list):
+                with ops.device(worker):
+                    counts.append(math_ops.add_n([
+                        math_ops.cast(v.has_value(), dtypes.int64)
+                        for v in optionals]))
+            got = hook(strategy, stack[-1], math_ops.add_n(counts),
+                       sum(len(o) for o in optional_list),
+                       input_workers.worker_devices[0])
+            if got is not None:
+                return got
+        return original(strategy, input_workers, optional_list)
+
+    calculate._smp_routed = True
+    input_lib._calculate_replicas_with_values = calculate
+    base = input_lib.DistributedIteratorBase
+    for name in ("get_next", "get_next_as_optional"):
+        setattr(base, name, _with_cardinality(getattr(base, name)))
+
+
+def _with_cardinality(method):
+    import functools
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        stack = _iterating.__dict__.setdefault("cardinalities", [])
+        stack.append(getattr(self, "_cardinality", None))
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            stack.pop()
+
+    return run

@@ -9,12 +9,17 @@ its call raised, the message, and the seconds the call took:
 2. "call": rank 0 evaluates where rank 1 predicts;
 3. "validation": the same training data, validation data of 32 rows on
    rank 0 and 16 on rank 1 (the check comes at the first validation);
-4. "agree": the same fit (with validation, and a callback predicting at
+4. "unknown_length": fit on data of unknown length (a filtered dataset),
+   4 batches on rank 0 and 3 on rank 1: with one stage per process every
+   rank fails at rank 1's end, at once, naming it (before, rank 1 went on
+   to its next call while rank 0 waited); data parallel, TensorFlow gives
+   rank 1 an empty batch and both train 4 steps;
+5. "agree": the same fit (with validation, and a callback predicting at
    the start of each epoch: calls within the fit, before its validation),
    evaluate and predict on both ranks: they run, and give the same results
    (the refused calls before left nothing behind); rank 0 then says which
    calls' keys the coordination service still holds;
-5. "ended": rank 1's script ends; rank 0 evaluates once more, as
+6. "ended": rank 1's script ends; rank 0 evaluates once more, as
    `if rank == 0: model.evaluate(...)` would.
 
 With `collective_timeout_seconds=120`, every refusal must come well
@@ -73,6 +78,20 @@ scenario("validation", lambda: model.fit(
     validation_data=(x[:v], y[:v])).history["loss"])
 
 
+
+def unknown_length():
+    import tensorflow as tf
+
+    batches = 4 if rank == 0 else 3
+    data = tf.data.Dataset.from_tensor_slices(
+        (x[:16 * batches], y[:16 * batches])).batch(16).filter(
+        lambda *_: True)
+    return model.fit(data, epochs=1, verbose=0).history["loss"]
+
+
+scenario("unknown_length", unknown_length)
+
+
 class Predicts(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         model.predict(x[:16], batch_size=16, verbose=0)
@@ -92,14 +111,14 @@ scenario("agree", agree)
 
 
 def keys():
-    # Calls 0-2 were refused, 3 is the fit (4, 5 its callback's predicts),
-    # 6 the evaluate, 7 the predict: rank 0 deleted each call's keys once
-    # every rank had started the next.
+    # Calls 0-2 were refused, 3 failed at its end (pp), 4 is the fit (5, 6
+    # its callback's predicts), 7 the evaluate, 8 the predict: rank 0
+    # deleted each call's keys once every rank had started the next.
     from tensorflow.python.eager import context
 
     held = []
-    for key in [f"keras_smp/calls/{c}/0" for c in range(8)] + [
-            "keras_smp/calls/3/validation/0"]:
+    for key in [f"keras_smp/calls/{c}/0" for c in range(9)] + [
+            "keras_smp/calls/4/validation/0"]:
         try:
             # (a key held is found at once; 1 ms was too short for the
             # service's answer on a loaded machine: a held key then read

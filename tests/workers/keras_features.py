@@ -3,7 +3,8 @@ plain Keras on one device (same seeds):
 
 - the input sources users feed `fit` with: NumPy arrays with
   `shuffle=True`, a tf.data dataset that reshuffles each epoch, a Python
-  generator (one pass), a `PyDataset` (`shuffle=True`);
+  generator (one pass), a `PyDataset` (`shuffle=True`); shuffled arrays
+  and `PyDataset` with each stage process seeded differently (`mp`);
 - optimizer options whose updates Keras makes inside `tf.cond`:
   `gradient_accumulation_steps` (with and without `clipnorm` and
   `weight_decay`), `use_ema` with `ema_overwrite_frequency`;
@@ -160,6 +161,25 @@ SOURCES = {
     "generator": lambda m: m.fit(generator(), epochs=1, verbose=0),
     "PyDataset": lambda m: m.fit(Batches(), epochs=2, verbose=0),
 }
+
+
+def seeded_per_rank(fit):
+    """`fit` after seeding Keras' shuffle: with one stage per process each
+    process differently (rank R: seed 1 + R; each reads its own order), the
+    plain model and the other modes with seed 1. The first stage's rank's
+    order is the one trained: the others' targets used to train its
+    inputs' outputs (the loss barely fell)."""
+    def run(model):
+        distributed = isinstance(model.distribute_strategy,
+                                 keras_smp.SMPStrategy)
+        keras.utils.set_random_seed(
+            1 + (RANK if distributed and MODE == "mp" else 0))
+        return fit(model)
+    return run
+
+
+SOURCES["arrays_seeded_per_rank"] = seeded_per_rank(SOURCES["arrays"])
+SOURCES["PyDataset_seeded_per_rank"] = seeded_per_rank(SOURCES["PyDataset"])
 
 OPTIMIZERS = {
     "gradient_accumulation": lambda: keras.optimizers.SGD(

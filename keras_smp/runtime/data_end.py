@@ -1,0 +1,92 @@
+"""Every process ends the data together, with model parallelism.
+
+With pipeline stages or tensor-parallel ranks in different processes, every
+process of the job takes each step together: a rank whose data ends early
+leaves the step (and starts the next epoch, or ends its `fit`) while its
+peers wait in a transfer for it. Before this module such a rank silently
+took the next epoch's first step in place of the peers' current one (the
+stages paired batches of different steps), then the job waited until
+`collective_timeout_seconds` and failed naming no cause.
+
+For data whose length is known, `fit`, `evaluate` and `predict` check
+before their first step that every rank runs as many steps
+(`runtime.calls`). For data of unknown length (a generator without
+`__len__`, a dataset of unknown cardinality) this module makes the ranks
+agree at every step on whether there is a next batch: TensorFlow's
+distributed iterator already counts the replicas holding one
+(`tf_private.route_replicas_with_values`); here every process of the job
+sums a vector of each rank's count (one small all-reduce per step, only for
+such data). All ranks with a batch: the step runs. None: the data has ended
+everywhere, at the same step. Some: every rank fails at once with the
+same `ValueError` naming the ranks whose data ended
+(`calls.data_end_message`), instead of a hang.
+
+Data-parallel processes alone keep TensorFlow's behaviour: a replica whose
+data ended gets empty batches until every replica's has.
+"""
+
+import itertools
+import threading
+
+from keras_smp.runtime import calls
+
+_lock = threading.Lock()
+_installed = []
+
+
+def install():
+    """Routes distributed iterators' end-of-data count here (idempotent)."""
+    with _lock:
+        if _installed:
+            return
+        from keras_smp.runtime import tf_private
+
+        tf_private.route_replicas_with_values(_agree)
+        _installed.append(True)
+
+
+def group_of(extended):
+    """`(group key, instance keys)` of `extended`'s (an `SMPStrategy`'s)
+    agreement, or `None` when it needs none (one process, or processes
+    that each hold a whole model replica)."""
+    return getattr(extended, "_smp_data_end", None)
+
+
+def allocate(extended, runtime):
+    """Gives a strategy's extended its agreement's collective group (every
+    process of the job), where model parallelism spans processes. Called
+    at the same point on every rank (the strategy's construction)."""
+    topology = runtime.topology
+    if topology.world_size > 1 and topology.mp_size > 1:
+        key = runtime.keys.allocate("end-of-data agreement", 1).key(0)
+        extended._smp_data_end = (key, itertools.count(1))
+
+
+def _agree(strategy, cardinality, count, replicas, device):
+    import tensorflow as tf
+
+    from keras_smp.runtime import tf_private
+
+    found = group_of(getattr(strategy, "extended", None))
+    if found is None or cardinality != tf_private.UNKNOWN_CARDINALITY:
+        return None
+    key, instances = found
+    runtime = strategy.runtime
+    world, rank = runtime.topology.world_size, runtime.topology.rank
+    with tf.device(device):
+        mine = tf.one_hot(rank, world, dtype=tf.int64)
+        both = tf.raw_ops.CollectiveReduceV2(
+            input=tf.concat([mine * count, mine * replicas], 0),
+            group_size=world, group_key=key, instance_key=next(instances),
+            ordering_token=[], merge_op="Add", final_op="Id",
+            communication_hint="auto",
+            timeout_seconds=float(runtime.config.collective_timeout_seconds))
+        counts, expected = both[:world], both[world:]
+        agree = tf.logical_or(tf.reduce_all(tf.equal(counts, expected)),
+                              tf.reduce_all(tf.equal(counts, 0)))
+        check = tf.debugging.Assert(
+            agree, [calls.DATA_END_MARKER + " (batches per rank, then "
+                    "replicas per rank):", counts, expected],
+            summarize=world)
+        with tf.control_dependencies([check]):
+            return tf.reduce_sum(counts)
