@@ -344,9 +344,16 @@ def _from_first_rank(model, links, x, y, sample_weight):
     Every rank of a replica reads the data, but the first stage's inputs
     are that rank's: another rank's batch may hold other rows (its own
     shuffle order, a `PyDataset` or generator of its own), whose targets
-    would silently train the first rank's inputs' outputs. Strings and
-    composite tensors (sparse, ragged) stay each rank's own.
+    would silently train the first rank's inputs' outputs. With tensor
+    parallelism the first stage's ranks take their group's rank 0's batch
+    (`TensorGroup.from_first`) first. Strings and composite tensors
+    (sparse, ragged) stay each rank's own.
     """
+    group = current_group_of(model)
+    if group is not None and links.rank == links.rank_of(0):
+        # Tensor-parallel ranks of the first stage: their group's rank
+        # 0's batch (each pipeline's later stages get it from its first).
+        x, y, sample_weight = group.from_first((x, y, sample_weight))
     if links.num_ranks == 1:
         return x, y, sample_weight, []
     graph = model.staged_graph

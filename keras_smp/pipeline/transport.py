@@ -439,8 +439,10 @@ class StageLinks:
 # TensorFlow's collective kernels have no bfloat16 (mixed_bfloat16 models'
 # activations and outputs): such tensors travel as float32, which holds
 # every bfloat16 value exactly.
-# Keras masks (bool) travel as int32: NCCL has no bool type.
-_WIRE = {tf.bfloat16: tf.float32, tf.bool: tf.int32}
+# Keras masks (bool) travel as int32: NCCL has no bool type; so do the
+# narrow integers a batch may hold (uint8 images, int16 ids).
+_WIRE = {tf.bfloat16: tf.float32, tf.bool: tf.int32, tf.uint8: tf.int32,
+         tf.int8: tf.int32, tf.uint16: tf.int32, tf.int16: tf.int32}
 
 
 def _to_wire(tensor):

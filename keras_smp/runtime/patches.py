@@ -260,17 +260,26 @@ _in_keras_step = _KerasStep()
 
 
 def _patch_keras_steps(trainer):
-    for name in ("train_step", "test_step"):
+    for name in ("train_step", "test_step", "predict_step"):
         original = getattr(trainer, name)
         if getattr(original, "_smp_patched", False):
             continue
 
         @functools.wraps(original)
-        def step(self, *args, _original=original, **kwargs):
+        def step(self, data, *args, _original=original, _name=name,
+                 **kwargs):
+            # Tensor-parallel ranks in several processes compute on their
+            # group's rank 0's batch (`TensorGroup.from_first`).
+            group = getattr(getattr(self, "_distribute_strategy", None),
+                            "tensor_group", None)
+            if group is not None:
+                data = group.from_first(data)
+            if _name == "predict_step":
+                return _original(self, data, *args, **kwargs)
             before = _in_keras_step.active
             _in_keras_step.active = True
             try:
-                return _original(self, *args, **kwargs)
+                return _original(self, data, *args, **kwargs)
             finally:
                 _in_keras_step.active = before
 

@@ -228,6 +228,34 @@ class TensorGroup:
         """Sum of `x` over the group (no gradient)."""
         return self._reduce(x, "Add")
 
+    def from_first(self, batch):
+        """Rank 0's `batch` (a nested structure of tensors) on every
+        member of a group of processes (no gradient).
+
+        Every rank of a group computes on the same batch, but each process
+        reads its own: another order (Keras' default `shuffle=True` with
+        each process's own random state, a `PyDataset`, a generator)
+        would silently give each rank other rows. Rank 0's is summed with
+        the others' zeros (exact). Strings, composite tensors and
+        scalars stay each rank's own; a local group's ranks are given one
+        batch already (`SMPStrategy` repeats it per replica).
+        """
+        if self.size == 1 or self.local:
+            return batch
+
+        def first(t):
+            if not (isinstance(t, tf.Tensor) and t.dtype != tf.string
+                    and t.shape.rank):
+                return t
+            mine = t if self.rank == 0 else tf.zeros_like(t)
+            wire = (tf.int64 if t.dtype in (tf.uint32, tf.uint64)
+                    else tf.int32 if t.dtype.is_bool or (
+                        t.dtype.is_integer and t.dtype.size < 4)
+                    else t.dtype)
+            return tf.cast(self.sum(tf.cast(mine, wire)), t.dtype)
+
+        return tf.nest.map_structure(first, batch)
+
     def maximum(self, x):
         """Element-wise maximum of `x` over the group (no gradient)."""
         return self._reduce(x, "Max")
