@@ -237,7 +237,6 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
                 f"{grad_keys.name}, model-parallel rank {block}")
         collective_keys = self._collective_keys
         data_end.allocate(self, runtime)
-        data_end.install()
         self._smp_init_group = None
         if multi:
             # Initial values are broadcast within each stage's processes

@@ -336,10 +336,10 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
 
 
 def _from_first_rank(model, links, x, y, sample_weight):
-    """One stage per process: `(x, y, sample_weight, shared)`, the targets
+    """One stage per process: `(x, y, sample_weight, done)`, the targets
     and sample weights of the replica's first stage's rank on every rank
     (with the inputs too, where the last stage computes the outputs' Keras
-    masks from them), and the shared tensors.
+    masks from them), and the transfers' ops the step must wait for.
 
     Every rank of a replica reads the data, but the first stage's inputs
     are that rank's: another rank's batch may hold other rows (its own
@@ -356,20 +356,18 @@ def _from_first_rank(model, links, x, y, sample_weight):
         x, y, sample_weight = group.from_first((x, y, sample_weight))
     if links.num_ranks == 1:
         return x, y, sample_weight, []
-    graph = model.staged_graph
-    parts = [y, sample_weight]
-    if any(graph.output_masks()):
-        parts.append(x)
-    flat = [tf.nest.flatten(part) for part in parts]
-    sent = [t for leaves in flat for t in leaves if _sharable(t)]
-    shared = links.share_from_first(sent, model.num_microbatches)
-    got = iter(shared)
-    parts = [tf.nest.pack_sequence_as(part, [
-                 next(got) if _sharable(t) else t for t in leaves])
-             for part, leaves in zip(parts, flat)]
-    if len(parts) == 3:
-        x = parts[2]
-    return x, parts[0], parts[1], shared
+    parts = {"y": y, "sample_weight": sample_weight}
+    if any(model.staged_graph.output_masks()):
+        parts["x"] = x
+    flat = {role: tf.nest.flatten(part) for role, part in parts.items()}
+    sent = {role: [t for t in leaves if _sharable(t)]
+            for role, leaves in flat.items()}
+    got, done = links.share_from_first(sent, model.num_microbatches)
+    for role, leaves in flat.items():
+        received = iter(got[role])
+        parts[role] = tf.nest.pack_sequence_as(parts[role], [
+            next(received) if _sharable(t) else t for t in leaves])
+    return parts.get("x", x), parts["y"], parts["sample_weight"], done
 
 
 def _sharable(t):

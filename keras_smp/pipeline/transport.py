@@ -168,6 +168,8 @@ class PipelineKeys:
         self._tied = allocator.allocate(
             "pipeline/tied", r * max(1, len(self.tied_sets)))
         self._world = allocator.allocate("pipeline/world", 1)
+        #: `StageLinks._data_slot`'s positions, kept as long as the keys.
+        self.data_slots = {}
 
     def pair(self, replica, boundary):
         """Model stages `boundary` and `boundary + 1` of `replica`."""
@@ -378,42 +380,72 @@ class StageLinks:
         stage's rank's batch is used: another rank's data may come in
         another order (a shuffle or a `PyDataset` seeded differently, a
         generator of its own), and its targets would then train the first
-        stage's inputs' outputs. On the first stage's rank returns
-        `tensors` (after sending); elsewhere receives tensors of its own
-        tensors' shapes and dtypes (every rank reads batches of the same
-        shapes: `fit` checks that before its first step).
+        stage's inputs' outputs. Every rank reads batches of the same
+        shapes and dtypes (`fit` checks that before its first step).
 
         Args:
-            tensors: dense tensors whose first dimension is the batch's
-                rows (every one the same rows).
+            tensors: `{role: [dense tensor]}` (e.g. "y", "sample_weight",
+                "x"), every tensor's first dimension the batch's rows
+                (the same rows for all).
             microbatches: the step's microbatches `m` (keys tell batches of
                 different rows apart by their first microbatch's rows and
                 the rows modulo `m`).
+
+        Returns:
+            `(tensors, done)`: `tensors` as given on the first stage's
+            rank (its sends are not waited for) and received elsewhere
+            (each of the receiver's own shape and dtype), in the same
+            structure; `done`, the ops the step must wait for (the sends,
+            or the receives), so that none is pruned.
         """
         p = self.num_ranks
-        if p == 1 or not tensors:
-            return list(tensors)
-        if len(tensors) > 100 or microbatches > 299:
+        flat = [(role, i, t) for role, ts in tensors.items()
+                for i, t in enumerate(ts)]
+        if p == 1 or not flat:
+            return tensors, []
+        if microbatches > 299:
             raise ValueError(
-                f"Too many target and sample-weight tensors ({len(tensors)})"
-                f" or microbatches ({microbatches}) for one step: at most "
-                "100 tensors and 299 microbatches. Use fewer.")
-        rows = tf.shape(tensors[0], out_type=tf.int32)[0]
+                f"Too many microbatches ({microbatches}) for one step: at "
+                "most 299. Use fewer.")
+        rows = tf.shape(flat[0][2], out_type=tf.int32)[0]
         first = self.checked_rows((rows + microbatches - 1) // microbatches)
         position = self.SHARE_DATA + (rows % microbatches) * 100
-        keys = [self.batched_key(position + i, first)
-                for i in range(len(tensors))]
         group = self.keys.replica(self.replica)
-        if self.rank == self.rank_of(0):
-            sends = [self.send(t, group, p, k) for t, k in zip(tensors, keys)]
-            with tf.control_dependencies(sends):
-                return [tf.identity(t) for t in tensors]
-        received = []
-        for t, k in zip(tensors, keys):
+        sender = self.rank == self.rank_of(0)
+        out = {role: list(ts) for role, ts in tensors.items()}
+        done = []
+        for role, i, t in flat:
+            k = self.batched_key(position + self._data_slot(role, i, t),
+                                 first)
+            if sender:
+                done.append(self.send(t, group, p, k))
+                continue
             r = self.recv(tf.shape(t), t.dtype, group, p, k)
             r.set_shape(t.shape)
-            received.append(r)
-        return received
+            out[role][i] = r
+            done.append(r)
+        return out, done
+
+    def _data_slot(self, role, index, tensor):
+        """The position (< 100) of the batch's `index`-th tensor of `role`
+        among `share_from_first`'s: one per role, index, dtype and shape
+        beyond the batch, the same on every rank (they trace the same
+        steps, on batches of the same specs). A collective's shape and
+        dtype are kept per key, so a key is never reused for another:
+        predict's inputs, say, where fit's targets went."""
+        slots = self.keys.data_slots  # (its groups' keys: per model)
+        which = (role, index, tensor.dtype.name,
+                 tuple(tensor.shape.as_list()[1:]) if tensor.shape.rank
+                 is not None else None)
+        if which not in slots:
+            if len(slots) >= 100:
+                raise ValueError(
+                    "keras-smp: more than 100 kinds of target, sample-weight "
+                    "and input tensors shared by the first pipeline stage "
+                    "in this process; use fewer outputs, or fewer shapes "
+                    "and dtypes of data.")
+            slots[which] = len(slots)
+        return slots[which]
 
     def share_from_last(self, tensors, specs, instance_keys):
         """Broadcasts the last stage's `tensors` to every rank of the replica.

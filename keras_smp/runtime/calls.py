@@ -229,7 +229,8 @@ def data_end_message(counts, expected) -> str:
     ```
     """
     ended = [r for r, (c, e) in enumerate(zip(counts, expected)) if c < e]
-    going = [r for r, c in enumerate(counts) if c > 0 and r not in ended]
+    going = ([r for r, c in enumerate(counts) if c > 0 and r not in ended]
+             or [r for r, c in enumerate(counts) if c > 0])
     return (
         f"keras-smp: the data ended on {ranks_text(ended)} while "
         f"{ranks_text(going)} still had a batch, at the same step. With "

@@ -60,6 +60,7 @@ def allocate(extended, runtime):
     if topology.world_size > 1 and topology.mp_size > 1:
         key = runtime.keys.allocate("end-of-data agreement", 1).key(0)
         extended._smp_data_end = (key, itertools.count(1))
+        install()
 
 
 def _agree(strategy, cardinality, count, replicas, device):
@@ -84,6 +85,11 @@ def _agree(strategy, cardinality, count, replicas, device):
         counts, expected = both[:world], both[world:]
         agree = tf.logical_or(tf.reduce_all(tf.equal(counts, expected)),
                               tf.reduce_all(tf.equal(counts, 0)))
+        if tf.executing_eagerly():  # Keras' predict draws batches eagerly
+            if not bool(agree):
+                raise ValueError(calls.data_end_message(
+                    counts.numpy().tolist(), expected.numpy().tolist()))
+            return tf.reduce_sum(counts)
         check = tf.debugging.Assert(
             agree, [calls.DATA_END_MARKER + " (batches per rank, then "
                     "replicas per rank):", counts, expected],

@@ -10,7 +10,8 @@ runtime)` wraps a Keras step function so those become one `RuntimeError`
 that names this worker, the worker that was lost (when TensorFlow's message
 tells: a task name or an address of the cluster), the timeout, and what to
 do; and the ranks' data ending at different steps (`runtime.data_end`) a
-`ValueError` naming them. `startup_error` does the same for workers that never joined.
+`ValueError` naming them. `startup_error` does the same for workers that
+never joined.
 """
 
 import re

@@ -259,27 +259,58 @@ class _KerasStep(threading.local):
 _in_keras_step = _KerasStep()
 
 
+def _tensor_group_of(model):
+    """The tensor-parallel group of processes `model`'s steps compute in,
+    or `None` (a `DistributedModel`'s pipeline steps handle their own)."""
+    if is_pipelined(model):
+        return None
+    group = getattr(getattr(model, "_distribute_strategy", None),
+                    "tensor_group", None)
+    return group if group is not None and group.size > 1 else None
+
+
 def _patch_keras_steps(trainer):
-    for name in ("train_step", "test_step", "predict_step"):
+    """Marks Keras' train and test steps (`_in_keras_step`), and gives
+    the ranks of a tensor-parallel group of processes their rank 0's
+    batch (`TensorGroup.from_first`) in every step: through
+    `_make_function` for training and evaluation (whatever `train_step` or
+    `test_step` a model overrides them with), and in `predict_step`."""
+    original_make = trainer._make_function
+    if not getattr(original_make, "_smp_patched", False):
+        @functools.wraps(original_make)
+        def _make_function(self, step_function):
+            group = _tensor_group_of(self)
+            if group is not None:
+                inner = step_function
+
+                def step_function(data, *args, **kwargs):
+                    return inner(group.from_first(data), *args, **kwargs)
+            return original_make(self, step_function)
+
+        _make_function._smp_patched = True
+        trainer._make_function = _make_function
+    original_predict = trainer.predict_step
+    if not getattr(original_predict, "_smp_patched", False):
+        @functools.wraps(original_predict)
+        def predict_step(self, data, *args, **kwargs):
+            group = _tensor_group_of(self)
+            if group is not None:
+                data = group.from_first(data)
+            return original_predict(self, data, *args, **kwargs)
+
+        predict_step._smp_patched = True
+        trainer.predict_step = predict_step
+    for name in ("train_step", "test_step"):
         original = getattr(trainer, name)
         if getattr(original, "_smp_patched", False):
             continue
 
         @functools.wraps(original)
-        def step(self, data, *args, _original=original, _name=name,
-                 **kwargs):
-            # Tensor-parallel ranks in several processes compute on their
-            # group's rank 0's batch (`TensorGroup.from_first`).
-            group = getattr(getattr(self, "_distribute_strategy", None),
-                            "tensor_group", None)
-            if group is not None:
-                data = group.from_first(data)
-            if _name == "predict_step":
-                return _original(self, data, *args, **kwargs)
+        def step(self, *args, _original=original, **kwargs):
             before = _in_keras_step.active
             _in_keras_step.active = True
             try:
-                return _original(self, data, *args, **kwargs)
+                return _original(self, *args, **kwargs)
             finally:
                 _in_keras_step.active = before
 

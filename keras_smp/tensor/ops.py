@@ -28,6 +28,7 @@ import collections
 import contextlib
 import functools
 import itertools
+import warnings
 
 import tensorflow as tf
 
@@ -246,6 +247,17 @@ class TensorGroup:
         def first(t):
             if not (isinstance(t, tf.Tensor) and t.dtype != tf.string
                     and t.shape.rank):
+                return t
+            if None in t.shape[1:]:
+                # A collective's shape is kept per key: a size that may
+                # change between steps beyond the batch cannot be shared.
+                warnings.warn(
+                    f"keras-smp: a batch tensor of shape {t.shape} (sizes "
+                    "beyond the batch unknown until the step runs) stays "
+                    "each tensor-parallel rank's own: give every process "
+                    "the same batches in the same order (seed the "
+                    "shuffle), or fixed sizes (e.g. pad sequences to one "
+                    "length).", stacklevel=2)
                 return t
             mine = t if self.rank == 0 else tf.zeros_like(t)
             wire = (tf.int64 if t.dtype in (tf.uint32, tf.uint64)

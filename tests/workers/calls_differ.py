@@ -9,11 +9,12 @@ its call raised, the message, and the seconds the call took:
 2. "call": rank 0 evaluates where rank 1 predicts;
 3. "validation": the same training data, validation data of 32 rows on
    rank 0 and 16 on rank 1 (the check comes at the first validation);
-4. "unknown_length": fit on data of unknown length (a filtered dataset),
-   4 batches on rank 0 and 3 on rank 1: with one stage per process every
-   rank fails at rank 1's end, at once, naming it (before, rank 1 went on
-   to its next call while rank 0 waited); data parallel, TensorFlow gives
-   rank 1 an empty batch and both train 4 steps;
+4. "unknown_length", "unknown_length_predict": fit, then predict, on data
+   of unknown length (a filtered dataset), 4 batches on rank 0 and 3 on
+   rank 1: with one stage per process every rank fails at rank 1's end, at
+   once, naming it (before, rank 1 went on to its next call while rank 0
+   waited); data parallel, TensorFlow gives rank 1 an empty batch and
+   both run 4 steps;
 5. "agree": the same fit (with validation, and a callback predicting at
    the start of each epoch: calls within the fit, before its validation),
    evaluate and predict on both ranks: they run, and give the same results
@@ -78,18 +79,22 @@ scenario("validation", lambda: model.fit(
     validation_data=(x[:v], y[:v])).history["loss"])
 
 
-
-def unknown_length():
+def unknown_length(call):
     import tensorflow as tf
 
     batches = 4 if rank == 0 else 3
+    if call == "predict":  # Keras draws predict's batches eagerly
+        data = tf.data.Dataset.from_tensor_slices(x[:16 * batches])
+        return model.predict(data.batch(16).filter(lambda _: True),
+                             verbose=0).tolist()
     data = tf.data.Dataset.from_tensor_slices(
         (x[:16 * batches], y[:16 * batches])).batch(16).filter(
         lambda *_: True)
     return model.fit(data, epochs=1, verbose=0).history["loss"]
 
 
-scenario("unknown_length", unknown_length)
+scenario("unknown_length", lambda: unknown_length("fit"))
+scenario("unknown_length_predict", lambda: unknown_length("predict"))
 
 
 class Predicts(keras.callbacks.Callback):
@@ -111,14 +116,15 @@ scenario("agree", agree)
 
 
 def keys():
-    # Calls 0-2 were refused, 3 failed at its end (pp), 4 is the fit (5, 6
-    # its callback's predicts), 7 the evaluate, 8 the predict: rank 0
-    # deleted each call's keys once every rank had started the next.
+    # Calls 0-2 were refused, 3 and 4 failed at their data's end (pp), 5
+    # is the fit (6, 7 its callback's predicts), 8 the evaluate, 9 the
+    # predict: rank 0 deleted each call's keys once every rank had started
+    # the next.
     from tensorflow.python.eager import context
 
     held = []
-    for key in [f"keras_smp/calls/{c}/0" for c in range(9)] + [
-            "keras_smp/calls/4/validation/0"]:
+    for key in [f"keras_smp/calls/{c}/0" for c in range(10)] + [
+            "keras_smp/calls/5/validation/0"]:
         try:
             # (a key held is found at once; 1 ms was too short for the
             # service's answer on a loaded machine: a held key then read
