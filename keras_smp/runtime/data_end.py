@@ -14,12 +14,14 @@ before their first step that every rank runs as many steps
 `__len__`, a dataset of unknown cardinality) this module makes the ranks
 agree at every step on whether there is a next batch: TensorFlow's
 distributed iterator already counts the replicas holding one
-(`tf_private.route_replicas_with_values`); here every process of the job
-sums a vector of each rank's count (one small all-reduce per step, only for
-such data). All ranks with a batch: the step runs. None: the data has ended
-everywhere, at the same step. Some: every rank fails at once with the
-same `ValueError` naming the ranks whose data ended
-(`calls.data_end_message`), instead of a hang.
+(`tf_private.route_replicas_with_values`), summed over the data-parallel
+group; here every process of the job sums a vector of each rank's count
+instead (one small all-reduce per step, for any data but infinite data:
+a step function traced for data of known length serves data of unknown
+length with the same element spec). All ranks with a batch: the step
+runs. None: the data has ended everywhere, at the same step. Some: every
+rank fails at once with the same `ValueError` naming the ranks whose data
+ended (`calls.data_end_message`), instead of a hang.
 
 Data-parallel processes alone keep TensorFlow's behaviour: a replica whose
 data ended gets empty batches until every replica's has.
@@ -66,10 +68,14 @@ def allocate(extended, runtime):
 def _agree(strategy, cardinality, count, replicas, device):
     import tensorflow as tf
 
-    from keras_smp.runtime import tf_private
-
+    # Whatever the data's length: a step function traced for data of
+    # known length is reused for data of unknown length with the same
+    # element spec (TensorFlow's iterator spec ignores the cardinality).
+    # (Infinite data, `repeat()`, never asks: TensorFlow takes its next
+    # batch as there.)
+    del cardinality
     found = group_of(getattr(strategy, "extended", None))
-    if found is None or cardinality != tf_private.UNKNOWN_CARDINALITY:
+    if found is None:
         return None
     key, instances = found
     runtime = strategy.runtime
