@@ -143,7 +143,6 @@ def first_replica_spec(spec):
 
 # --- used by keras_smp.runtime.data_end ------------------------------------
 
-UNKNOWN_CARDINALITY = -2  # tf.data.UNKNOWN_CARDINALITY
 _iterating = threading.local()
 
 
