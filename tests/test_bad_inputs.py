@@ -362,11 +362,11 @@ def test_ranks_making_different_calls_fail_at_the_call_naming_it(mode):
     # Left in the coordination service: the last call's keys, and those of
     # the fit's validation (made after the callback's predicts started).
     assert rows["keys", 0]["result"] == [
-        "keras_smp/calls/10/0", "keras_smp/calls/6/validation/0"]
+        "keras_smp/calls/11/0", "keras_smp/calls/7/validation/0"]
     # Rank 1's script ended; rank 0's evaluate fails at once saying so.
     ended = rows["ended", 0]
-    assert ("keras-smp: rank 0 starts evaluate() (its 12th "
-            "fit/evaluate/predict call), but rank 1's script ended after 11 "
+    assert ("keras-smp: rank 0 starts evaluate() (its 13th "
+            "fit/evaluate/predict call), but rank 1's script ended after 12 "
             "such calls") in ended["raised"], ended
     assert ended["seconds"] < 60, ended
     assert "lost" not in proc.stdout.lower(), proc.stdout[-3000:]

@@ -442,6 +442,9 @@ def test_data_end_agreement_names_the_ranks_whose_data_ended():
     # A process of 2 local replicas with one batch left counts as ended.
     assert calls.data_end_message([1, 2], [2, 2]).startswith(
         "keras-smp: the data ended on rank 0 while rank 1 still had")
+    assert calls.data_end_message([1, 1], [2, 2]).startswith(
+        "keras-smp: the data ended on ranks 0, 1 while other replicas of "
+        "ranks 0, 1 still had one")
     assert calls.parse_data_end("assertion failed: [x] [1 0] [1 1]") is None
     assert calls.parse_data_end(calls.DATA_END_MARKER + " [1 0] [1]") is None
 

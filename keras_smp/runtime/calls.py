@@ -229,19 +229,23 @@ def data_end_message(counts, expected) -> str:
     ```
     """
     ended = [r for r, (c, e) in enumerate(zip(counts, expected)) if c < e]
-    going = ([r for r, c in enumerate(counts) if c > 0 and r not in ended]
-             or [r for r, c in enumerate(counts) if c > 0])
+    going = [r for r, (c, e) in enumerate(zip(counts, expected))
+             if c == e and c > 0]
+    still = (f"{ranks_text(going)} still had a batch" if going else
+             "other replicas of " + ranks_text(
+                 [r for r in ended if counts[r] > 0]) + " still had one")
     return (
-        f"keras-smp: the data ended on {ranks_text(ended)} while "
-        f"{ranks_text(going)} still had a batch, at the same step. With "
-        "model parallelism across processes (pipeline stages, tensor-"
-        "parallel ranks) every process of the job takes each step "
-        "together, so every process's data must end at the same step. Its "
-        "length is unknown here (a generator without `__len__`, a dataset "
-        "of unknown cardinality such as one made with `filter()`), so this "
-        "could not be checked before the first step. Give the processes of "
-        "a pipeline the same data and every replica as many batches (or "
-        "`.repeat()` the data and set `steps_per_epoch`; "
+        f"keras-smp: the data ended on {ranks_text(ended)} while {still}, "
+        "at the same step. With model parallelism across processes "
+        "(pipeline stages, tensor-parallel ranks) every process of the job "
+        "takes each step together, so every process's data must end at the "
+        "same step. This could not be checked before the first step: the "
+        "data's length is unknown (a generator without `__len__`, a "
+        "dataset of unknown cardinality such as one made with `filter()`), "
+        "or `steps_per_epoch` asks for more batches than some rank's data "
+        "holds. Give the processes of a pipeline the same data and every "
+        "replica as many batches (or `.repeat()` the data and set "
+        "`steps_per_epoch`; "
         "`dataset.apply(tf.data.experimental.assert_cardinality(n))` "
         "states a known length).")
 

@@ -10,9 +10,10 @@ stages paired batches of different steps), then the job waited until
 
 For data whose length is known, `fit`, `evaluate` and `predict` check
 before their first step that every rank runs as many steps
-(`runtime.calls`). For data of unknown length (a generator without
-`__len__`, a dataset of unknown cardinality) this module makes the ranks
-agree at every step on whether there is a next batch: TensorFlow's
+(`runtime.calls`). Data of unknown length (a generator without
+`__len__`, a dataset of unknown cardinality), or a `steps_per_epoch` that
+some rank's data cannot fill, escapes that check: this module makes the
+ranks agree at every step on whether there is a next batch: TensorFlow's
 distributed iterator already counts the replicas holding one
 (`tf_private.route_replicas_with_values`), summed over the data-parallel
 group; here every process of the job sums a vector of each rank's count
@@ -44,6 +45,7 @@ def install():
         from keras_smp.runtime import tf_private
 
         tf_private.route_replicas_with_values(_agree)
+        tf_private.trace_by_length_class()
         _installed.append(True)
 
 

@@ -140,6 +140,8 @@ def _patch_make_functions(trainer):
             smp = _runtime_of(getattr(self, "_distribute_strategy",
                                       None)) is not None
             compiles = smp and xla.wanted(self)
+            if _attr == "predict_function" and smp:
+                _share_predict_batches(self)
             with (xla.uncompiled_step(self) if compiles
                   else contextlib.nullcontext()):
                 result = _original(self, *args, **kwargs)
@@ -260,13 +262,30 @@ _in_keras_step = _KerasStep()
 
 
 def _tensor_group_of(model):
-    """The tensor-parallel group of processes `model`'s steps compute in,
-    or `None` (a `DistributedModel`'s pipeline steps handle their own)."""
-    if is_pipelined(model):
+    """The tensor-parallel group of processes whose ranks must compute on
+    one batch in `model`'s steps, or `None` (none; or a `DistributedModel`
+    with one stage per process, whose pipeline steps share it)."""
+    if is_pipelined(model) and model._smp_multi_process():
         return None
     group = getattr(getattr(model, "_distribute_strategy", None),
                     "tensor_group", None)
     return group if group is not None and group.size > 1 else None
+
+
+def _share_predict_batches(model):
+    """Gives `model`'s `predict_step` (whatever it is overridden with) its
+    tensor-parallel group's rank 0's batch: Keras' predict function looks
+    `predict_step` up when it traces, so an instance attribute wraps it."""
+    group = _tensor_group_of(model)
+    step = model.predict_step
+    if group is None or getattr(step, "_smp_from_first", False):
+        return
+
+    def predict_step(data, *args, **kwargs):
+        return step(group.from_first(data), *args, **kwargs)
+
+    predict_step._smp_from_first = True
+    object.__setattr__(model, "predict_step", predict_step)
 
 
 def _patch_keras_steps(trainer):
@@ -274,7 +293,8 @@ def _patch_keras_steps(trainer):
     the ranks of a tensor-parallel group of processes their rank 0's
     batch (`TensorGroup.from_first`) in every step: through
     `_make_function` for training and evaluation (whatever `train_step` or
-    `test_step` a model overrides them with), and in `predict_step`."""
+    `test_step` a model overrides them with); `predict_step` in
+    `_patch_make_functions` (`_share_predict_batches`)."""
     original_make = trainer._make_function
     if not getattr(original_make, "_smp_patched", False):
         @functools.wraps(original_make)
@@ -289,17 +309,6 @@ def _patch_keras_steps(trainer):
 
         _make_function._smp_patched = True
         trainer._make_function = _make_function
-    original_predict = trainer.predict_step
-    if not getattr(original_predict, "_smp_patched", False):
-        @functools.wraps(original_predict)
-        def predict_step(self, data, *args, **kwargs):
-            group = _tensor_group_of(self)
-            if group is not None:
-                data = group.from_first(data)
-            return original_predict(self, data, *args, **kwargs)
-
-        predict_step._smp_patched = True
-        trainer.predict_step = predict_step
     for name in ("train_step", "test_step"):
         original = getattr(trainer, name)
         if getattr(original, "_smp_patched", False):

@@ -157,9 +157,11 @@ def route_replicas_with_values(hook):
     workers by the strategy's reduce): none, and the data has ended; some,
     and the others get empty batches. `hook(strategy, cardinality, count,
     replicas, device)` is called instead with the iterator's dataset's
-    `cardinality`, this process's `count` (an int64 scalar tensor) of its
-    `replicas` (a Python int) holding a batch, and its input `device`; it
-    returns the job's count or `None` for TensorFlow's.
+    `cardinality` (as the iterator was traced: a step function serves
+    data of other lengths too), this process's `count` (an int64 scalar
+    tensor) of its `replicas` (a Python int) holding a batch, and its
+    input `device`; it returns the job's count or `None` for
+    TensorFlow's.
     """
     original = input_lib._calculate_replicas_with_values
     if getattr(original, "_smp_routed", False):
@@ -187,6 +189,51 @@ def route_replicas_with_values(hook):
     base = input_lib.DistributedIteratorBase
     for name in ("get_next", "get_next_as_optional"):
         setattr(base, name, _with_cardinality(getattr(base, name)))
+
+
+def trace_by_length_class():
+    """Makes TensorFlow trace a step function again for a distributed
+    dataset or iterator of another kind of length (idempotent).
+
+    A distributed iterator rebuilt inside a traced function keeps the
+    first trace's `_cardinality` and `_enable_get_next_as_optional`,
+    but its type spec ignores both (`DistributedDatasetAndIteratorSpec.
+    _serialize`): a step traced on infinite data (which takes its next
+    batch without asking whether one exists) served finite data of the
+    same element spec without the end-of-data handling. The spec here
+    also tells infinite data and the iterators' end handling apart.
+    """
+    base = input_lib.DistributedDatasetAndIteratorSpec
+    if getattr(base._serialize, "_smp_patched", False):
+        return
+    serialize = base._serialize
+    subtype = base.is_subtype_of
+    supertype = base.most_specific_common_supertype
+
+    def length_class(spec):
+        return (getattr(spec, "_cardinality", None) == INFINITE_CARDINALITY,
+                bool(getattr(spec, "_enable_get_next_as_optional", False)))
+
+    def _serialize(self):
+        return tuple(serialize(self)) + (length_class(self),)
+
+    def is_subtype_of(self, other):
+        return (length_class(self) == length_class(other)
+                and subtype(self, other))
+
+    def most_specific_common_supertype(self, others):
+        if any(length_class(o) != length_class(self) for o in others):
+            return None
+        return supertype(self, others)
+
+    for fn in (_serialize, is_subtype_of, most_specific_common_supertype):
+        fn._smp_patched = True
+    base._serialize = _serialize
+    base.is_subtype_of = is_subtype_of
+    base.most_specific_common_supertype = most_specific_common_supertype
+
+
+INFINITE_CARDINALITY = -1  # tf.data.INFINITE_CARDINALITY
 
 
 def _with_cardinality(method):
