@@ -25,7 +25,11 @@ rank fails at once with the same `ValueError` naming the ranks whose data
 ended (`calls.data_end_message`), instead of a hang.
 
 Data-parallel processes alone keep TensorFlow's behaviour: a replica whose
-data ended gets empty batches until every replica's has.
+data ended gets empty batches until every replica's has. For them too, a
+step function traced on infinite data is traced again for finite data
+(`tf_private.trace_by_length_class`): TensorFlow reused it, without its
+end handling, and a replica whose data ended first left the others
+waiting in the gradient all-reduce until the timeout.
 """
 
 import itertools
@@ -45,7 +49,6 @@ def install():
         from keras_smp.runtime import tf_private
 
         tf_private.route_replicas_with_values(_agree)
-        tf_private.trace_by_length_class()
         _installed.append(True)
 
 
@@ -60,7 +63,13 @@ def allocate(extended, runtime):
     """Gives a strategy's extended its agreement's collective group (every
     process of the job), where model parallelism spans processes. Called
     at the same point on every rank (the strategy's construction)."""
+    from keras_smp.runtime import tf_private
+
     topology = runtime.topology
+    if topology.world_size > 1:
+        # Several processes, data parallel too: a step traced on infinite
+        # data must not serve finite data (TensorFlow's end handling).
+        tf_private.trace_by_length_class()
     if topology.world_size > 1 and topology.mp_size > 1:
         key = runtime.keys.allocate("end-of-data agreement", 1).key(0)
         extended._smp_data_end = (key, itertools.count(1))
