@@ -26,6 +26,7 @@ from keras_smp.distribute import groups
 from keras_smp.distribute.allreduce import GradientAllReduce
 from keras_smp.distribute.groups import resolve_algorithm
 from keras_smp.runtime import data_end
+from keras_smp.runtime import data_order
 from keras_smp.runtime import errors
 from keras_smp.runtime import placement
 from keras_smp.runtime import process
@@ -237,6 +238,7 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
                 f"{grad_keys.name}, model-parallel rank {block}")
         collective_keys = self._collective_keys
         data_end.allocate(self, runtime)
+        data_order.allocate(self, runtime)
         self._smp_init_group = None
         if multi:
             # Initial values are broadcast within each stage's processes

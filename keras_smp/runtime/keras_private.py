@@ -814,6 +814,40 @@ def on_epoch_iterator(hook):
     cls.__init__ = __init__
 
 
+def on_array_dataset(hook):
+    """Calls `hook(shuffle)` as Keras' `ArrayDataAdapter` (NumPy arrays,
+    tensors) makes its `tf.data` dataset with `shuffle` (`True` or
+    `"batch"`); a `hook` returning a function makes that the dataset's
+    `tf.random.shuffle` (what Keras' 3.15 permutes each epoch's indices,
+    or each batch's, with), `None` leaves Keras' (idempotent; checked
+    against `ArrayDataAdapter.get_tf_dataset`)."""
+    from keras.src.trainers.data_adapters import array_data_adapter
+
+    cls = array_data_adapter.ArrayDataAdapter
+    original = cls.get_tf_dataset
+    if getattr(original, "_smp_patched", False):
+        return
+
+    @functools.wraps(original)
+    def get_tf_dataset(self):
+        shuffle = self._shuffle
+        replacement = hook(shuffle) if shuffle else None
+        if replacement is None:
+            return original(self)
+        import tensorflow as tf
+
+        module = tf.random
+        keras_shuffle = module.shuffle
+        module.shuffle = replacement
+        try:
+            return original(self)
+        finally:
+            module.shuffle = keras_shuffle
+
+    get_tf_dataset._smp_patched = True
+    cls.get_tf_dataset = get_tf_dataset
+
+
 def epoch_iterator_steps(epoch_iterator):
     """The steps per epoch an `EpochIterator` runs (`steps_per_epoch`, or
     its data's batches), or `None` when its data does not say."""

@@ -428,8 +428,10 @@ def _patch_calls(trainer):
                 arguments["validation data"] = (
                     given.get("validation_data") is not None
                     or bool(given.get("validation_split")))
-            _in_progress.stack.append({"call": _name, "arguments": arguments,
-                                       "iterators": 0, "index": None})
+            _in_progress.stack.append({
+                "call": _name, "arguments": arguments, "iterators": 0,
+                "index": None,
+                "strategy": getattr(self, "_distribute_strategy", None)})
             try:
                 return _original(self, *args, **kwargs)
             finally:
@@ -437,6 +439,22 @@ def _patch_calls(trainer):
 
         call._smp_patched = True
         setattr(trainer, name, call)
+
+
+def _array_shuffle(shuffle):
+    """The permutation of a `fit`'s shuffled arrays under a strategy whose
+    data-parallel replicas span processes (`data_order.shuffle_for`),
+    noted in the call's record so that ranks shuffling differently fail
+    before the first step."""
+    from keras_smp.runtime import data_order
+
+    if not _in_progress.stack:
+        return None
+    frame = _in_progress.stack[-1]
+    replacement, order = data_order.shuffle_for(frame["strategy"])
+    if order is not None:
+        frame["arguments"][data_order.ORDER] = order
+    return replacement
 
 
 def _check_call(epoch_iterator):
@@ -1278,6 +1296,7 @@ def install():
         _patch_predict_on_batch(TensorFlowTrainer)
         _patch_calls(TensorFlowTrainer)
         keras_private.on_epoch_iterator(_check_call)
+        keras_private.on_array_dataset(_array_shuffle)
         _patch_files(keras)
         _patch_get_gradients(keras)
         _patch_optimizer(keras)

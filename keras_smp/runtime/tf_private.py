@@ -105,6 +105,13 @@ def tensorflow_started():
     return context.context()._context_handle is not None
 
 
+def global_seed():
+    """The global seed `tf.random.set_seed` (or `keras.utils.set_random_seed`)
+    set in this process, or `None`; reads it without drawing an operation
+    seed (`random_seed.get_seed` would advance the sequence of op seeds)."""
+    return context.context()._seed
+
+
 def trace_time_instance_keys(fn):
     """`fn` with collective instance keys fixed when it is traced.
 

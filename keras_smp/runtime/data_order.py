@@ -1,0 +1,97 @@
+"""Data-parallel processes shuffle NumPy arrays alike, seeded or not.
+
+`fit(x, y)` on arrays shuffles them (Keras' default `shuffle=True`): Keras
+permutes the rows' indices each epoch with `tf.random.shuffle`, seeded by
+the process's own random state unless the script sets a seed. With
+data-parallel replicas in different processes, every process reads each
+global batch and keeps its replica's share of it (TensorFlow's
+auto-sharding). Unseeded processes each kept their share of a permutation
+of their own: within an epoch some rows trained twice and others not at
+all (with 2 processes, a quarter of the rows each way), unlike the same
+model on one device, where every row trains once per epoch.
+
+So, under an `SMPStrategy` whose data-parallel replicas span processes:
+
+- with no TensorFlow global seed set, Keras' permutations come from one
+  seed agreed at the strategy's construction (rank 0's, random, through the
+  coordination service's store) and a counter that each permutation
+  advances: a new order every epoch, the same on every process;
+- with a seed set (`keras.utils.set_random_seed(s)` on every process),
+  Keras' own permutation, as on one device seeded with `s`;
+- processes that differ (one seeded, another not, or other seeds) fail
+  before the first step, naming each rank's order (`runtime.calls`: the
+  fit's record says which order this rank shuffles in).
+
+Costs one store key per strategy, and a counter update per epoch.
+Other sources keep their own order: a `tf.data` dataset's `shuffle` needs
+the same seed on every process, a `PyDataset` or generator the same order.
+"""
+
+import itertools
+import random
+
+#: The call record's argument naming how a fit's arrays are shuffled.
+ORDER = ("order of the shuffled arrays (set the same seed on every rank "
+         "with keras.utils.set_random_seed, or none)")
+AGREED = "keras-smp's, alike on every rank (no seed set)"
+
+_strategies = itertools.count()
+_KEY = "keras_smp/data_order"
+
+
+def allocate(extended, runtime):
+    """Gives a strategy's extended its agreed permutation state (a
+    `tf.Variable` `[seed, permutations so far]`) where its data-parallel
+    replicas span processes. Called at the same point on every rank (the
+    strategy's construction); rank 0 draws the seed."""
+    topology = runtime.topology
+    if not (runtime.collectives and topology.world_size > 1
+            and topology.dp_size > 1):
+        return
+    import tensorflow as tf
+
+    from keras_smp.runtime import shutdown
+    from keras_smp.runtime import tf_private
+
+    ctx = tf_private.context.context()
+    key = f"{_KEY}/{next(_strategies)}"
+    if topology.rank == 0:
+        seed = random.SystemRandom().randrange(1, 2**62)
+        ctx.set_config_key_value(key, str(seed))
+    else:
+        seed = int(shutdown.wait_for_key(
+            ctx, key, rank=topology.rank, source=0,
+            what="the seed of the shuffled arrays' order",
+            timeout_seconds=runtime.config.collective_timeout_seconds))
+    with tf.init_scope():
+        extended._smp_data_order = tf.Variable(
+            [seed, 0], dtype=tf.int64, trainable=False,
+            name="smp_data_order")
+
+
+def shuffle_for(strategy):
+    """`(shuffle, order)` for Keras' arrays shuffled under `strategy`:
+    `shuffle` replaces the permutation's `tf.random.shuffle` (`None`:
+    Keras' own), `order` says which order this rank shuffles in, for the
+    call's record (`None`: the strategy needs no agreement)."""
+    extended = getattr(strategy, "extended", None)
+    state = getattr(extended, "_smp_data_order", None)
+    if state is None:
+        return None, None
+    from keras_smp.runtime import tf_private
+
+    seed = tf_private.global_seed()
+    if seed is not None:
+        return None, f"Keras' own, tf.random seed {seed}"
+    return _agreed_shuffle(state), AGREED
+
+
+def _agreed_shuffle(state):
+    import tensorflow as tf
+
+    def shuffle(value, seed=None, name=None):
+        del seed, name  # the agreed state seeds it
+        counted = state.assign_add(tf.constant([0, 1], tf.int64))
+        return tf.random.experimental.stateless_shuffle(value, seed=counted)
+
+    return shuffle

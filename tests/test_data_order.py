@@ -1,0 +1,71 @@
+"""Data-parallel processes train every row once per epoch when `fit`
+shuffles NumPy arrays, seeded or not (tests/workers/data_order.py, 2
+processes under `keras-smp launch`; `runtime.data_order`).
+
+Each process reads every global batch and keeps its replica's share. Before
+keras-smp agreed on the order, unseeded processes each shuffled their own
+way: measured on this worker, 70-71 of the 96 rows trained in an epoch
+(the others twice or not at all), and with `shuffle="batch"` 22-25 distinct
+rows in a step of 32. Now the shares of a step are disjoint, an epoch
+trains each row once, and each epoch has a new order (as unseeded Keras);
+ranks seeded differently (or some not) fail before the first step, naming
+each rank's order.
+"""
+
+import json
+import os
+
+from conftest import WORKERS
+from conftest import launch
+
+STEPS, ROWS, N = 3, 32, 96  # per epoch, in the worker
+
+
+def _steps(reports, case):
+    """Each step's rows: `[(rank 0's share, rank 1's share)]`."""
+    return list(zip(reports[0][case], reports[1][case]))
+
+
+def _check_every_row_once(steps, batch_blocks=False):
+    assert len(steps) == 2 * STEPS, len(steps)
+    for index, (a, b) in enumerate(steps):
+        assert len(a) == len(b) == ROWS // 2, (index, a, b)
+        assert not set(a) & set(b), (index, sorted(set(a) & set(b)))
+        if batch_blocks:  # shuffle="batch": the batches keep their rows
+            first = ROWS * (index % STEPS)
+            assert set(a) | set(b) == set(range(first, first + ROWS)), index
+    for epoch in range(2):
+        rows = [r for a, b in steps[epoch * STEPS:(epoch + 1) * STEPS]
+                for r in a + b]
+        assert sorted(rows) == list(range(N)), (epoch, sorted(rows))
+
+
+def test_data_parallel_processes_shuffle_arrays_alike(tmp_path):
+    launch(2, [os.path.join(WORKERS, "data_order.py"), str(tmp_path)],
+           timeout=240)
+    reports = []
+    for rank in range(2):
+        with open(os.path.join(tmp_path, f"rank{rank}.json")) as f:
+            reports.append(json.load(f))
+
+    unseeded = _steps(reports, "unseeded")
+    _check_every_row_once(unseeded)
+    # A new order each epoch, as Keras unseeded (same odds as two random
+    # permutations of 96 rows agreeing: none).
+    assert unseeded[:STEPS] != unseeded[STEPS:]
+    _check_every_row_once(_steps(reports, "unseeded_batch"),
+                          batch_blocks=True)
+    # Seeded alike: Keras' own permutation, the same on both ranks.
+    _check_every_row_once(_steps(reports, "seeded_alike"))
+
+    label = "order of the shuffled arrays"
+    for report in reports:
+        half = report["half_seeded"]
+        assert half is not None and label in half, half
+        assert ("keras-smp's, alike on every rank (no seed set) on rank 0; "
+                "Keras' own, tf.random seed 3 on rank 1") in half, half
+        apart = report["seeded_apart"]
+        assert apart is not None and label in apart, apart
+        assert ("Keras' own, tf.random seed 1 on rank 0; Keras' own, "
+                "tf.random seed 2 on rank 1") in apart, apart
+        assert "keras.utils.set_random_seed" in apart, apart

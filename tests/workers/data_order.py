@@ -1,0 +1,80 @@
+"""Which rows each data-parallel process trains when `fit` shuffles NumPy
+arrays (Keras' default), under `keras-smp launch -n 2`:
+
+- `unseeded`, `unseeded_batch`: no seed set anywhere, `shuffle=True` and
+  `shuffle="batch"`;
+- `half_seeded`: rank 1 seeded, rank 0 not; `seeded_apart`: each rank
+  seeded with its own seed (1 + rank) -> each fit's error;
+- `seeded_alike`: every rank seeded with 5.
+
+The inputs are the rows' indices (`x[i] = i`); a model records every row
+of each step's share (`tf.py_function`). Writes OUT/rank{R}.json:
+`{case: [[rows of step 0], [rows of step 1], ...]}` and, for the failing
+cases, `{case: error message}`.
+
+    data_order.py OUT
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras_smp  # noqa: E402
+
+OUT = sys.argv[1]
+strategy = keras_smp.SMPStrategy()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+RANK = strategy.topology.rank
+N, ROWS, EPOCHS = 96, 32, 2
+X = np.arange(N, dtype="float32").reshape(N, 1)
+Y = np.zeros((N, 1), "float32")
+seen = []
+
+
+def note(rows):
+    seen.append(rows.numpy().astype(int).ravel().tolist())
+    return np.int64(0)
+
+
+class Recorder(keras.Model):
+    def train_step(self, data):
+        x, _ = data
+        done = tf.py_function(note, [x], tf.int64)
+        with tf.control_dependencies([done]):
+            return super().train_step(data)
+
+
+def fit(shuffle=True):
+    with strategy.scope():
+        inputs = keras.Input((1,))
+        model = Recorder(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+    seen.clear()
+    model.fit(X, Y, batch_size=ROWS, epochs=EPOCHS, shuffle=shuffle,
+              verbose=0)
+    return list(seen)
+
+
+def failure():
+    try:
+        fit()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+report = {"unseeded": fit(), "unseeded_batch": fit("batch")}
+if RANK == 1:
+    tf.random.set_seed(3)
+report["half_seeded"] = failure()
+keras.utils.set_random_seed(1 + RANK)
+report["seeded_apart"] = failure()
+keras.utils.set_random_seed(5)
+report["seeded_alike"] = fit()
+with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
+    json.dump(report, f)
