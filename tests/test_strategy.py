@@ -129,10 +129,12 @@ def test_workers_times_local_devices_hierarchical(tmp_path, reference):
 
 @pytest.mark.slow
 def test_callbacks_across_workers(tmp_path, reference):
-    # ModelCheckpoint, BackupAndRestore, EarlyStopping and TensorBoard on 2
-    # workers: training still matches, files are written once (by the
-    # chief), and a second run restores from the backup without retraining.
-    # The non-chief's TensorBoard scratch directory is gone when it exits.
+    # ModelCheckpoint, BackupAndRestore, EarlyStopping, TensorBoard and
+    # CSVLogger(append=True) on 2 workers: training still matches, files are
+    # written once (by the chief: the CSV holds each epoch once; both ranks
+    # appended their rows before), and a second run restores from the
+    # backup without retraining. The non-chief's TensorBoard scratch
+    # directory is gone when it exits.
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     proc = launch(2, fit_model(tmp_path, "--callbacks"),
@@ -147,6 +149,15 @@ def test_callbacks_across_workers(tmp_path, reference):
     events = list((files / "tb").rglob("events.out.tfevents.*"))
     assert len({e.parent for e in events}) == len(events) >= 1, events
     assert not (files / "backup").exists(), "backup not cleaned after fit"
+    assert _csv_epochs(files / "log.csv") == [0, 1, 2]
+
+
+def _csv_epochs(path):
+    """The epochs of a `CSVLogger` file's rows (one header line first)."""
+    lines = path.read_text().splitlines()
+    assert lines and lines[0].startswith("epoch,"), lines
+    assert not any(line.startswith("epoch,") for line in lines[1:]), lines
+    return [int(line.split(",")[0]) for line in lines[1:]]
 
 
 @pytest.mark.slow
@@ -161,6 +172,8 @@ def test_backup_and_restore_resumes_after_failure(tmp_path, reference):
     assert (tmp_path / "files" / "backup").exists()
     proc = launch(2, fit_model(tmp_path, "--callbacks"))
     assert "Epoch 3/3" in proc.stdout and "Epoch 1/3" not in proc.stdout
+    # The first run's epochs, then the resumed one's: each once.
+    assert _csv_epochs(tmp_path / "files" / "log.csv") == [0, 1, 2]
     for r in range(2):
         assert_same_training(load(tmp_path, r), reference(),
                              keys=("evaluate", "predict"))

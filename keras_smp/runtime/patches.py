@@ -27,8 +27,9 @@
   and `keras.saving.save_model`): a `DistributedModel` decides how to
   write itself (with one stage per process, streamed from its stages).
 - `keras.callbacks.BackupAndRestore` (non-chief workers save into scratch
-  and never delete the chief's backup) and `keras.callbacks.TensorBoard`
-  (non-chief summaries go to a scratch directory).
+  and never delete the chief's backup), `keras.callbacks.TensorBoard` and
+  `keras.callbacks.CSVLogger` (non-chief summaries and rows go to a
+  scratch directory).
 - `keras.layers.Layer.__init__`: every new layer is shown to
   `keras_smp.tensor` (`install_layer_hook`), which makes those created in
   `keras_smp.tensor_parallelism()` tensor-parallel.
@@ -716,18 +717,38 @@ def _patch_files(keras):
     @functools.wraps(set_model)
     def _set_model(self, model):
         if _non_chief_runtime(model) is not None:
-            # Summaries of non-chief workers duplicate the chief's: they go
-            # to one scratch directory per callback, removed when the
-            # process exits (a later fit or evaluate reuses it).
-            scratch = getattr(self, "_keras_smp_scratch", None)
-            if scratch is None or not os.path.isdir(scratch):
-                scratch = tempfile.mkdtemp(prefix="keras_smp_tb_")
-                atexit.register(shutil.rmtree, scratch, ignore_errors=True)
-                self._keras_smp_scratch = scratch
-            self.log_dir = scratch
+            # Summaries of non-chief workers duplicate the chief's.
+            self.log_dir = _scratch_of(self, "keras_smp_tb_")
         return set_model(self, model)
 
     board.set_model = _set_model
+
+    logger = keras.callbacks.CSVLogger
+    csv_begin = logger.on_train_begin
+
+    @functools.wraps(csv_begin)
+    def _csv_on_train_begin(self, logs=None):
+        if _non_chief_runtime(self.model) is not None:
+            # The chief's rows: a non-chief's went into the same file too
+            # (twice each with `append=True`).
+            self.filename = os.path.join(
+                _scratch_of(self, "keras_smp_csv_"),
+                os.path.basename(self.filename) or "log.csv")
+        return csv_begin(self, logs)
+
+    logger.on_train_begin = _csv_on_train_begin
+
+
+def _scratch_of(callback, prefix):
+    """A non-chief worker's scratch directory for `callback`'s files: one
+    per callback, removed when the process exits (a later fit or evaluate
+    reuses it)."""
+    scratch = getattr(callback, "_keras_smp_scratch", None)
+    if scratch is None or not os.path.isdir(scratch):
+        scratch = tempfile.mkdtemp(prefix=prefix)
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+        callback._keras_smp_scratch = scratch
+    return scratch
 
 
 # -- optimizers ------------------------------------------------------------

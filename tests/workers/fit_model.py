@@ -223,6 +223,8 @@ if args.callbacks:
         keras.callbacks.BackupAndRestore(os.path.join(d, "backup")),
         keras.callbacks.EarlyStopping(monitor="loss", patience=50),
         keras.callbacks.TensorBoard(os.path.join(d, "tb")),
+        # Appending (resuming after a failure adds the later epochs).
+        keras.callbacks.CSVLogger(os.path.join(d, "log.csv"), append=True),
     ]
 if args.fail_at_epoch is not None:
     class Fail(keras.callbacks.Callback):
