@@ -9,7 +9,10 @@ way: measured on this worker, 70-71 of the 96 rows trained in an epoch
 rows in a step of 32. Now the shares of a step are disjoint, an epoch
 trains each row once, and each epoch has a new order (as unseeded Keras);
 ranks seeded differently (or some not) fail before the first step, naming
-each rank's order.
+each rank's order. A `tf.data` dataset cannot be reseeded: shuffled without
+a seed, `fit` and `evaluate` fail before their first step naming the fix
+(they trained and counted each rank's share of its own order), unless
+auto-sharding is off (each rank reads its own data).
 """
 
 import json
@@ -58,8 +61,26 @@ def test_data_parallel_processes_shuffle_arrays_alike(tmp_path):
     # Seeded alike: Keras' own permutation, the same on both ranks.
     _check_every_row_once(_steps(reports, "seeded_alike"))
 
+    # A dataset shuffled with a seed: every row once, a new order each
+    # epoch (TensorFlow reshuffles each iteration).
+    seeded = _steps(reports, "dataset_seeded")
+    _check_every_row_once(seeded)
+    assert seeded[:STEPS] != seeded[STEPS:]
+    # Auto-sharding off: each rank reads its own half (rank 0 the even
+    # rows), shuffled its own way: no error.
+    for rank, report in enumerate(reports):
+        rows = [r for step in report["dataset_own_half"] for r in step]
+        assert rows and all(r % 2 == rank for r in rows), (rank, rows)
+
     label = "order of the shuffled arrays"
     for report in reports:
+        for case in ("dataset_unseeded", "evaluate_unseeded"):
+            message = report[case]
+            assert message is not None and (
+                "order of the dataset's shuffle (give Dataset.shuffle a "
+                "seed") in message, (case, message)
+            assert ("unseeded, rank 0's own order on rank 0; unseeded, "
+                    "rank 1's own order on rank 1") in message, message
         half = report["half_seeded"]
         assert half is not None and label in half, half
         assert ("keras-smp's, alike on every rank (no seed set) on rank 0; "

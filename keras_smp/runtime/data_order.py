@@ -22,9 +22,17 @@ So, under an `SMPStrategy` whose data-parallel replicas span processes:
   before the first step, naming each rank's order (`runtime.calls`: the
   fit's record says which order this rank shuffles in).
 
+A `tf.data` dataset's `shuffle` cannot be reseeded once made: its seeds
+go into each call's record too, and a dataset shuffled without a seed (each
+process its own order), or with other seeds on other ranks, fails before
+the first step of `fit`, `evaluate` or `predict` naming the fix (a seed), as
+an unseeded shuffle fed each process's share of another order (in an
+evaluation too: some rows counted twice, others not at all). Not when the
+dataset turns TensorFlow's auto-sharding off (each process reads data of
+its own). A `PyDataset` or generator must give every process the same
+batches.
+
 Costs one store key per strategy, and a counter update per epoch.
-Other sources keep their own order: a `tf.data` dataset's `shuffle` needs
-the same seed on every process, a `PyDataset` or generator the same order.
 """
 
 import itertools
@@ -34,6 +42,11 @@ import random
 ORDER = ("order of the shuffled arrays (set the same seed on every rank "
          "with keras.utils.set_random_seed, or none)")
 AGREED = "keras-smp's, alike on every rank (no seed set)"
+
+DATASET_ORDER = (
+    "order of the dataset's shuffle (give Dataset.shuffle a seed, the same "
+    "on every rank, or call keras.utils.set_random_seed with the same seed "
+    "on every rank before making the dataset)")
 
 _strategies = itertools.count()
 _KEY = "keras_smp/data_order"
@@ -95,3 +108,26 @@ def _agreed_shuffle(state):
         return tf.random.experimental.stateless_shuffle(value, seed=counted)
 
     return shuffle
+
+
+def dataset_order(strategy, dataset, rank):
+    """This rank's order of a `tf.data` `dataset` read under `strategy`, for
+    the call's record, or `None` where none is needed (data-parallel
+    replicas in one process, no shuffle, auto-sharding off). Unseeded, the
+    value names `rank`: it differs on every rank."""
+    extended = getattr(strategy, "extended", None)
+    if getattr(extended, "_smp_data_order", None) is None:
+        return None
+    import tensorflow as tf
+
+    from keras_smp.runtime import tf_private
+
+    if not isinstance(dataset, tf.data.Dataset) or tf_private.auto_shard_off(
+            dataset):
+        return None
+    seeds = tf_private.dataset_shuffle_seeds(dataset)
+    if not seeds:
+        return None
+    if any(pair == (0, 0) for pair in seeds):
+        return f"unseeded, rank {rank}'s own order"
+    return "seeds " + ", ".join(f"({a}, {b})" for a, b in seeds)

@@ -854,6 +854,18 @@ def epoch_iterator_steps(epoch_iterator):
     return epoch_iterator.steps_per_epoch or epoch_iterator.num_batches
 
 
+def epoch_iterator_dataset(epoch_iterator):
+    """The `tf.data.Dataset` given to `fit`/`evaluate`/`predict` that a Keras
+    `EpochIterator` reads, or `None` (other data: arrays, generators, a
+    distributed dataset; checked against `TFDatasetAdapter`)."""
+    from keras.src.trainers.data_adapters import tf_dataset_adapter
+
+    adapter = getattr(epoch_iterator, "data_adapter", None)
+    if isinstance(adapter, tf_dataset_adapter.TFDatasetAdapter):
+        return adapter.get_tf_dataset()
+    return None
+
+
 def epoch_iterator_strategy(epoch_iterator):
     """The `tf.distribute.Strategy` a Keras `TFEpochIterator` feeds."""
     return getattr(epoch_iterator, "_distribute_strategy", None)

@@ -465,6 +465,7 @@ def _check_call(epoch_iterator):
     import tensorflow as tf
 
     from keras_smp.runtime import agreement
+    from keras_smp.runtime import data_order
     from keras_smp.runtime import keras_private
     from keras_smp.runtime.calls import call_record
 
@@ -482,6 +483,12 @@ def _check_call(epoch_iterator):
         call, arguments = "validation of fit", {}
     else:
         return
+    order = data_order.dataset_order(
+        keras_private.epoch_iterator_strategy(epoch_iterator),
+        keras_private.epoch_iterator_dataset(
+            epoch_iterator), runtime.topology.rank)
+    if order is not None:
+        arguments = {**arguments, data_order.DATASET_ORDER: order}
     spec = _symbolic_batch(epoch_iterator)
     inputs = None if spec is None else [
         (s.dtype.name, s.shape.as_list()) for s in tf.nest.flatten(spec)]

@@ -112,6 +112,40 @@ def global_seed():
     return context.context()._seed
 
 
+def dataset_shuffle_seeds(dataset):
+    """`[(seed, seed2)]` (ints) of every `shuffle` in `dataset`'s input
+    pipeline (walking `DatasetV2._inputs()`; `(0, 0)`: unseeded, a random
+    order per process, as TensorFlow's kernels read it), in a fixed
+    order."""
+    from tensorflow.python.data.experimental.ops import shuffle_ops
+    from tensorflow.python.data.ops import shuffle_op
+
+    kinds = (shuffle_op._ShuffleDataset, shuffle_ops._ShuffleAndRepeatDataset)
+    found, stack, seen = [], [dataset], set()
+    while stack:
+        ds = stack.pop()
+        if id(ds) in seen:
+            continue
+        seen.add(id(ds))
+        if isinstance(ds, kinds):
+            found.append(tuple(0 if seed is None else int(seed)
+                               for seed in (ds._seed, ds._seed2)))
+        try:
+            stack.extend(reversed(ds._inputs()))
+        except (AttributeError, NotImplementedError):
+            pass
+    return found
+
+
+def auto_shard_off(dataset):
+    """Whether `dataset`'s options turn TensorFlow's auto-sharding off (each
+    worker reads data of its own)."""
+    import tensorflow as tf
+
+    policy = dataset.options().experimental_distribute.auto_shard_policy
+    return policy == tf.data.experimental.AutoShardPolicy.OFF
+
+
 def trace_time_instance_keys(fn):
     """`fn` with collective instance keys fixed when it is traced.
 

@@ -5,7 +5,9 @@ arrays (Keras' default), under `keras-smp launch -n 2`:
   `shuffle="batch"`;
 - `half_seeded`: rank 1 seeded, rank 0 not; `seeded_apart`: each rank
   seeded with its own seed (1 + rank) -> each fit's error;
-- `seeded_alike`: every rank seeded with 5.
+- `seeded_alike`: every rank seeded with 5;
+- a `tf.data` dataset shuffled without a seed (`fit`, `evaluate`: the
+  errors), with seed 7, and each rank's own half with auto-sharding off.
 
 The inputs are the rows' indices (`x[i] = i`); a model records every row
 of each step's share (`tf.py_function`). Writes OUT/rank{R}.json:
@@ -49,26 +51,54 @@ class Recorder(keras.Model):
             return super().train_step(data)
 
 
-def fit(shuffle=True):
+def model():
     with strategy.scope():
         inputs = keras.Input((1,))
         model = Recorder(inputs, keras.layers.Dense(1)(inputs))
         model.compile(keras.optimizers.SGD(0.01), "mse")
+    return model
+
+
+def fit(shuffle=True, data=None):
     seen.clear()
-    model.fit(X, Y, batch_size=ROWS, epochs=EPOCHS, shuffle=shuffle,
-              verbose=0)
+    if data is None:
+        model().fit(X, Y, batch_size=ROWS, epochs=EPOCHS, shuffle=shuffle,
+                    verbose=0)
+    else:
+        model().fit(data, epochs=EPOCHS, verbose=0)
     return list(seen)
 
 
-def failure():
+def failure(call=fit):
     try:
-        fit()
+        call()
     except ValueError as e:
         return str(e)
     return None
 
 
-report = {"unseeded": fit(), "unseeded_batch": fit("batch")}
+def dataset(seed=None, rows=None):
+    data = tf.data.Dataset.from_tensor_slices((X, Y) if rows is None else
+                                              (X[rows], Y[rows]))
+    return data.shuffle(N, seed=seed).batch(ROWS, drop_remainder=True)
+
+
+def own_half():
+    # Each rank reads a half of its own (auto-sharding off): its own
+    # shuffle is fine.
+    data = dataset(rows=slice(RANK, None, 2))
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.OFF)
+    return fit(data=data.with_options(options))
+
+
+report = {"unseeded": fit(), "unseeded_batch": fit("batch"),
+          "dataset_unseeded": failure(lambda: fit(data=dataset())),
+          "evaluate_unseeded": failure(
+              lambda: model().evaluate(dataset(), verbose=0)),
+          "dataset_seeded": fit(data=dataset(seed=7)),
+          "dataset_own_half": own_half()}
 if RANK == 1:
     tf.random.set_seed(3)
 report["half_seeded"] = failure()
