@@ -12,7 +12,9 @@ ranks seeded differently (or some not) fail before the first step, naming
 each rank's order. A `tf.data` dataset cannot be reseeded: shuffled without
 a seed, `fit` and `evaluate` fail before their first step naming the fix
 (they trained and counted each rank's share of its own order), unless
-auto-sharding is off (each rank reads its own data).
+auto-sharding is off (each rank reads its own data). A `PyDataset` Keras
+shuffles draws its order from Python's `random`: unseeded, `fit` fails
+before its first step.
 """
 
 import json
@@ -72,8 +74,21 @@ def test_data_parallel_processes_shuffle_arrays_alike(tmp_path):
         rows = [r for step in report["dataset_own_half"] for r in step]
         assert rows and all(r % 2 == rank for r in rows), (rank, rows)
 
+    # A PyDataset seeded alike: its batches (blocks of rows) in one order.
+    blocks = _steps(reports, "py_dataset_seeded_alike")
+    _check_every_row_once(blocks)
+    for a, b in blocks:
+        first = min(a + b)
+        assert first % ROWS == 0 and set(a + b) == set(
+            range(first, first + ROWS)), (a, b)
+
     label = "order of the shuffled arrays"
     for report in reports:
+        message = report["py_dataset_unseeded"]
+        assert message is not None and (
+            "order of the PyDataset's shuffle (call keras.utils."
+            "set_random_seed") in message, message
+        assert message.count("Python's random state") == 2, message
         for case in ("dataset_unseeded", "evaluate_unseeded"):
             message = report[case]
             assert message is not None and (

@@ -29,12 +29,14 @@ the first step of `fit`, `evaluate` or `predict` naming the fix (a seed), as
 an unseeded shuffle fed each process's share of another order (in an
 evaluation too: some rows counted twice, others not at all). Not when the
 dataset turns TensorFlow's auto-sharding off (each process reads data of
-its own). A `PyDataset` or generator must give every process the same
-batches.
+its own). A `PyDataset` shuffled by Keras (`shuffle=True`) draws its order
+from Python's `random`: processes whose random states differ (unseeded)
+fail alike. A generator must give every process the same batches.
 
 Costs one store key per strategy, and a counter update per epoch.
 """
 
+import hashlib
 import itertools
 import random
 
@@ -43,6 +45,9 @@ ORDER = ("order of the shuffled arrays (set the same seed on every rank "
          "with keras.utils.set_random_seed, or none)")
 AGREED = "keras-smp's, alike on every rank (no seed set)"
 
+PY_DATASET_ORDER = (
+    "order of the PyDataset's shuffle (call keras.utils.set_random_seed with "
+    "the same seed on every rank, or shuffle=False)")
 DATASET_ORDER = (
     "order of the dataset's shuffle (give Dataset.shuffle a seed, the same "
     "on every rank, or call keras.utils.set_random_seed with the same seed "
@@ -131,3 +136,14 @@ def dataset_order(strategy, dataset, rank):
     if any(pair == (0, 0) for pair in seeds):
         return f"unseeded, rank {rank}'s own order"
     return "seeds " + ", ".join(f"({a}, {b})" for a, b in seeds)
+
+
+def py_dataset_order(strategy):
+    """This rank's order of a `PyDataset` Keras shuffles (Python's `random`
+    state, as a digest) for the call's record, or `None` where none is
+    needed (data-parallel replicas in one process)."""
+    extended = getattr(strategy, "extended", None)
+    if getattr(extended, "_smp_data_order", None) is None:
+        return None
+    digest = hashlib.sha1(repr(random.getstate()).encode()).hexdigest()
+    return f"Python's random state {digest[:10]}"

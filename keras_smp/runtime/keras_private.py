@@ -866,6 +866,17 @@ def epoch_iterator_dataset(epoch_iterator):
     return None
 
 
+def epoch_iterator_shuffles_py_dataset(epoch_iterator):
+    """Whether a Keras `EpochIterator` reads a `PyDataset` in an order drawn
+    from Python's `random` (`shuffle=True`; checked against
+    `PyDatasetAdapter`)."""
+    from keras.src.trainers.data_adapters import py_dataset_adapter
+
+    adapter = getattr(epoch_iterator, "data_adapter", None)
+    return isinstance(adapter, py_dataset_adapter.PyDatasetAdapter) and bool(
+        adapter.shuffle)
+
+
 def epoch_iterator_strategy(epoch_iterator):
     """The `tf.distribute.Strategy` a Keras `TFEpochIterator` feeds."""
     return getattr(epoch_iterator, "_distribute_strategy", None)

@@ -489,6 +489,11 @@ def _check_call(epoch_iterator):
             epoch_iterator), runtime.topology.rank)
     if order is not None:
         arguments = {**arguments, data_order.DATASET_ORDER: order}
+    if keras_private.epoch_iterator_shuffles_py_dataset(epoch_iterator):
+        order = data_order.py_dataset_order(
+            keras_private.epoch_iterator_strategy(epoch_iterator))
+        if order is not None:
+            arguments = {**arguments, data_order.PY_DATASET_ORDER: order}
     spec = _symbolic_batch(epoch_iterator)
     inputs = None if spec is None else [
         (s.dtype.name, s.shape.as_list()) for s in tf.nest.flatten(spec)]

@@ -7,7 +7,8 @@ arrays (Keras' default), under `keras-smp launch -n 2`:
   seeded with its own seed (1 + rank) -> each fit's error;
 - `seeded_alike`: every rank seeded with 5;
 - a `tf.data` dataset shuffled without a seed (`fit`, `evaluate`: the
-  errors), with seed 7, and each rank's own half with auto-sharding off.
+  errors), with seed 7, and each rank's own half with auto-sharding off;
+- a `PyDataset` Keras shuffles, unseeded (the error) and seeded alike.
 
 The inputs are the rows' indices (`x[i] = i`); a model records every row
 of each step's share (`tf.py_function`). Writes OUT/rank{R}.json:
@@ -93,7 +94,16 @@ def own_half():
     return fit(data=data.with_options(options))
 
 
+class Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return N // ROWS
+
+    def __getitem__(self, i):
+        return X[i * ROWS:(i + 1) * ROWS], Y[i * ROWS:(i + 1) * ROWS]
+
+
 report = {"unseeded": fit(), "unseeded_batch": fit("batch"),
+          "py_dataset_unseeded": failure(lambda: fit(data=Batches())),
           "dataset_unseeded": failure(lambda: fit(data=dataset())),
           "evaluate_unseeded": failure(
               lambda: model().evaluate(dataset(), verbose=0)),
@@ -106,5 +116,7 @@ keras.utils.set_random_seed(1 + RANK)
 report["seeded_apart"] = failure()
 keras.utils.set_random_seed(5)
 report["seeded_alike"] = fit()
+keras.utils.set_random_seed(5)
+report["py_dataset_seeded_alike"] = fit(data=Batches())
 with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
     json.dump(report, f)
