@@ -60,8 +60,16 @@ def test_data_parallel_processes_shuffle_arrays_alike(tmp_path):
     assert unseeded[:STEPS] != unseeded[STEPS:]
     _check_every_row_once(_steps(reports, "unseeded_batch"),
                           batch_blocks=True)
-    # Seeded alike: Keras' own permutation, the same on both ranks.
-    _check_every_row_once(_steps(reports, "seeded_alike"))
+    # A fit after one that left its pass unfinished: still alike.
+    _check_every_row_once(_steps(reports, "after_unfinished"),
+                          batch_blocks=True)
+    # Seeded alike: Keras' own permutation, the same on both ranks, and
+    # the one Keras on one device seeded alike trains (each step's rows).
+    alike = _steps(reports, "seeded_alike")
+    _check_every_row_once(alike)
+    one_device = reports[0]["plain_seeded"]
+    assert [sorted(a + b) for a, b in alike] == [
+        sorted(rows) for rows in one_device], (alike, one_device)
 
     # A dataset shuffled with a seed: every row once, a new order each
     # epoch (TensorFlow reshuffles each iteration).
@@ -98,10 +106,12 @@ def test_data_parallel_processes_shuffle_arrays_alike(tmp_path):
                     "rank 1's own order on rank 1") in message, message
         half = report["half_seeded"]
         assert half is not None and label in half, half
-        assert ("keras-smp's, alike on every rank (no seed set) on rank 0; "
-                "Keras' own, tf.random seed 3 on rank 1") in half, half
+        assert ("keras-smp's, alike on every rank (no seed set), "
+                "shuffle=True, dataset 5 on rank 0; Keras' own, tf.random "
+                "seed 3, shuffle=True on rank 1") in half, half
         apart = report["seeded_apart"]
         assert apart is not None and label in apart, apart
-        assert ("Keras' own, tf.random seed 1 on rank 0; Keras' own, "
-                "tf.random seed 2 on rank 1") in apart, apart
+        assert ("Keras' own, tf.random seed 1, shuffle=True on rank 0; "
+                "Keras' own, tf.random seed 2, shuffle=True on rank 1"
+                ) in apart, apart
         assert "keras.utils.set_random_seed" in apart, apart

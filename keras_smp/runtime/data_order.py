@@ -33,7 +33,8 @@ its own). A `PyDataset` shuffled by Keras (`shuffle=True`) draws its order
 from Python's `random`: processes whose random states differ (unseeded)
 fail alike. A generator must give every process the same batches.
 
-Costs one store key per strategy, and a counter update per epoch.
+Costs one store key per strategy, and a counter update per permutation
+(per epoch; per batch with `shuffle="batch"`).
 """
 
 import hashlib
@@ -81,27 +82,48 @@ def allocate(extended, runtime):
             ctx, key, rank=topology.rank, source=0,
             what="the seed of the shuffled arrays' order",
             timeout_seconds=runtime.config.collective_timeout_seconds))
-    with tf.init_scope():
-        extended._smp_data_order = tf.Variable(
-            [seed, 0], dtype=tf.int64, trainable=False,
-            name="smp_data_order")
+    # On this worker's host CPU, where tf.data runs the permutations.
+    with tf.init_scope(), tf.device("/device:CPU:0"):
+        state = tf.Variable([seed, 0], dtype=tf.int64, trainable=False,
+                            name="smp_data_order")
+    extended._smp_data_order = _Order(seed, state)
 
 
-def shuffle_for(strategy):
-    """`(shuffle, order)` for Keras' arrays shuffled under `strategy`:
-    `shuffle` replaces the permutation's `tf.random.shuffle` (`None`:
-    Keras' own), `order` says which order this rank shuffles in, for the
-    call's record (`None`: the strategy needs no agreement)."""
+class _Order:
+    """A strategy's agreed seed, its `tf.Variable` `[dataset's seed,
+    permutations so far]`, and the shuffled datasets made so far."""
+
+    def __init__(self, seed, state):
+        self.seed, self.state, self.datasets = seed, state, 0
+
+
+def shuffle_for(strategy, shuffle):
+    """`(replacement, order)` for Keras' arrays shuffled under `strategy`
+    (`shuffle`: `True` or `"batch"`): `replacement` replaces the
+    permutation's `tf.random.shuffle` (`None`: Keras' own), `order` says
+    which order this rank shuffles in, for the call's record (`None`: the
+    strategy needs no agreement).
+
+    Each dataset starts a counter of its own from a seed of its own (the
+    strategy's, and how many shuffled datasets came before): a pass a
+    previous `fit` left unfinished (stopped early, or prefetched ahead)
+    leaves no rank behind. The record names the mode and the dataset's
+    number, so ranks that differ there fail before the first step."""
     extended = getattr(strategy, "extended", None)
-    state = getattr(extended, "_smp_data_order", None)
-    if state is None:
+    agreed = getattr(extended, "_smp_data_order", None)
+    if agreed is None:
         return None, None
     from keras_smp.runtime import tf_private
 
+    index = agreed.datasets  # counted seeded or not: ranks stay in step
+    agreed.datasets += 1
     seed = tf_private.global_seed()
     if seed is not None:
-        return None, f"Keras' own, tf.random seed {seed}"
-    return _agreed_shuffle(state), AGREED
+        return None, f"Keras' own, tf.random seed {seed}, shuffle={shuffle!r}"
+    mixed = (agreed.seed * 1_000_003 + index) % 2**62
+    agreed.state.assign([mixed, 0])
+    return _agreed_shuffle(agreed.state), (
+        f"{AGREED}, shuffle={shuffle!r}, dataset {index + 1}")
 
 
 def _agreed_shuffle(state):

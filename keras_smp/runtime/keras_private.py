@@ -14,6 +14,7 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: F401
 # --- used by keras_smp.pipeline (DistributedModel, StagedGraph) ------------
 import contextlib  # noqa: E402
 import functools  # noqa: E402
+import threading  # noqa: E402
 
 from keras.src.backend.common import global_state  # noqa: E402
 from keras.src.losses.loss import unscale_loss_for_distribution  # noqa: E402,F401
@@ -800,18 +801,23 @@ def on_epoch_iterator(hook):
     against `TFEpochIterator.__init__`)."""
     from keras.src.backend.tensorflow import trainer as trainer_lib
 
-    cls = trainer_lib.TFEpochIterator
-    original = cls.__init__
+    def wrap(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            hook(self)
+        return __init__
+
+    _wrap_once(trainer_lib.TFEpochIterator, "__init__", wrap)
+
+
+def _wrap_once(cls, name, wrap):
+    """Replaces `cls.name` by `wrap(original)` unless already replaced."""
+    original = getattr(cls, name)
     if getattr(original, "_smp_patched", False):
         return
-
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        hook(self)
-
-    __init__._smp_patched = True
-    cls.__init__ = __init__
+    wrapped = functools.wraps(original)(wrap(original))
+    wrapped._smp_patched = True
+    setattr(cls, name, wrapped)
 
 
 def on_array_dataset(hook):
@@ -823,29 +829,46 @@ def on_array_dataset(hook):
     against `ArrayDataAdapter.get_tf_dataset`)."""
     from keras.src.trainers.data_adapters import array_data_adapter
 
-    cls = array_data_adapter.ArrayDataAdapter
-    original = cls.get_tf_dataset
-    if getattr(original, "_smp_patched", False):
+    def wrap(original):
+        def get_tf_dataset(self):
+            shuffle = self._shuffle
+            replacement = hook(shuffle) if shuffle else None
+            if replacement is None:
+                return original(self)
+            _dispatch_shuffle()
+            _shuffle_override.fn = replacement
+            try:  # Keras traces its permutation here, in this thread
+                return original(self)
+            finally:
+                _shuffle_override.fn = None
+        return get_tf_dataset
+
+    _wrap_once(array_data_adapter.ArrayDataAdapter, "get_tf_dataset", wrap)
+
+
+# The replacement of `tf.random.shuffle` while this thread's Keras makes an
+# array dataset (`on_array_dataset`).
+_shuffle_override = threading.local()
+
+
+def _dispatch_shuffle():
+    """Makes `tf.random.shuffle` this thread's override, if any, for calls
+    without an explicit `seed`, TensorFlow's otherwise (once)."""
+    import tensorflow as tf
+
+    tensorflow_shuffle = tf.random.shuffle
+    if getattr(tensorflow_shuffle, "_smp_dispatch", False):
         return
 
-    @functools.wraps(original)
-    def get_tf_dataset(self):
-        shuffle = self._shuffle
-        replacement = hook(shuffle) if shuffle else None
-        if replacement is None:
-            return original(self)
-        import tensorflow as tf
+    @functools.wraps(tensorflow_shuffle)
+    def shuffle(value, seed=None, name=None):
+        override = getattr(_shuffle_override, "fn", None)
+        if override is None or seed is not None:
+            return tensorflow_shuffle(value, seed=seed, name=name)
+        return override(value)
 
-        module = tf.random
-        keras_shuffle = module.shuffle
-        module.shuffle = replacement
-        try:
-            return original(self)
-        finally:
-            module.shuffle = keras_shuffle
-
-    get_tf_dataset._smp_patched = True
-    cls.get_tf_dataset = get_tf_dataset
+    shuffle._smp_dispatch = True
+    tf.random.shuffle = shuffle
 
 
 def epoch_iterator_steps(epoch_iterator):

@@ -432,7 +432,8 @@ def _patch_calls(trainer):
             _in_progress.stack.append({
                 "call": _name, "arguments": arguments, "iterators": 0,
                 "index": None,
-                "strategy": getattr(self, "_distribute_strategy", None)})
+                # Keras' (the model's, else the scope's).
+                "strategy": getattr(self, "distribute_strategy", None)})
             try:
                 return _original(self, *args, **kwargs)
             finally:
@@ -452,7 +453,7 @@ def _array_shuffle(shuffle):
     if not _in_progress.stack:
         return None
     frame = _in_progress.stack[-1]
-    replacement, order = data_order.shuffle_for(frame["strategy"])
+    replacement, order = data_order.shuffle_for(frame["strategy"], shuffle)
     if order is not None:
         frame["arguments"][data_order.ORDER] = order
     return replacement

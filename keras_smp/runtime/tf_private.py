@@ -109,7 +109,7 @@ def global_seed():
     """The global seed `tf.random.set_seed` (or `keras.utils.set_random_seed`)
     set in this process, or `None`; reads it without drawing an operation
     seed (`random_seed.get_seed` would advance the sequence of op seeds)."""
-    return context.context()._seed
+    return context.global_seed()
 
 
 def dataset_shuffle_seeds(dataset):

@@ -5,7 +5,10 @@ arrays (Keras' default), under `keras-smp launch -n 2`:
   `shuffle="batch"`;
 - `half_seeded`: rank 1 seeded, rank 0 not; `seeded_apart`: each rank
   seeded with its own seed (1 + rank) -> each fit's error;
-- `seeded_alike`: every rank seeded with 5;
+- `seeded_alike`: every rank seeded with 5, and `plain_seeded`: Keras on
+  one device seeded with 5;
+- `after_unfinished`: a fit that stops 2 batches into a pass, then
+  another;
 - a `tf.data` dataset shuffled without a seed (`fit`, `evaluate`: the
   errors), with seed 7, and each rank's own half with auto-sharding off;
 - a `PyDataset` Keras shuffles, unseeded (the error) and seeded alike.
@@ -102,7 +105,27 @@ class Batches(keras.utils.PyDataset):
         return X[i * ROWS:(i + 1) * ROWS], Y[i * ROWS:(i + 1) * ROWS]
 
 
+def after_unfinished():
+    # A pass left unfinished (2 of 3 batches, the rest prefetched or not),
+    # then a new fit: its permutations start alike on every rank.
+    model().fit(X, Y, batch_size=ROWS, epochs=1, steps_per_epoch=2,
+                shuffle="batch", verbose=0)
+    return fit("batch")
+
+
+def plain(seed):
+    # Keras on one device (no strategy), seeded.
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((1,))
+    model = Recorder(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    seen.clear()
+    model.fit(X, Y, batch_size=ROWS, epochs=EPOCHS, verbose=0)
+    return list(seen)
+
+
 report = {"unseeded": fit(), "unseeded_batch": fit("batch"),
+          "after_unfinished": after_unfinished(),
           "py_dataset_unseeded": failure(lambda: fit(data=Batches())),
           "dataset_unseeded": failure(lambda: fit(data=dataset())),
           "evaluate_unseeded": failure(
@@ -114,6 +137,7 @@ if RANK == 1:
 report["half_seeded"] = failure()
 keras.utils.set_random_seed(1 + RANK)
 report["seeded_apart"] = failure()
+report["plain_seeded"] = plain(5)
 keras.utils.set_random_seed(5)
 report["seeded_alike"] = fit()
 keras.utils.set_random_seed(5)
