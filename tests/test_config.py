@@ -687,6 +687,22 @@ def test_call_records_compare_steps_arguments_and_batch_shapes():
         calls.call_record("train", steps=1)
 
 
+def test_call_orders_compare_only_the_ranks_giving_one():
+    # Ranks 1 and 3 (tensor-parallel ranks 1) take their replica's batch
+    # from rank 0 and 2: their orders are not given, and not compared.
+    def record(order=None):
+        return calls.call_record("fit", steps=3, orders=(
+            {} if order is None else {"order of the shuffled arrays": order}))
+
+    seeded = {0: record("seed 1"), 1: record(), 2: record("seed 1"),
+              3: record()}
+    assert calls.call_disagreements(seeded, 0) is None
+    apart = {**seeded, 2: record("seed 2")}
+    lines = calls.call_disagreements(apart, 0).splitlines()
+    assert ("- order of the shuffled arrays: seed 1 on rank 0; seed 2 on "
+            "rank 2") in lines, lines
+
+
 def test_call_batch_shapes_unknown_dimensions_match_any():
     def record(*inputs):
         return calls.call_record("evaluate", steps=2, inputs=inputs)

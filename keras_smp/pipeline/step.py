@@ -37,6 +37,7 @@ from keras_smp.runtime import xla
 from keras_smp.runtime.loss_shares import reduction_of
 from keras_smp.tensor.layers import current_group_of
 from keras_smp.tensor.layers import is_tensor_parallel
+from keras_smp.tensor.ops import sharable
 
 
 @dataclasses.dataclass
@@ -360,20 +361,14 @@ def _from_first_rank(model, links, x, y, sample_weight):
     if any(model.staged_graph.output_masks()):
         parts["x"] = x
     flat = {role: tf.nest.flatten(part) for role, part in parts.items()}
-    sent = {role: [t for t in leaves if _sharable(t)]
+    sent = {role: [t for t in leaves if sharable(t)]
             for role, leaves in flat.items()}
     got, done = links.share_from_first(sent, model.num_microbatches)
     for role, leaves in flat.items():
         received = iter(got[role])
         parts[role] = tf.nest.pack_sequence_as(parts[role], [
-            next(received) if _sharable(t) else t for t in leaves])
+            next(received) if sharable(t) else t for t in leaves])
     return parts.get("x", x), parts["y"], parts["sample_weight"], done
-
-
-def _sharable(t):
-    """Whether a batch's tensor `t` can be broadcast by a collective."""
-    return (isinstance(t, tf.Tensor) and t.dtype != tf.string
-            and t.shape.rank is not None and t.shape.rank >= 1)
 
 
 def _reaching_no_loss(model, graph, has_loss):

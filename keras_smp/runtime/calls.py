@@ -39,7 +39,7 @@ _FIX = (
 
 
 def call_record(call: str, *, steps, arguments: Mapping | None = None,
-                inputs=None) -> dict:
+                inputs=None, orders: Mapping | None = None) -> dict:
     """What one rank is about to run: a JSON-able dict.
 
     Args:
@@ -52,6 +52,10 @@ def call_record(call: str, *, steps, arguments: Mapping | None = None,
         inputs: `(dtype, shape)` per input tensor of a batch, e.g.
             `("float32", [None, 8])`; `None` in a shape, or `inputs=None`,
             where the data does not say (an unknown dimension matches any).
+        orders: `{what: order}`: the orders this rank reads its data in,
+            where it reads its replica's batch (a data-parallel replica's
+            first stage's tensor-parallel rank 0); compared only among the
+            ranks giving one (`runtime.data_order`).
 
     Example:
 
@@ -70,7 +74,8 @@ def call_record(call: str, *, steps, arguments: Mapping | None = None,
             "steps": "unknown" if steps is None else int(steps),
             "arguments": dict(arguments or {}),
             "inputs": None if inputs is None else [
-                f"{dtype}{list(shape)}" for dtype, shape in inputs]}
+                f"{dtype}{list(shape)}" for dtype, shape in inputs],
+            "orders": dict(orders or {})}
 
 
 def _parsed(inputs):
@@ -155,6 +160,17 @@ def call_disagreements(records: Mapping[int, Mapping], index: int
             lines += _differences(
                 {r: {"value": (records[r].get("arguments") or {}).get(name)}
                  for r in ranks}, ranks, "value", name)
+        names = []
+        for rank in ranks:
+            for name in records[rank].get("orders") or {}:
+                if name not in names:
+                    names.append(name)
+        for name in names:
+            giving = [r for r in ranks
+                      if name in (records[r].get("orders") or {})]
+            lines += _differences(
+                {r: {"value": records[r]["orders"][name]} for r in giving},
+                giving, "value", name)
         first = records[ranks[0]].get("inputs")
         if not all(inputs_compatible(first, records[r].get("inputs"))
                    for r in ranks):

@@ -20,7 +20,9 @@ So, under an `SMPStrategy` whose data-parallel replicas span processes:
   Keras' own permutation, as on one device seeded with `s`;
 - processes that differ (one seeded, another not, or other seeds) fail
   before the first step, naming each rank's order (`runtime.calls`: the
-  fit's record says which order this rank shuffles in).
+  fit's record says which order this rank shuffles in). Only the ranks
+  whose order trains are compared: a replica's first stage's
+  tensor-parallel rank 0; its other ranks take its batch.
 
 A `tf.data` dataset's `shuffle` cannot be reseeded once made: its seeds
 go into each call's record too, and a dataset shuffled without a seed (each
@@ -86,15 +88,28 @@ def allocate(extended, runtime):
     with tf.init_scope(), tf.device("/device:CPU:0"):
         state = tf.Variable([seed, 0], dtype=tf.int64, trainable=False,
                             name="smp_data_order")
-    extended._smp_data_order = _Order(seed, state)
+    # The ranks whose order trains: a replica's first stage's
+    # tensor-parallel rank 0 reads its replica's batch; the others take it
+    # from there (`TensorGroup.from_first`, `StageLinks.share_from_first`).
+    extended._smp_data_order = _Order(
+        seed, state, reads=topology.pp_rank == 0 and topology.tp_rank == 0)
 
 
 class _Order:
     """A strategy's agreed seed, its `tf.Variable` `[dataset's seed,
-    permutations so far]`, and the shuffled datasets made so far."""
+    permutations so far]`, the shuffled datasets made so far, and whether
+    this rank's order trains (`reads`)."""
 
-    def __init__(self, seed, state):
+    def __init__(self, seed, state, reads):
         self.seed, self.state, self.datasets = seed, state, 0
+        self.reads = reads
+
+
+def _reading(strategy):
+    """The strategy's `_Order` where this rank's order trains, else None."""
+    agreed = getattr(getattr(strategy, "extended", None), "_smp_data_order",
+                     None)
+    return agreed if agreed is not None and agreed.reads else None
 
 
 def shuffle_for(strategy, shuffle):
@@ -119,11 +134,12 @@ def shuffle_for(strategy, shuffle):
     agreed.datasets += 1
     seed = tf_private.global_seed()
     if seed is not None:
-        return None, f"Keras' own, tf.random seed {seed}, shuffle={shuffle!r}"
+        order = f"Keras' own, tf.random seed {seed}, shuffle={shuffle!r}"
+        return None, order if agreed.reads else None
     mixed = (agreed.seed * 1_000_003 + index) % 2**62
     agreed.state.assign([mixed, 0])
-    return _agreed_shuffle(agreed.state), (
-        f"{AGREED}, shuffle={shuffle!r}, dataset {index + 1}")
+    order = f"{AGREED}, shuffle={shuffle!r}, dataset {index + 1}"
+    return _agreed_shuffle(agreed.state), order if agreed.reads else None
 
 
 def _agreed_shuffle(state):
@@ -140,10 +156,10 @@ def _agreed_shuffle(state):
 def dataset_order(strategy, dataset, rank):
     """This rank's order of a `tf.data` `dataset` read under `strategy`, for
     the call's record, or `None` where none is needed (data-parallel
-    replicas in one process, no shuffle, auto-sharding off). Unseeded, the
-    value names `rank`: it differs on every rank."""
-    extended = getattr(strategy, "extended", None)
-    if getattr(extended, "_smp_data_order", None) is None:
+    replicas in one process, a rank whose order does not train, no
+    shuffle, auto-sharding off). Unseeded, the value names `rank`: it
+    differs on every rank."""
+    if _reading(strategy) is None:
         return None
     import tensorflow as tf
 
@@ -163,9 +179,9 @@ def dataset_order(strategy, dataset, rank):
 def py_dataset_order(strategy):
     """This rank's order of a `PyDataset` Keras shuffles (Python's `random`
     state, as a digest) for the call's record, or `None` where none is
-    needed (data-parallel replicas in one process)."""
-    extended = getattr(strategy, "extended", None)
-    if getattr(extended, "_smp_data_order", None) is None:
+    needed (data-parallel replicas in one process, a rank whose order does
+    not train)."""
+    if _reading(strategy) is None:
         return None
     digest = hashlib.sha1(repr(random.getstate()).encode()).hexdigest()
     return f"Python's random state {digest[:10]}"

@@ -431,7 +431,7 @@ def _patch_calls(trainer):
                     or bool(given.get("validation_split")))
             _in_progress.stack.append({
                 "call": _name, "arguments": arguments, "iterators": 0,
-                "index": None,
+                "index": None, "orders": {},
                 # Keras' (the model's, else the scope's).
                 "strategy": getattr(self, "distribute_strategy", None)})
             try:
@@ -455,7 +455,7 @@ def _array_shuffle(shuffle):
     frame = _in_progress.stack[-1]
     replacement, order = data_order.shuffle_for(frame["strategy"], shuffle)
     if order is not None:
-        frame["arguments"][data_order.ORDER] = order
+        frame["orders"][data_order.ORDER] = order
     return replacement
 
 
@@ -480,8 +480,9 @@ def _check_call(epoch_iterator):
     frame["iterators"] += 1
     if frame["iterators"] == 1:
         call, arguments = frame["call"], frame["arguments"]
+        orders = dict(frame["orders"])
     elif frame["call"] == "fit" and frame["iterators"] == 2:
-        call, arguments = "validation of fit", {}
+        call, arguments, orders = "validation of fit", {}, {}
     else:
         return
     order = data_order.dataset_order(
@@ -489,18 +490,19 @@ def _check_call(epoch_iterator):
         keras_private.epoch_iterator_dataset(
             epoch_iterator), runtime.topology.rank)
     if order is not None:
-        arguments = {**arguments, data_order.DATASET_ORDER: order}
+        orders[data_order.DATASET_ORDER] = order
     if keras_private.epoch_iterator_shuffles_py_dataset(epoch_iterator):
         order = data_order.py_dataset_order(
             keras_private.epoch_iterator_strategy(epoch_iterator))
         if order is not None:
-            arguments = {**arguments, data_order.PY_DATASET_ORDER: order}
+            orders[data_order.PY_DATASET_ORDER] = order
     spec = _symbolic_batch(epoch_iterator)
     inputs = None if spec is None else [
         (s.dtype.name, s.shape.as_list()) for s in tf.nest.flatten(spec)]
     index = agreement.check_same_call(runtime, call_record(
         call, steps=keras_private.epoch_iterator_steps(epoch_iterator),
-        arguments=arguments, inputs=inputs), of_call=frame["index"])
+        arguments=arguments, inputs=inputs, orders=orders),
+        of_call=frame["index"])
     if frame["index"] is None:
         frame["index"] = index
 

@@ -48,6 +48,13 @@ _ROWS_STRIDE = 100_000
 MAX_ROWS = (2**31 - 1 - _BATCHED_BASE) // _ROWS_STRIDE - 1
 
 
+def sharable(t):
+    """Whether a batch's tensor `t` can be broadcast by a collective: a
+    dense tensor with a batch axis, not of strings."""
+    return (isinstance(t, tf.Tensor) and t.dtype != tf.string
+            and bool(t.shape.rank))
+
+
 class TensorGroup:
     """One tensor-parallel group of processes.
 
@@ -245,8 +252,7 @@ class TensorGroup:
             return batch
 
         def first(t):
-            if not (isinstance(t, tf.Tensor) and t.dtype != tf.string
-                    and t.shape.rank):
+            if not sharable(t):
                 return t
             if None in t.shape[1:]:
                 # A collective's shape is kept per key: a size that may
