@@ -20,6 +20,8 @@ before its first step.
 import json
 import os
 
+import pytest
+
 from conftest import WORKERS
 from conftest import launch
 
@@ -45,6 +47,7 @@ def _check_every_row_once(steps, batch_blocks=False):
         assert sorted(rows) == list(range(N)), (epoch, sorted(rows))
 
 
+@pytest.mark.slow
 def test_data_parallel_processes_shuffle_arrays_alike(tmp_path):
     launch(2, [os.path.join(WORKERS, "data_order.py"), str(tmp_path)],
            timeout=240)
@@ -82,6 +85,20 @@ def test_data_parallel_processes_shuffle_arrays_alike(tmp_path):
         rows = [r for step in report["dataset_own_half"] for r in step]
         assert rows and all(r % 2 == rank for r in rows), (rank, rows)
 
+    # Files (sharded by file: each rank its own, in its own order) and a
+    # PyDataset Keras does not shuffle (unknown length) train, no error.
+    # Rank r reads files r and r + 2 (of 24 rows each), each row once per
+    # epoch of 6 steps of 8 rows.
+    for rank, report in enumerate(reports):
+        steps = report["from_files"]
+        own = sorted(list(range(rank * 24, rank * 24 + 24))
+                     + list(range((rank + 2) * 24, (rank + 3) * 24)))
+        assert len(steps) == 12, steps
+        for epoch in (steps[:6], steps[6:]):
+            assert sorted(r for step in epoch for r in step) == own, epoch
+    assert all(len(report["py_dataset_forever"]) == STEPS
+               for report in reports)
+
     # A PyDataset seeded alike: its batches (blocks of rows) in one order.
     blocks = _steps(reports, "py_dataset_seeded_alike")
     _check_every_row_once(blocks)
@@ -100,8 +117,9 @@ def test_data_parallel_processes_shuffle_arrays_alike(tmp_path):
         for case in ("dataset_unseeded", "evaluate_unseeded"):
             message = report[case]
             assert message is not None and (
-                "order of the dataset's shuffle (give Dataset.shuffle a "
-                "seed") in message, (case, message)
+                "order of the dataset's shuffle (give Dataset.shuffle, or "
+                "the utility that made the dataset, a seed") in message, (
+                    case, message)
             assert ("unseeded, rank 0's own order on rank 0; unseeded, "
                     "rank 1's own order on rank 1") in message, message
         half = report["half_seeded"]

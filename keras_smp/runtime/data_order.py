@@ -30,8 +30,9 @@ process its own order), or with other seeds on other ranks, fails before
 the first step of `fit`, `evaluate` or `predict` naming the fix (a seed), as
 an unseeded shuffle fed each process's share of another order (in an
 evaluation too: some rows counted twice, others not at all). Not when the
-dataset turns TensorFlow's auto-sharding off (each process reads data of
-its own). A `PyDataset` shuffled by Keras (`shuffle=True`) draws its order
+dataset turns TensorFlow's auto-sharding off or shards by file (each
+process reads data of its own: its own files, whose list TensorFlow
+shuffles after sharding). A `PyDataset` shuffled by Keras (`shuffle=True`) draws its order
 from Python's `random`: processes whose random states differ (unseeded)
 fail alike. A generator must give every process the same batches.
 
@@ -52,9 +53,10 @@ PY_DATASET_ORDER = (
     "order of the PyDataset's shuffle (call keras.utils.set_random_seed with "
     "the same seed on every rank, or shuffle=False)")
 DATASET_ORDER = (
-    "order of the dataset's shuffle (give Dataset.shuffle a seed, the same "
-    "on every rank, or call keras.utils.set_random_seed with the same seed "
-    "on every rank before making the dataset)")
+    "order of the dataset's shuffle (give Dataset.shuffle, or the utility "
+    "that made the dataset, a seed, and call keras.utils.set_random_seed "
+    "with the same seed on every rank before making it, or none; a dataset "
+    "each rank reads on its own turns auto-sharding off)")
 
 _strategies = itertools.count()
 _KEY = "keras_smp/data_order"
@@ -157,7 +159,7 @@ def dataset_order(strategy, dataset, rank):
     """This rank's order of a `tf.data` `dataset` read under `strategy`, for
     the call's record, or `None` where none is needed (data-parallel
     replicas in one process, a rank whose order does not train, no
-    shuffle, auto-sharding off). Unseeded, the value names `rank`: it
+    shuffle, each rank reading data of its own). Unseeded, the value names `rank`: it
     differs on every rank."""
     if _reading(strategy) is None:
         return None
@@ -165,7 +167,7 @@ def dataset_order(strategy, dataset, rank):
 
     from keras_smp.runtime import tf_private
 
-    if not isinstance(dataset, tf.data.Dataset) or tf_private.auto_shard_off(
+    if not isinstance(dataset, tf.data.Dataset) or tf_private.reads_own_data(
             dataset):
         return None
     seeds = tf_private.dataset_shuffle_seeds(dataset)

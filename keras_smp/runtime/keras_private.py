@@ -896,8 +896,13 @@ def epoch_iterator_shuffles_py_dataset(epoch_iterator):
     from keras.src.trainers.data_adapters import py_dataset_adapter
 
     adapter = getattr(epoch_iterator, "data_adapter", None)
-    return isinstance(adapter, py_dataset_adapter.PyDatasetAdapter) and bool(
-        adapter.shuffle)
+    if not (isinstance(adapter, py_dataset_adapter.PyDatasetAdapter)
+            and adapter.shuffle):
+        return False
+    try:  # Keras shuffles only a PyDataset of known length
+        return adapter.py_dataset.num_batches is not None
+    except NotImplementedError:
+        return False
 
 
 def epoch_iterator_strategy(epoch_iterator):

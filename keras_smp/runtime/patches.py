@@ -459,6 +459,32 @@ def _array_shuffle(shuffle):
     return replacement
 
 
+def _data_orders(epoch_iterator, runtime):
+    """The orders of a call's data (`runtime.data_order`) for its record;
+    an order this rank cannot tell is recorded as such, not raised here
+    alone (the other ranks would wait in the agreement)."""
+    from keras_smp.runtime import data_order
+    from keras_smp.runtime import keras_private
+
+    strategy = keras_private.epoch_iterator_strategy(epoch_iterator)
+    orders = {}
+    try:
+        order = data_order.dataset_order(
+            strategy, keras_private.epoch_iterator_dataset(epoch_iterator),
+            runtime.topology.rank)
+        if order is not None:
+            orders[data_order.DATASET_ORDER] = order
+        if keras_private.epoch_iterator_shuffles_py_dataset(epoch_iterator):
+            order = data_order.py_dataset_order(strategy)
+            if order is not None:
+                orders[data_order.PY_DATASET_ORDER] = order
+    except Exception as e:  # noqa: BLE001 - reported through the record
+        orders["order of the data"] = (
+            f"unknown on rank {runtime.topology.rank} "
+            f"({type(e).__name__}: {str(e)[:160]})")
+    return orders
+
+
 def _check_call(epoch_iterator):
     """Before the first step of a `fit` / `evaluate` / `predict` call (and
     of a fit's validation) under a multi-process `SMPStrategy`: every rank
@@ -466,7 +492,6 @@ def _check_call(epoch_iterator):
     import tensorflow as tf
 
     from keras_smp.runtime import agreement
-    from keras_smp.runtime import data_order
     from keras_smp.runtime import keras_private
     from keras_smp.runtime.calls import call_record
 
@@ -485,17 +510,7 @@ def _check_call(epoch_iterator):
         call, arguments, orders = "validation of fit", {}, {}
     else:
         return
-    order = data_order.dataset_order(
-        keras_private.epoch_iterator_strategy(epoch_iterator),
-        keras_private.epoch_iterator_dataset(
-            epoch_iterator), runtime.topology.rank)
-    if order is not None:
-        orders[data_order.DATASET_ORDER] = order
-    if keras_private.epoch_iterator_shuffles_py_dataset(epoch_iterator):
-        order = data_order.py_dataset_order(
-            keras_private.epoch_iterator_strategy(epoch_iterator))
-        if order is not None:
-            orders[data_order.PY_DATASET_ORDER] = order
+    orders.update(_data_orders(epoch_iterator, runtime))
     spec = _symbolic_batch(epoch_iterator)
     inputs = None if spec is None else [
         (s.dtype.name, s.shape.as_list()) for s in tf.nest.flatten(spec)]

@@ -112,38 +112,71 @@ def global_seed():
     return context.global_seed()
 
 
-def dataset_shuffle_seeds(dataset):
-    """`[(seed, seed2)]` (ints) of every `shuffle` in `dataset`'s input
-    pipeline (walking `DatasetV2._inputs()`; `(0, 0)`: unseeded, a random
-    order per process, as TensorFlow's kernels read it), in a fixed
-    order."""
-    from tensorflow.python.data.experimental.ops import shuffle_ops
-    from tensorflow.python.data.ops import shuffle_op
-
-    kinds = (shuffle_op._ShuffleDataset, shuffle_ops._ShuffleAndRepeatDataset)
-    found, stack, seen = [], [dataset], set()
+def _datasets_in(dataset):
+    """`dataset` and every dataset its pipeline reads from (walking
+    `DatasetV2._inputs()`), in a fixed order."""
+    stack, seen = [dataset], set()
     while stack:
         ds = stack.pop()
         if id(ds) in seen:
             continue
         seen.add(id(ds))
-        if isinstance(ds, kinds):
-            found.append(tuple(0 if seed is None else int(seed)
-                               for seed in (ds._seed, ds._seed2)))
+        yield ds
         try:
             stack.extend(reversed(ds._inputs()))
         except (AttributeError, NotImplementedError):
             pass
-    return found
 
 
-def auto_shard_off(dataset):
-    """Whether `dataset`'s options turn TensorFlow's auto-sharding off (each
-    worker reads data of its own)."""
+def dataset_shuffle_seeds(dataset):
+    """`[(seed, seed2)]` (ints) of every `shuffle` in `dataset`'s input
+    pipeline (`(0, 0)`: unseeded, a random order per process, as
+    TensorFlow's kernels read it), in a fixed order."""
+    from tensorflow.python.data.experimental.ops import shuffle_ops
+    from tensorflow.python.data.ops import shuffle_op
+
+    kinds = (shuffle_op._ShuffleDataset, shuffle_ops._ShuffleAndRepeatDataset)
+    return [tuple(0 if seed is None else int(seed)
+                  for seed in (ds._seed, ds._seed2))
+            for ds in _datasets_in(dataset) if isinstance(ds, kinds)]
+
+
+# File readers: under the AUTO policy TensorFlow shards a pipeline that
+# reads files by file (each worker its own files), its file list unshuffled.
+_READERS = ("TextLineDataset", "TFRecordDataset", "FixedLengthRecordDataset")
+
+
+def reads_own_data(dataset):
+    """Whether each worker reads data of its own from `dataset` under
+    TensorFlow's auto-sharding: turned off, by file (`FILE`, `HINT`), or
+    `AUTO` with a file reader in the pipeline (a reader dataset, or a
+    reader op in an `interleave` / `flat_map` function)."""
     import tensorflow as tf
 
+    policies = tf.data.experimental.AutoShardPolicy
     policy = dataset.options().experimental_distribute.auto_shard_policy
-    return policy == tf.data.experimental.AutoShardPolicy.OFF
+    if policy in (policies.OFF, policies.FILE, policies.HINT):
+        return True
+    if policy != policies.AUTO:
+        return False
+    for ds in _datasets_in(dataset):
+        if type(ds).__name__.lstrip("_").startswith(_READERS):
+            return True
+        try:
+            functions = ds._functions()
+        except (AttributeError, NotImplementedError):
+            continue
+        for wrapper in functions:
+            try:  # the function's ops and its nested functions'
+                graph = wrapper.function.graph.as_graph_def()
+            except AttributeError:
+                continue
+            ops = [node.op for node in graph.node] + [
+                node.op for f in graph.library.function
+                for node in f.node_def]
+            if any(op.startswith(_READERS) for op in ops):
+                return True
+    return False
 
 
 def trace_time_instance_keys(fn):

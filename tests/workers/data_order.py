@@ -11,7 +11,10 @@ arrays (Keras' default), under `keras-smp launch -n 2`:
   another;
 - a `tf.data` dataset shuffled without a seed (`fit`, `evaluate`: the
   errors), with seed 7, and each rank's own half with auto-sharding off;
-- a `PyDataset` Keras shuffles, unseeded (the error) and seeded alike.
+- a `PyDataset` Keras shuffles, unseeded (the error) and seeded alike;
+- `from_files`: TFRecord files read through `list_files` (shuffled,
+  unseeded) and an unseeded `shuffle`; `py_dataset_forever`: a `PyDataset`
+  of unknown length (never shuffled): both train.
 
 The inputs are the rows' indices (`x[i] = i`); a model records every row
 of each step's share (`tf.py_function`). Writes OUT/rank{R}.json:
@@ -124,7 +127,45 @@ def plain(seed):
     return list(seen)
 
 
+def from_files():
+    # A pipeline that reads files (TensorFlow shards it by file: each rank
+    # its own files, their list shuffled after sharding, unseeded).
+    folder = os.path.join(OUT, f"files{RANK}")
+    os.makedirs(folder, exist_ok=True)
+    for f in range(4):
+        with tf.io.TFRecordWriter(os.path.join(folder, f"{f}.tfrecord")) as w:
+            for row in range(f * 24, (f + 1) * 24):
+                w.write(tf.io.serialize_tensor(
+                    tf.constant([float(row)])).numpy())
+
+    def parse(record):
+        x = tf.ensure_shape(tf.io.parse_tensor(record, tf.float32), [1])
+        return x, tf.zeros([1])
+
+    data = tf.data.Dataset.list_files(os.path.join(folder, "*.tfrecord"))
+    data = data.interleave(tf.data.TFRecordDataset).map(parse)
+    return fit(data=data.shuffle(N).batch(ROWS // 2, drop_remainder=True))
+
+
+class Forever(keras.utils.PyDataset):
+    # Of unknown length: Keras never shuffles it.
+    @property
+    def num_batches(self):
+        return None
+
+    def __getitem__(self, i):
+        i %= N // ROWS
+        return X[i * ROWS:(i + 1) * ROWS], Y[i * ROWS:(i + 1) * ROWS]
+
+
+def forever():
+    seen.clear()
+    model().fit(Forever(), epochs=1, steps_per_epoch=3, verbose=0)
+    return list(seen)
+
+
 report = {"unseeded": fit(), "unseeded_batch": fit("batch"),
+          "from_files": from_files(), "py_dataset_forever": forever(),
           "after_unfinished": after_unfinished(),
           "py_dataset_unseeded": failure(lambda: fit(data=Batches())),
           "dataset_unseeded": failure(lambda: fit(data=dataset())),
