@@ -129,6 +129,16 @@ def _shown(value):
     return value if isinstance(value, str) else repr(value)
 
 
+def _names(records, ranks, field):
+    """The keys of every rank's `field` dict, in first-seen order."""
+    names = []
+    for rank in ranks:
+        for name in records[rank].get(field) or {}:
+            if name not in names:
+                names.append(name)
+    return names
+
+
 def call_disagreements(records: Mapping[int, Mapping], index: int
                        ) -> str | None:
     """`None` when every rank's `call_record` for its `index`-th call
@@ -151,21 +161,11 @@ def call_disagreements(records: Mapping[int, Mapping], index: int
     lines = _differences(records, ranks, "call", "call")
     if not lines:  # the same call: what it runs
         lines += _differences(records, ranks, "steps", "steps")
-        names = []
-        for rank in ranks:
-            for name in records[rank].get("arguments") or {}:
-                if name not in names:
-                    names.append(name)
-        for name in names:
+        for name in _names(records, ranks, "arguments"):
             lines += _differences(
                 {r: {"value": (records[r].get("arguments") or {}).get(name)}
                  for r in ranks}, ranks, "value", name)
-        names = []
-        for rank in ranks:
-            for name in records[rank].get("orders") or {}:
-                if name not in names:
-                    names.append(name)
-        for name in names:
+        for name in _names(records, ranks, "orders"):
             giving = [r for r in ranks
                       if name in (records[r].get("orders") or {})]
             lines += _differences(
