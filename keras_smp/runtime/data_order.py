@@ -107,10 +107,15 @@ class _Order:
         self.reads = reads
 
 
+def _order_of(strategy):
+    """The strategy's `_Order`, or `None` (no agreement needed)."""
+    return getattr(getattr(strategy, "extended", None), "_smp_data_order",
+                   None)
+
+
 def _reading(strategy):
     """The strategy's `_Order` where this rank's order trains, else None."""
-    agreed = getattr(getattr(strategy, "extended", None), "_smp_data_order",
-                     None)
+    agreed = _order_of(strategy)
     return agreed if agreed is not None and agreed.reads else None
 
 
@@ -118,16 +123,16 @@ def shuffle_for(strategy, shuffle):
     """`(replacement, order)` for Keras' arrays shuffled under `strategy`
     (`shuffle`: `True` or `"batch"`): `replacement` replaces the
     permutation's `tf.random.shuffle` (`None`: Keras' own), `order` says
-    which order this rank shuffles in, for the call's record (`None`: the
-    strategy needs no agreement).
+    which order this rank shuffles in, for the call's record (`None`: no
+    agreement needed, or this rank's order does not train: its replica's
+    first rank's batch does).
 
     Each dataset starts a counter of its own from a seed of its own (the
     strategy's, and how many shuffled datasets came before): a pass a
     previous `fit` left unfinished (stopped early, or prefetched ahead)
     leaves no rank behind. The record names the mode and the dataset's
     number, so ranks that differ there fail before the first step."""
-    extended = getattr(strategy, "extended", None)
-    agreed = getattr(extended, "_smp_data_order", None)
+    agreed = _order_of(strategy)
     if agreed is None:
         return None, None
     from keras_smp.runtime import tf_private
