@@ -1167,3 +1167,47 @@ def test_dict_losses_and_metrics_keyed_by_output_name():
     assert row["weights"] <= 1e-6 * max(1.0, row["scale"]) + 1e-5 * row[
         "scale"], row
     assert row["loss"] <= 1e-5, row
+
+
+PREDICT_FIRST_CASES = ["sequential:predict", "sequential:dataset",
+                       "sequential:on_batch", "subclassed:predict",
+                       "subclassed:on_batch"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_predict_builds_a_model_not_built_yet(tmp_path, processes):
+    # A Sequential without an Input and a subclassed keras.Model, wrapped,
+    # with `predict` (of arrays, of a dataset) or `predict_on_batch` as
+    # their first call: plain Keras builds a model in any first call; here
+    # predict raised "has not been built yet" (fit and evaluate built it),
+    # in one process and with one stage per process. Its outputs, and the
+    # fit after it, equal plain Keras from the same initial weights.
+    got = tmp_path / "got"
+    cases = (PREDICT_FIRST_CASES if processes == 1
+             else PREDICT_FIRST_CASES[::2])
+    worker = os.path.join(WORKERS, "predict_first.py")
+    if processes == 1:
+        run_python([worker, str(got), *cases], timeout=300)
+    else:
+        launch(2, [worker, str(got), *cases])
+    ref = tmp_path / "ref"
+    run_python([worker, str(ref), "--mode", "reference", "--initial",
+                str(got / "rank0.json"), *cases], timeout=300)
+    with open(ref / "rank0.json") as f:
+        expected = json.load(f)
+    for rank in range(processes):
+        with open(got / f"rank{rank}.json") as f:
+            results = json.load(f)
+        for case in cases:
+            result, plain = results[case], expected[case]
+            assert "error" not in result, (rank, case, result)
+            assert "error" not in plain, (case, plain)
+            # The reference starts from rank 0's weights: every rank built
+            # the same ones.
+            for w, v in zip(result["initial"], plain["initial"]):
+                np.testing.assert_array_equal(w, v, err_msg=case)
+            for key in ("first", "loss", "after"):
+                np.testing.assert_allclose(
+                    result[key], plain[key], rtol=RTOL,
+                    atol=scaled_atol(plain[key]), err_msg=f"{case} {key}")

@@ -702,25 +702,33 @@ class DistributedModel(keras.Model):
         if getattr(self, "optimizer", None) is not None and self.built:
             self.optimizer.build(self.trainable_variables)
 
+    def _smp_build_from_data(self, data_batch):
+        """Builds a model not traced yet (a subclass, a wrapped subclassed
+        or unbuilt Sequential model) on inputs of the shapes and dtypes of
+        `data_batch`'s `x` (arrays, tensors or `tf.TensorSpec`s); nothing
+        when built or when they are not known. Whatever call comes first
+        (`fit`, `evaluate`, `predict`, `*_on_batch`) builds it so."""
+        if self._smp_graph is not None:
+            return
+        x = keras.utils.unpack_x_y_sample_weight(data_batch)[0]
+        flat = keras.tree.flatten(x)
+        if flat and all(isinstance(t, (tf.Tensor, tf.TensorSpec,
+                                       np.ndarray)) for t in flat):
+            # (floating data as floatx, as Keras casts it for a model)
+            dtypes = [keras.backend.standardize_dtype(t.dtype)
+                      for t in flat]
+            self._smp_input_dtypes = [
+                keras.backend.floatx()
+                if keras.backend.is_float_dtype(d) else d for d in dtypes]
+            self.build(keras.tree.map_structure(
+                lambda t: tuple(t.shape), x))
+
     def _symbolic_build(self, iterator=None, data_batch=None):
         # Keras may trace the whole model here (shapes only).
-        if self._smp_graph is None and data_batch is not None:
-            # Not traced yet (a subclass, a wrapped subclassed or unbuilt
-            # Sequential model): traced first, on inputs of the data's
-            # shapes and dtypes (with one stage per process, the trace
-            # below then reads other stages' weights as shapes).
-            x = keras.utils.unpack_x_y_sample_weight(data_batch)[0]
-            flat = keras.tree.flatten(x)
-            if flat and all(isinstance(t, (tf.Tensor, tf.TensorSpec,
-                                           np.ndarray)) for t in flat):
-                # (floating data as floatx, as Keras casts it for a model)
-                dtypes = [keras.backend.standardize_dtype(t.dtype)
-                          for t in flat]
-                self._smp_input_dtypes = [
-                    keras.backend.floatx()
-                    if keras.backend.is_float_dtype(d) else d for d in dtypes]
-                self.build(keras.tree.map_structure(
-                    lambda t: tuple(t.shape), x))
+        if data_batch is not None:
+            # (with one stage per process, the trace below then reads
+            # other stages' weights as shapes)
+            self._smp_build_from_data(data_batch)
         kwargs = dict(iterator=iterator, data_batch=data_batch)
         residency = self._smp_residency()
         if residency is None:

@@ -431,7 +431,7 @@ def _patch_calls(trainer):
                     or bool(given.get("validation_split")))
             _in_progress.stack.append({
                 "call": _name, "arguments": arguments, "iterators": 0,
-                "index": None, "orders": {},
+                "index": None, "orders": {}, "model": self,
                 # Keras' (the model's, else the scope's).
                 "strategy": getattr(self, "distribute_strategy", None)})
             try:
@@ -522,6 +522,25 @@ def _check_call(epoch_iterator):
         frame["index"] = index
 
 
+def _build_for_predict(model, data_batch):
+    """A `DistributedModel` not built yet, built from `data_batch`'s
+    shapes and dtypes before `predict` / `predict_on_batch` (Keras'
+    `fit`, `evaluate`, `*_on_batch` build a model first; its `predict`
+    builds it inside the predict function's trace, where a pipeline's
+    stages cannot be made)."""
+    if getattr(model, "_smp_pipelined", False) and data_batch is not None:
+        model._smp_build_from_data(data_batch)
+
+
+def _on_epoch_iterator(epoch_iterator):
+    """Right after Keras makes a call's epoch iterator: the ranks' check
+    that they make the same call, then `predict`'s build."""
+    _check_call(epoch_iterator)
+    if _in_progress.stack and _in_progress.stack[-1]["call"] == "predict":
+        _build_for_predict(_in_progress.stack[-1]["model"],
+                           _symbolic_batch(epoch_iterator))
+
+
 def _raise_if_optimizer_outside_scope(model, error):
     """TensorFlow's "Mixing different tf.distribute.Strategy objects", when
     the optimizer was created outside the model's strategy scope (Keras
@@ -595,6 +614,7 @@ def _patch_predict_on_batch(trainer):
 
     @functools.wraps(original)
     def predict_on_batch(self, x):
+        _build_for_predict(self, (x,))
         strategy = getattr(self, "_distribute_strategy", None)
         if _runtime_of(strategy) is None or (
                 strategy.num_replicas_in_sync < 2
@@ -1346,7 +1366,7 @@ def install():
         _patch_symbolic_build(TensorFlowTrainer)
         _patch_predict_on_batch(TensorFlowTrainer)
         _patch_calls(TensorFlowTrainer)
-        keras_private.on_epoch_iterator(_check_call)
+        keras_private.on_epoch_iterator(_on_epoch_iterator)
         keras_private.on_array_dataset(_array_shuffle)
         _patch_files(keras)
         _patch_get_gradients(keras)
