@@ -11,7 +11,9 @@ trains each row once, and each epoch has a new order (as unseeded Keras);
 ranks seeded differently (or some not) fail before the first step, naming
 each rank's order. A `tf.data` dataset cannot be reseeded: shuffled without
 a seed, `fit` and `evaluate` fail before their first step naming the fix
-(they trained and counted each rank's share of its own order), unless
+(they trained and counted each rank's share of its own order), and so
+does a `fit` whose `validation_data` is (before its first step, not at its
+first validation), unless
 auto-sharding is off (each rank reads its own data). A `PyDataset` Keras
 shuffles draws its order from Python's `random`: unseeded, `fit` fails
 before its first step.
@@ -122,6 +124,19 @@ def test_data_parallel_processes_shuffle_arrays_alike(tmp_path):
                     case, message)
             assert ("unseeded, rank 0's own order on rank 0; unseeded, "
                     "rank 1's own order on rank 1") in message, message
+        # Validation data shuffled without a seed: the fit fails before
+        # its first step (it failed at its first validation, after an
+        # epoch's training); seeded, it trains its 2 epochs.
+        validation = report["validation_unseeded"]
+        message = validation["error"]
+        assert message is not None and (
+            "order of the validation data's shuffle (give Dataset.shuffle a "
+            "seed") in message, message
+        assert ("unseeded, rank 0's own order on rank 0; unseeded, "
+                "rank 1's own order on rank 1") in message, message
+        assert validation["steps"] == 0, validation
+        assert report["validation_seeded"] == {
+            "error": None, "steps": 2 * STEPS}, report["validation_seeded"]
         half = report["half_seeded"]
         assert half is not None and label in half, half
         assert ("keras-smp's, alike on every rank (no seed set), "

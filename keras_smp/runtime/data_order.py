@@ -49,6 +49,12 @@ ORDER = ("order of the shuffled arrays (set the same seed on every rank "
          "with keras.utils.set_random_seed, or none)")
 AGREED = "keras-smp's, alike on every rank (no seed set)"
 
+#: The same, for a `fit`'s `validation_data` (checked at the fit's start).
+VALIDATION_ORDER = (
+    "order of the validation data's shuffle (give Dataset.shuffle a seed "
+    "and call keras.utils.set_random_seed with the same seed on every "
+    "rank before making it, or do not shuffle validation data)")
+
 PY_DATASET_ORDER = (
     "order of the PyDataset's shuffle (call keras.utils.set_random_seed with "
     "the same seed on every rank, or shuffle=False)")

@@ -432,6 +432,7 @@ def _patch_calls(trainer):
             _in_progress.stack.append({
                 "call": _name, "arguments": arguments, "iterators": 0,
                 "index": None, "orders": {}, "model": self,
+                "validation_data": given.get("validation_data"),
                 # Keras' (the model's, else the scope's).
                 "strategy": getattr(self, "distribute_strategy", None)})
             try:
@@ -459,10 +460,11 @@ def _array_shuffle(shuffle):
     return replacement
 
 
-def _data_orders(epoch_iterator, runtime):
-    """The orders of a call's data (`runtime.data_order`) for its record;
-    an order this rank cannot tell is recorded as such, not raised here
-    alone (the other ranks would wait in the agreement)."""
+def _data_orders(epoch_iterator, runtime, validation_data=None):
+    """The orders of a call's data (`runtime.data_order`) for its record
+    (and of a fit's `validation_data`, given); an order this rank cannot
+    tell is recorded as such, not raised here alone (the other ranks
+    would wait in the agreement)."""
     from keras_smp.runtime import data_order
     from keras_smp.runtime import keras_private
 
@@ -474,6 +476,13 @@ def _data_orders(epoch_iterator, runtime):
             runtime.topology.rank)
         if order is not None:
             orders[data_order.DATASET_ORDER] = order
+        if validation_data is not None:
+            # A fit's validation dataset, checked before its first step
+            # (not after an epoch's training, at its first validation).
+            order = data_order.dataset_order(
+                strategy, validation_data, runtime.topology.rank)
+            if order is not None:
+                orders[data_order.VALIDATION_ORDER] = order
         if keras_private.epoch_iterator_shuffles_py_dataset(epoch_iterator):
             order = data_order.py_dataset_order(strategy)
             if order is not None:
@@ -503,14 +512,16 @@ def _check_call(epoch_iterator):
         return
     frame = _in_progress.stack[-1]
     frame["iterators"] += 1
+    validation = None
     if frame["iterators"] == 1:
         call, arguments = frame["call"], frame["arguments"]
         orders = dict(frame["orders"])
+        validation = frame.get("validation_data")
     elif frame["call"] == "fit" and frame["iterators"] == 2:
         call, arguments, orders = "validation of fit", {}, {}
     else:
         return
-    orders.update(_data_orders(epoch_iterator, runtime))
+    orders.update(_data_orders(epoch_iterator, runtime, validation))
     spec = _symbolic_batch(epoch_iterator)
     inputs = None if spec is None else [
         (s.dtype.name, s.shape.as_list()) for s in tf.nest.flatten(spec)]

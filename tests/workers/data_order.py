@@ -11,6 +11,8 @@ arrays (Keras' default), under `keras-smp launch -n 2`:
   another;
 - a `tf.data` dataset shuffled without a seed (`fit`, `evaluate`: the
   errors), with seed 7, and each rank's own half with auto-sharding off;
+- a `fit`'s `validation_data` shuffled without a seed (the error, and the
+  steps trained before it) and with seed 7;
 - a `PyDataset` Keras shuffles, unseeded (the error) and seeded alike;
 - `from_files`: TFRecord files read through `list_files` (shuffled,
   unseeded) and an unseeded `shuffle`; `py_dataset_forever`: a `PyDataset`
@@ -164,6 +166,16 @@ def forever():
     return list(seen)
 
 
+def with_validation(seed):
+    # Arrays in order, validation data shuffled (with `seed`): returns
+    # the error (unseeded) and the steps trained.
+    seen.clear()
+    error = failure(lambda: model().fit(
+        X, Y, batch_size=ROWS, epochs=EPOCHS, shuffle=False, verbose=0,
+        validation_data=dataset(seed)))
+    return {"error": error, "steps": len(seen)}
+
+
 report = {"unseeded": fit(), "unseeded_batch": fit("batch"),
           "from_files": from_files(), "py_dataset_forever": forever(),
           "after_unfinished": after_unfinished(),
@@ -172,7 +184,9 @@ report = {"unseeded": fit(), "unseeded_batch": fit("batch"),
           "evaluate_unseeded": failure(
               lambda: model().evaluate(dataset(), verbose=0)),
           "dataset_seeded": fit(data=dataset(seed=7)),
-          "dataset_own_half": own_half()}
+          "dataset_own_half": own_half(),
+          "validation_unseeded": with_validation(None),
+          "validation_seeded": with_validation(7)}
 if RANK == 1:
     tf.random.set_seed(3)
 report["half_seeded"] = failure()
