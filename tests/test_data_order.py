@@ -137,6 +137,12 @@ def test_data_parallel_processes_shuffle_arrays_alike(tmp_path):
         assert validation["steps"] == 0, validation
         assert report["validation_seeded"] == {
             "error": None, "steps": 2 * STEPS}, report["validation_seeded"]
+        # One rank shuffles, the other reads in order (its record said
+        # nothing: the fit trained each rank's share of another order).
+        mixed = report["shuffled_or_not"]
+        assert mixed is not None and label in mixed, mixed
+        assert ("Keras' own, tf.random seed 5, shuffle=True on rank 0; in "
+                "order (shuffle=False) on rank 1") in mixed, mixed
         half = report["half_seeded"]
         assert half is not None and label in half, half
         assert ("keras-smp's, alike on every rank (no seed set), "

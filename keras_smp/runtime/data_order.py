@@ -48,6 +48,7 @@ import random
 ORDER = ("order of the shuffled arrays (set the same seed on every rank "
          "with keras.utils.set_random_seed, or none)")
 AGREED = "keras-smp's, alike on every rank (no seed set)"
+NOT_SHUFFLED = "in order (shuffle=False)"
 
 #: The same, for a `fit`'s `validation_data` (checked at the fit's start).
 VALIDATION_ORDER = (
@@ -126,8 +127,8 @@ def _reading(strategy):
 
 
 def shuffle_for(strategy, shuffle):
-    """`(replacement, order)` for Keras' arrays shuffled under `strategy`
-    (`shuffle`: `True` or `"batch"`): `replacement` replaces the
+    """`(replacement, order)` for Keras' arrays read under `strategy`
+    (`shuffle`: `True`, `"batch"` or `False`): `replacement` replaces the
     permutation's `tf.random.shuffle` (`None`: Keras' own), `order` says
     which order this rank shuffles in, for the call's record (`None`: no
     agreement needed, or this rank's order does not train: its replica's
@@ -141,6 +142,8 @@ def shuffle_for(strategy, shuffle):
     agreed = _order_of(strategy)
     if agreed is None:
         return None, None
+    if not shuffle:  # recorded too: ranks shuffling or not differ
+        return None, NOT_SHUFFLED if agreed.reads else None
     from keras_smp.runtime import tf_private
 
     index = agreed.datasets  # counted seeded or not: ranks stay in step

@@ -822,8 +822,8 @@ def _wrap_once(cls, name, wrap):
 
 def on_array_dataset(hook):
     """Calls `hook(shuffle)` as Keras' `ArrayDataAdapter` (NumPy arrays,
-    tensors) makes its `tf.data` dataset with `shuffle` (`True` or
-    `"batch"`); a `hook` returning a function makes that the dataset's
+    tensors) makes its `tf.data` dataset with `shuffle` (`True`,
+    `"batch"`, or `False`: in order); a `hook` returning a function makes that the dataset's
     `tf.random.shuffle` (what Keras' 3.15 permutes each epoch's indices,
     or each batch's, with), `None` leaves Keras' (idempotent; checked
     against `ArrayDataAdapter.get_tf_dataset`)."""
@@ -832,7 +832,7 @@ def on_array_dataset(hook):
     def wrap(original):
         def get_tf_dataset(self):
             shuffle = self._shuffle
-            replacement = hook(shuffle) if shuffle else None
+            replacement = hook(shuffle)
             if replacement is None:
                 return original(self)
             _dispatch_shuffle()

@@ -11,6 +11,8 @@ arrays (Keras' default), under `keras-smp launch -n 2`:
   another;
 - a `tf.data` dataset shuffled without a seed (`fit`, `evaluate`: the
   errors), with seed 7, and each rank's own half with auto-sharding off;
+- `shuffled_or_not`: rank 0 shuffles the arrays, rank 1 does not (the
+  error);
 - a `fit`'s `validation_data` shuffled without a seed (the error, and the
   steps trained before it) and with seed 7;
 - a `PyDataset` Keras shuffles, unseeded (the error) and seeded alike;
@@ -197,5 +199,8 @@ keras.utils.set_random_seed(5)
 report["seeded_alike"] = fit()
 keras.utils.set_random_seed(5)
 report["py_dataset_seeded_alike"] = fit(data=Batches())
+# Rank 0 shuffles, rank 1 reads in order: each would keep its share of
+# another order.
+report["shuffled_or_not"] = failure(lambda: fit(shuffle=RANK == 0))
 with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
     json.dump(report, f)
