@@ -810,6 +810,36 @@ def on_epoch_iterator(hook):
     _wrap_once(trainer_lib.TFEpochIterator, "__init__", wrap)
 
 
+def on_loss_scaling(keeps_value):
+    """Where `keeps_value()` holds (checked as a step is traced), Keras'
+    `scale_loss_for_distribution` (a mean loss divided by the replicas in
+    sync, so that their gradients sum to the batch's) keeps the loss's
+    value and scales only its gradient, and `unscale_loss_for_distribution`
+    (what Keras' own steps log) leaves a value as it is (idempotent;
+    checked against `keras.src.losses.loss`, whose functions Keras' losses,
+    compile utilities and trainer look up at call time)."""
+    from keras.src.losses import loss as loss_module
+
+    def wrap_scale(original):
+        def scale_loss_for_distribution(value):
+            scaled = original(value)
+            if scaled is value or not keeps_value():
+                return scaled
+            import tensorflow as tf
+
+            # The value of `value`, the gradient of `scaled`.
+            return scaled + tf.stop_gradient(value - scaled)
+        return scale_loss_for_distribution
+
+    def wrap_unscale(original):
+        def unscale_loss_for_distribution(value):
+            return value if keeps_value() else original(value)
+        return unscale_loss_for_distribution
+
+    _wrap_once(loss_module, "scale_loss_for_distribution", wrap_scale)
+    _wrap_once(loss_module, "unscale_loss_for_distribution", wrap_unscale)
+
+
 def _wrap_once(cls, name, wrap):
     """Replaces `cls.name` by `wrap(original)` unless already replaced."""
     original = getattr(cls, name)

@@ -210,8 +210,8 @@ def _global_share_loss(model, original, context, x, y, y_pred,
     Inside Keras' own `train_step` / `test_step` (also when an override
     calls them), which log the loss weighted by the replica's rows, the
     value (not the gradient) is rescaled so that the logged mean is the
-    single-device loss; elsewhere (a custom step or loop) the replicas'
-    values sum to it."""
+    single-device loss; in a model's own step the replicas' values average
+    to it (`_keeps_loss_value`), in a custom loop they sum to it."""
     import keras
     import tensorflow as tf
 
@@ -262,6 +262,30 @@ class _KerasStep(threading.local):
 _in_keras_step = _KerasStep()
 
 
+class _StepFunction(threading.local):
+    """Set while a plain Keras model's `train_step` / `test_step` (its own
+    or Keras') runs in this thread (a replica's) under an `SMPStrategy`."""
+
+    active = False
+
+
+_in_step_function = _StepFunction()
+
+
+def _keeps_loss_value():
+    """Whether Keras' losses keep their value (their gradient still divided
+    by the replicas in sync, `keras_private.on_loss_scaling`): in a model's
+    own `train_step` / `test_step` under an `SMPStrategy`, written for one
+    device, which logs the losses it computes (`loss_tracker.update_state(
+    loss)`, as Keras' guide does): with several replicas they logged the
+    loss divided by the replicas (Keras' behaviour under any
+    `tf.distribute` strategy) while training as one device does. Not in
+    Keras' own steps (they undo the division themselves), nor in a
+    custom loop's `strategy.run` (whose replicas' losses sum to the
+    batch's, as TensorFlow's custom-loop guide reduces them)."""
+    return _in_step_function.active and not _in_keras_step.active
+
+
 def _tensor_group_of(model):
     """The tensor-parallel group of processes whose ranks must compute on
     one batch in `model`'s steps, or `None` (none; or a `DistributedModel`
@@ -306,6 +330,17 @@ def _patch_keras_steps(trainer):
 
                 def step_function(data, *args, **kwargs):
                     return inner(group.from_first(data), *args, **kwargs)
+            if (_runtime_of(getattr(self, "_distribute_strategy", None))
+                    is not None and not is_pipelined(self)):
+                user = step_function
+
+                def step_function(*args, **kwargs):
+                    before = _in_step_function.active
+                    _in_step_function.active = True
+                    try:
+                        return user(*args, **kwargs)
+                    finally:
+                        _in_step_function.active = before
             return original_make(self, step_function)
 
         _make_function._smp_patched = True
@@ -1379,6 +1414,7 @@ def install():
         _patch_calls(TensorFlowTrainer)
         keras_private.on_epoch_iterator(_on_epoch_iterator)
         keras_private.on_array_dataset(_array_shuffle)
+        keras_private.on_loss_scaling(_keeps_loss_value)
         _patch_files(keras)
         _patch_get_gradients(keras)
         _patch_optimizer(keras)

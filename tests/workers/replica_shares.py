@@ -12,6 +12,11 @@ Cases:
   batch's loss (no logging rescale outside Keras' own steps).
 - super_train_step: a `train_step` override that calls Keras' own: the
   logged loss is the single-device one.
+- guide_steps: `train_step` and `test_step` written as Keras' guide does
+  (`compute_loss`, the loss fed to the `loss` tracker as it is), masked
+  tokens with sample weights, a last batch of 14/13 rows, validation;
+  own_loss_steps: the same with a loss object and metrics of its own. The
+  tracked loss is the single-device one (it was divided by the replicas).
 - empty_replica: 33 samples in batches of 32 (the last, 1 row, leaves a
   replica nothing) with weight and activity regularizers: the logged loss
   keeps the weight regularizers whole.
@@ -194,6 +199,120 @@ def super_train_step():
     return compare(train(build, fit, True), train(build, fit, False))
 
 
+class GuideSteps(keras.Sequential):
+    """The `train_step` and `test_step` of Keras' guide ("Customizing what
+    happens in fit()"): the loss from `compute_loss`, fed to the `loss`
+    tracker as it is (no replicas in mind)."""
+
+    def _update(self, x, y, y_pred, loss):
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+    def train_step(self, data):
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred,
+                                     sample_weight=sw)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return self._update(x, y, y_pred, loss)
+
+    def test_step(self, data):
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self(x, training=False)
+        return self._update(x, y, y_pred, self.compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sw, training=False))
+
+
+class OwnLossSteps(keras.Model):
+    """A `train_step` / `test_step` calling a loss object and tracking
+    its own metrics (a `Mean` of the loss, a mean absolute error)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tracker = keras.metrics.Mean(name="loss")
+        self.mae = keras.metrics.MeanAbsoluteError(name="mae")
+        self.loss_fn = keras.losses.MeanSquaredError()
+
+    @property
+    def metrics(self):
+        return [self.tracker, self.mae]
+
+    def _update(self, y, y_pred, loss):
+        self.tracker.update_state(loss)
+        self.mae.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.loss_fn(y, y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return self._update(y, y_pred, loss)
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        return self._update(y, y_pred, self.loss_fn(y, y_pred))
+
+
+def guide_steps():
+    # Masked tokens, per-token sample weights, a last batch of 27 rows
+    # (14/13 over the replicas), validation: the loss it tracks is the
+    # single-device loss (it was half of it, Keras' behaviour under any
+    # tf.distribute strategy with 2 replicas).
+    # No compiled metrics: the metrics a step returns are the mean of the
+    # replicas' results (Keras' reduction of a custom step's logs), which
+    # is not the batch's accuracy where the replicas' unmasked tokens
+    # differ (14/13 rows).
+    def build():
+        keras.utils.set_random_seed(7)
+        model = GuideSteps([
+            keras.Input((SEQ,), dtype="int32"),
+            keras.layers.Embedding(VOCAB, 8, mask_zero=True),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(3)])
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.5, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True))
+        return model
+
+    def fit(model):
+        return model.fit(X, Y, sample_weight=SW, batch_size=32, epochs=2,
+                         shuffle=False, verbose=0, validation_data=(X, Y, SW))
+
+    return compare(train(build, fit, True), train(build, fit, False))
+
+
+def own_loss_steps():
+    # Equal shares (96 rows in batches of 32): a loss object's mean on
+    # each replica.
+    x = rng.randn(96, 8).astype("float32")
+    y = rng.randn(96, 1).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((8,))
+        model = OwnLossSteps(inputs, keras.layers.Dense(1)(
+            keras.layers.Dense(16, activation="tanh")(inputs)))
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
+        return model
+
+    def fit(model):
+        return model.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                         verbose=0, validation_data=(x, y))
+
+    return compare(train(build, fit, True), train(build, fit, False))
+
+
 def empty_replica():
     x = rng.randn(33, 4).astype("float32")
     y = rng.randn(33, 2).astype("float32")
@@ -281,6 +400,7 @@ def mean_with_sample_weight(pipelined=False, weighted=True, xla=False,
 
 
 CASES = {"custom_loop": custom_loop, "super_train_step": super_train_step,
+         "guide_steps": guide_steps, "own_loss_steps": own_loss_steps,
          "empty_replica": empty_replica, "two_masks": two_masks,
          "mean_with_sample_weight": mean_with_sample_weight,
          "mean_with_sample_weight_unweighted":
