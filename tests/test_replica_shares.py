@@ -16,20 +16,26 @@ sums in another order, a few float32 ulps.
 import json
 import os
 
+import numpy as np
 import pytest
 
 from conftest import ATOL
+from conftest import RTOL
 from conftest import WORKERS
 from conftest import assert_same_training
 from conftest import fit_model
 from conftest import launch
 from conftest import load
 from conftest import run_python
+from conftest import scaled_atol
 
 # guide_steps, own_loss_steps: a model's own train_step / test_step (as
 # Keras' guide writes them) logs the single-device loss (it logged half of
 # it: a violation of 0.5).
+# gan: a model without a call (Keras' GAN example), which fit failed to
+# build under the strategy.
 CASES = ["custom_loop", "super_train_step", "guide_steps", "own_loss_steps",
+         "gan",
          "empty_replica", "two_masks",
          "mean_with_sample_weight", "mean_with_sample_weight_unweighted"]
 
@@ -114,3 +120,33 @@ def test_replicas_of_unequal_shares_match_single_device(
         got = load(tmp_path, r)
         assert int(got["replicas"]) == 2
         assert_same_training(got, ref)
+
+
+@pytest.mark.slow
+def test_own_steps_of_worker_processes_match_single_device(tmp_path):
+    # tests/workers/custom_steps_fit.py: models with steps of their own
+    # (a GAN without a call, training two parts with two optimizers; a
+    # loss object with metrics of its own; Keras' guide's steps), as 2
+    # data-parallel worker processes against one device: the same weights
+    # and the same logs, the losses included (logged divided by the 2
+    # replicas before; the GAN failed to build).
+    worker = os.path.join(WORKERS, "custom_steps_fit.py")
+    launch(2, [worker, str(tmp_path / "got")])
+    run_python([worker, str(tmp_path / "ref"), "--mode", "plain"])
+    with open(tmp_path / "ref" / "rank0.json") as f:
+        ref = json.load(f)
+    for rank in range(2):
+        with open(tmp_path / "got" / f"rank{rank}.json") as f:
+            got = json.load(f)
+        assert sorted(got) == sorted(ref) == ["gan", "guide", "own_loss"]
+        for name in ref:
+            assert got[name]["history"].keys() == ref[name]["history"].keys()
+            for key, want in ref[name]["history"].items():
+                np.testing.assert_allclose(
+                    got[name]["history"][key], want, rtol=RTOL,
+                    atol=scaled_atol(want), err_msg=f"{name} {key}")
+            for i, (a, b) in enumerate(zip(got[name]["weights"],
+                                           ref[name]["weights"])):
+                np.testing.assert_allclose(
+                    a, b, rtol=RTOL, atol=scaled_atol(b),
+                    err_msg=f"{name} weight {i}")

@@ -717,6 +717,16 @@ def own_variables(layer):
             + [g.state for g in layer._seed_generators])
 
 
+def implements_call(model):
+    """Whether `model`'s class has a `call` (Keras' `Model.call` raises
+    NotImplementedError: a model whose custom steps call only its parts,
+    such as a GAN's)."""
+    import keras
+
+    return type(model).call not in (keras.Model.call,
+                                    keras.layers.Layer.call)
+
+
 def overrides_build(layer):
     """Whether `layer`'s class writes its own `build` (Keras' default one
     of a subclassed model builds nothing)."""
@@ -838,6 +848,27 @@ def on_loss_scaling(keeps_value):
 
     _wrap_once(loss_module, "scale_loss_for_distribution", wrap_scale)
     _wrap_once(loss_module, "unscale_loss_for_distribution", wrap_unscale)
+
+
+def before_unbuilt_optimizer_applies(hook):
+    """Calls `hook(optimizer, trainable_variables)` as a Keras optimizer
+    not built yet is applied with `trainable_variables` (Keras' `apply`
+    then builds it on them, where it runs; a hook that builds it leaves
+    that out) (idempotent; checked against `BaseOptimizer.apply` and
+    `LossScaleOptimizer.apply`)."""
+    from keras.src.optimizers import base_optimizer
+    from keras.src.optimizers import loss_scale_optimizer
+
+    def wrap(original):
+        def apply(self, grads, trainable_variables=None):
+            if trainable_variables is not None and not self.built:
+                trainable_variables = list(trainable_variables)
+                hook(self, trainable_variables)
+            return original(self, grads, trainable_variables)
+        return apply
+
+    _wrap_once(base_optimizer.BaseOptimizer, "apply", wrap)
+    _wrap_once(loss_scale_optimizer.LossScaleOptimizer, "apply", wrap)
 
 
 def _wrap_once(cls, name, wrap):

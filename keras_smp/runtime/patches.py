@@ -568,6 +568,33 @@ def _check_call(epoch_iterator):
         frame["index"] = index
 
 
+def _build_across_replicas(optimizer, trainable_variables):
+    """Builds an optimizer first applied in a traced step's replica (a
+    custom `train_step`'s own optimizers, such as a GAN's two) once, for
+    every replica, in the strategy's cross-replica context and outside
+    the step's graph, as Keras builds a compiled optimizer before fit's
+    first step. Keras built it in each replica's graph: with several
+    replicas in one process the step failed ("You must feed a value for
+    placeholder tensor ..."), with one per process it worked."""
+    import keras
+    import tensorflow as tf
+
+    if not tf.distribute.has_strategy() or (
+            tf.distribute.in_cross_replica_context()) or _runtime_of(
+            tf.distribute.get_strategy()) is None:
+        return
+
+    def build(strategy):
+        del strategy
+        with tf.init_scope():
+            if not optimizer.built:
+                with keras.name_scope(optimizer.name, caller=optimizer):
+                    optimizer.build(trainable_variables)
+                optimizer.built = True
+
+    tf.distribute.get_replica_context().merge_call(build)
+
+
 def _build_for_predict(model, data_batch):
     """A `DistributedModel` not built yet, built from `data_batch`'s
     shapes and dtypes before `predict` / `predict_on_batch` (Keras'
@@ -632,6 +659,14 @@ def _patch_symbolic_build(trainer):
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         if _runtime_of(getattr(self, "_distribute_strategy", None)) is None:
             return original(self, iterator=iterator, data_batch=data_batch)
+        from keras_smp.runtime import keras_private
+
+        if not keras_private.implements_call(self):
+            # A model whose own steps call its parts (a GAN's generator
+            # and discriminator), not itself: built as its steps are
+            # traced, as Keras builds it without a strategy (with one,
+            # Keras' build called it: "Unable to automatically build").
+            return None
         if iterator is not None and data_batch is None:
             spec = _symbolic_batch(iterator)
             if spec is not None:
@@ -1415,6 +1450,8 @@ def install():
         keras_private.on_epoch_iterator(_on_epoch_iterator)
         keras_private.on_array_dataset(_array_shuffle)
         keras_private.on_loss_scaling(_keeps_loss_value)
+        keras_private.before_unbuilt_optimizer_applies(
+            _build_across_replicas)
         _patch_files(keras)
         _patch_get_gradients(keras)
         _patch_optimizer(keras)

@@ -17,6 +17,9 @@ Cases:
   tokens with sample weights, a last batch of 14/13 rows, validation;
   own_loss_steps: the same with a loss object and metrics of its own. The
   tracked loss is the single-device one (it was divided by the replicas).
+- gan: a model without a `call` whose `train_step` trains a discriminator
+  and a generator with two optimizers (Keras' GAN example): `fit` failed to
+  build it ("Unable to automatically build the model").
 - empty_replica: 33 samples in batches of 32 (the last, 1 row, leaves a
   replica nothing) with weight and activity regularizers: the logged loss
   keeps the weight regularizers whole.
@@ -72,6 +75,9 @@ strategy = keras_smp.SMPStrategy(
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from custom_steps import GAN  # noqa: E402
+from custom_steps import GuideSteps  # noqa: E402
+from custom_steps import OwnLossSteps  # noqa: E402
 
 rng = np.random.RandomState(0)
 VOCAB, SEQ = 20, 8
@@ -199,70 +205,6 @@ def super_train_step():
     return compare(train(build, fit, True), train(build, fit, False))
 
 
-class GuideSteps(keras.Sequential):
-    """The `train_step` and `test_step` of Keras' guide ("Customizing what
-    happens in fit()"): the loss from `compute_loss`, fed to the `loss`
-    tracker as it is (no replicas in mind)."""
-
-    def _update(self, x, y, y_pred, loss):
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
-
-    def train_step(self, data):
-        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.compute_loss(x=x, y=y, y_pred=y_pred,
-                                     sample_weight=sw)
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply(grads, self.trainable_variables)
-        return self._update(x, y, y_pred, loss)
-
-    def test_step(self, data):
-        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred = self(x, training=False)
-        return self._update(x, y, y_pred, self.compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sw, training=False))
-
-
-class OwnLossSteps(keras.Model):
-    """A `train_step` / `test_step` calling a loss object and tracking
-    its own metrics (a `Mean` of the loss, a mean absolute error)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.tracker = keras.metrics.Mean(name="loss")
-        self.mae = keras.metrics.MeanAbsoluteError(name="mae")
-        self.loss_fn = keras.losses.MeanSquaredError()
-
-    @property
-    def metrics(self):
-        return [self.tracker, self.mae]
-
-    def _update(self, y, y_pred, loss):
-        self.tracker.update_state(loss)
-        self.mae.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.loss_fn(y, y_pred)
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-        return self._update(y, y_pred, loss)
-
-    def test_step(self, data):
-        x, y = data
-        y_pred = self(x, training=False)
-        return self._update(y, y_pred, self.loss_fn(y, y_pred))
-
-
 def guide_steps():
     # Masked tokens, per-token sample weights, a last batch of 27 rows
     # (14/13 over the replicas), validation: the loss it tracks is the
@@ -309,6 +251,31 @@ def own_loss_steps():
     def fit(model):
         return model.fit(x, y, batch_size=32, epochs=2, shuffle=False,
                          verbose=0, validation_data=(x, y))
+
+    return compare(train(build, fit, True), train(build, fit, False))
+
+
+def gan():
+    # Under any tf.distribute strategy Keras' fit first builds the model
+    # by calling it ("Unable to automatically build the model": it has no
+    # call); now built as its step is traced, as without a strategy.
+    real = rng.randn(128, 6).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(7)
+        model = GAN(
+            keras.Sequential([keras.Input((6,)),
+                              keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(1)]),
+            keras.Sequential([keras.Input((4,)),
+                              keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(6)]))
+        model.compile(keras.optimizers.Adam(1e-2), keras.optimizers.Adam(1e-2))
+        return model
+
+    def fit(model):
+        return model.fit(real, batch_size=32, epochs=2, shuffle=False,
+                         verbose=0)
 
     return compare(train(build, fit, True), train(build, fit, False))
 
@@ -401,6 +368,7 @@ def mean_with_sample_weight(pipelined=False, weighted=True, xla=False,
 
 CASES = {"custom_loop": custom_loop, "super_train_step": super_train_step,
          "guide_steps": guide_steps, "own_loss_steps": own_loss_steps,
+         "gan": gan,
          "empty_replica": empty_replica, "two_masks": two_masks,
          "mean_with_sample_weight": mean_with_sample_weight,
          "mean_with_sample_weight_unweighted":

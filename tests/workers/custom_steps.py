@@ -1,0 +1,110 @@
+"""Models with steps of their own (`train_step`, `test_step`), for the
+workers: written for one device, as Keras' guides write them."""
+
+import keras
+import tensorflow as tf
+
+
+class GuideSteps(keras.Sequential):
+    """The `train_step` and `test_step` of Keras' guide ("Customizing what
+    happens in fit()"): the loss from `compute_loss`, fed to the `loss`
+    tracker as it is (no replicas in mind)."""
+
+    def _update(self, x, y, y_pred, loss):
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+    def train_step(self, data):
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred,
+                                     sample_weight=sw)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return self._update(x, y, y_pred, loss)
+
+    def test_step(self, data):
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self(x, training=False)
+        return self._update(x, y, y_pred, self.compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sw, training=False))
+
+
+class OwnLossSteps(keras.Model):
+    """A `train_step` / `test_step` calling a loss object and tracking
+    its own metrics (a `Mean` of the loss, a mean absolute error)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tracker = keras.metrics.Mean(name="loss")
+        self.mae = keras.metrics.MeanAbsoluteError(name="mae")
+        self.loss_fn = keras.losses.MeanSquaredError()
+
+    @property
+    def metrics(self):
+        return [self.tracker, self.mae]
+
+    def _update(self, y, y_pred, loss):
+        self.tracker.update_state(loss)
+        self.mae.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.loss_fn(y, y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return self._update(y, y_pred, loss)
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        return self._update(y, y_pred, self.loss_fn(y, y_pred))
+
+
+class GAN(keras.Model):
+    """Keras' GAN example's shape: no `call` of its own; its `train_step`
+    trains a discriminator and a generator with two optimizers."""
+
+    def __init__(self, discriminator, generator):
+        super().__init__()
+        self.discriminator, self.generator = discriminator, generator
+
+    def compile(self, d_optimizer, g_optimizer):
+        super().compile()
+        self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+        self.loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)
+        self.d_tracker = keras.metrics.Mean(name="d_loss")
+        self.g_tracker = keras.metrics.Mean(name="g_loss")
+
+    @property
+    def metrics(self):
+        return [self.d_tracker, self.g_tracker]
+
+    def train_step(self, real):
+        rows = tf.shape(real)[0]
+        latent = tf.tanh(real[:, :4] * 0.5 + 0.1)  # per row: any split
+        fake = self.generator(latent)
+        both = tf.concat([fake, real], 0)
+        labels = tf.concat([tf.ones((rows, 1)), tf.zeros((rows, 1))], 0)
+        with tf.GradientTape() as tape:
+            d_loss = self.loss_fn(labels, self.discriminator(both))
+        grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
+        self.d_optimizer.apply_gradients(
+            zip(grads, self.discriminator.trainable_weights))
+        with tf.GradientTape() as tape:
+            g_loss = self.loss_fn(tf.zeros((rows, 1)), self.discriminator(
+                self.generator(latent)))
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply_gradients(
+            zip(grads, self.generator.trainable_weights))
+        self.d_tracker.update_state(d_loss)
+        self.g_tracker.update_state(g_loss)
+        return {m.name: m.result() for m in self.metrics}
