@@ -681,6 +681,39 @@ def _patch_symbolic_build(trainer):
     trainer._maybe_symbolic_build = _maybe_symbolic_build
 
 
+def _patch_epoch_logs(trainer):
+    """Under an `SMPStrategy`, the logs of an epoch (and of `evaluate`)
+    whose step returns the model's metrics nested as `self.metrics` gives
+    them (`{m.name: m.result() for m in self.metrics}`, as Keras' guide
+    writes a custom step: the compiled metrics as one dict) are the
+    metrics' results over every replica's state, as for Keras' own steps.
+
+    Keras takes the metrics' results only when the step's logs have their
+    flat names; otherwise the last step's logs, each the mean of the
+    replicas' own results: not the batch's value where the replicas'
+    shares differ (a masked accuracy over 14/13 rows)."""
+    original = trainer._get_metrics_result_or_logs
+    if getattr(original, "_smp_patched", False):
+        return
+
+    @functools.wraps(original)
+    def _get_metrics_result_or_logs(self, logs):
+        if (_runtime_of(getattr(self, "_distribute_strategy", None))
+                is not None and isinstance(logs, dict)
+                and any(isinstance(v, dict) for v in logs.values())):
+            flat = {}
+            for name, value in logs.items():
+                flat.update(value if isinstance(value, dict)
+                            else {name: value})
+            results = self.get_metrics_result()
+            if set(flat) == set(results):
+                return results
+        return original(self, logs)
+
+    _get_metrics_result_or_logs._smp_patched = True
+    trainer._get_metrics_result_or_logs = _get_metrics_result_or_logs
+
+
 def _patch_predict_on_batch(trainer):
     """Under an `SMPStrategy` with several replicas, `predict_on_batch(x)`
     splits `x` among them as `predict` does.
@@ -1446,6 +1479,7 @@ def install():
         _patch_keras_steps(TensorFlowTrainer)
         _patch_symbolic_build(TensorFlowTrainer)
         _patch_predict_on_batch(TensorFlowTrainer)
+        _patch_epoch_logs(TensorFlowTrainer)
         _patch_calls(TensorFlowTrainer)
         keras_private.on_epoch_iterator(_on_epoch_iterator)
         keras_private.on_array_dataset(_array_shuffle)
