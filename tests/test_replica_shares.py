@@ -34,7 +34,10 @@ from conftest import scaled_atol
 # it: a violation of 0.5).
 # gan: a model without a call (Keras' GAN example), which fit failed to
 # build under the strategy.
+# guide_steps_two_losses: the same with a "sum" loss and a
+# "mean_with_sample_weight" one (their totals and per-output logs).
 CASES = ["custom_loop", "super_train_step", "guide_steps", "own_loss_steps",
+         "guide_steps_two_losses",
          "gan",
          "empty_replica", "two_masks",
          "mean_with_sample_weight", "mean_with_sample_weight_unweighted"]

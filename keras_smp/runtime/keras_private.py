@@ -15,6 +15,7 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: F401
 import contextlib  # noqa: E402
 import functools  # noqa: E402
 import threading  # noqa: E402
+import weakref  # noqa: E402
 
 from keras.src.backend.common import global_state  # noqa: E402
 from keras.src.losses.loss import unscale_loss_for_distribution  # noqa: E402,F401
@@ -824,10 +825,13 @@ def on_loss_scaling(keeps_value):
     """Where `keeps_value()` holds (checked as a step is traced), Keras'
     `scale_loss_for_distribution` (a mean loss divided by the replicas in
     sync, so that their gradients sum to the batch's) keeps the loss's
-    value and scales only its gradient, and `unscale_loss_for_distribution`
-    (what Keras' own steps log) leaves a value as it is (idempotent;
-    checked against `keras.src.losses.loss`, whose functions Keras' losses,
-    compile utilities and trainer look up at call time)."""
+    value and scales only its gradient (`kept_loss`), and
+    `unscale_loss_for_distribution` (what Keras logs a loss with) leaves
+    such a kept value as it is, and multiplies any other as Keras does; a
+    loss reduced by `"sum"` (which Keras never scales: the replicas' sums
+    add up to the batch's) keeps its value times the replicas (idempotent;
+    checked against `keras.src.losses.loss`, whose functions Keras'
+    losses, compile utilities and trainer look up at call time)."""
     from keras.src.losses import loss as loss_module
 
     def wrap_scale(original):
@@ -835,29 +839,75 @@ def on_loss_scaling(keeps_value):
             scaled = original(value)
             if scaled is value or not keeps_value():
                 return scaled
-            import tensorflow as tf
-
-            # The value of `value`, the gradient of `scaled`.
-            return scaled + tf.stop_gradient(value - scaled)
+            return kept_loss(value, scaled)
         return scale_loss_for_distribution
 
     def wrap_unscale(original):
         def unscale_loss_for_distribution(value):
-            return value if keeps_value() else original(value)
+            if keeps_value() and _is_kept(value):
+                return value
+            return original(value)
         return unscale_loss_for_distribution
+
+    def wrap_reduce(original):
+        def reduce_values(values, sample_weight=None,
+                          reduction="sum_over_batch_size"):
+            out = original(values, sample_weight, reduction)
+            if reduction != "sum" or out is values or not keeps_value():
+                return out
+            import tensorflow as tf
+
+            # A sum (Keras leaves it unscaled: the replicas' parts sum to
+            # the batch's): its value times the replicas, as a mean's.
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            if replicas < 2:
+                return out
+            return kept_loss(out * tf.cast(replicas, out.dtype), out)
+        return reduce_values
 
     _wrap_once(loss_module, "scale_loss_for_distribution", wrap_scale)
     _wrap_once(loss_module, "unscale_loss_for_distribution", wrap_unscale)
+    _wrap_once(loss_module, "reduce_values", wrap_reduce)
+
+
+# The loss values `kept_loss` made, per graph (`Tensor.ref()`s).
+_kept_losses = weakref.WeakKeyDictionary()
+
+
+def kept_loss(value, part):
+    """A loss with the value of `value` and the gradient of `part` (a
+    replica's part of it: `value` divided by the replicas), marked so
+    that Keras' unscaling leaves it (`on_loss_scaling`)."""
+    import tensorflow as tf
+
+    out = part + tf.stop_gradient(value - part)
+    graph = getattr(out, "graph", None)
+    if graph is not None:
+        _kept_losses.setdefault(graph, set()).add(out.ref())
+    return out
+
+
+def _is_kept(value):
+    graph = getattr(value, "graph", None)
+    kept = _kept_losses.get(graph, ()) if graph is not None else ()
+    while True:
+        if hasattr(value, "ref") and value.ref() in kept:
+            return True
+        op = getattr(value, "op", None)
+        if op is None or op.type not in ("Cast", "Identity"):
+            return False
+        value = op.inputs[0]  # (Keras casts a loss to its dtype)
 
 
 def before_unbuilt_optimizer_applies(hook):
     """Calls `hook(optimizer, trainable_variables)` as a Keras optimizer
     not built yet is applied with `trainable_variables` (Keras' `apply`
     then builds it on them, where it runs; a hook that builds it leaves
-    that out) (idempotent; checked against `BaseOptimizer.apply` and
-    `LossScaleOptimizer.apply`)."""
+    that out) (idempotent; checked against `BaseOptimizer.apply`,
+    `LossScaleOptimizer.apply` and `MultiOptimizer.apply`)."""
     from keras.src.optimizers import base_optimizer
     from keras.src.optimizers import loss_scale_optimizer
+    from keras.src.optimizers import multi_optimizer
 
     def wrap(original):
         def apply(self, grads, trainable_variables=None):
@@ -869,6 +919,7 @@ def before_unbuilt_optimizer_applies(hook):
 
     _wrap_once(base_optimizer.BaseOptimizer, "apply", wrap)
     _wrap_once(loss_scale_optimizer.LossScaleOptimizer, "apply", wrap)
+    _wrap_once(multi_optimizer.MultiOptimizer, "apply", wrap)
 
 
 def _wrap_once(cls, name, wrap):

@@ -178,11 +178,14 @@ def replica_divisors(model, y, y_pred, static, weighted=False):
 
 
 def shared_loss(model, context, divisors, y, y_pred, sample_weight, rows,
-                rows_share=None):
+                rows_share=None, keep_values=False):
     """The compiled loss of this replica's part with each mean loss
     scaled by the replica's share of its divisor (`divisors`, from
     `replica_divisors`), and the replica's share of the rows:
-    `(loss or None without a compiled loss, rows share)`.
+    `(loss or None without a compiled loss, rows share)`. With
+    `keep_values` (in a model's own step, where Keras' mean losses keep
+    their value: `keras_private.on_loss_scaling`) a loss divided by all
+    replicas' sample weights keeps the replicas' mean too.
 
     The masked divisors (and the `rows`, unless their share is given)
     are summed across the replicas of `context` in one all-reduce; none
@@ -206,21 +209,23 @@ def shared_loss(model, context, divisors, y, y_pred, sample_weight, rows,
                    if factors else sample_weight)
         if divisors.get(WEIGHTS):
             compiled = keras_private.compiled_loss_replacing(
-                model, divided_by_all_weights(context), divides_by_weights)
+                model, divided_by_all_weights(context, keep_values),
+                divides_by_weights)
         loss = compiled(y, y_pred, weights)
     return loss, rows_share
 
 
-def divided_by_all_weights(context):
+def divided_by_all_weights(context, keep_values=False):
     """`wrap(loss, path) -> fn(y_true, y_pred, sample_weight)`: the
     replica's part of a `"mean_with_sample_weight"` loss, its weighted sum
     divided by the sample weights' sum over all replicas of `context`
     (one all-reduce), as one device divides the batch's. Keras divides
     each replica's by its own sum, and scaling the weights cannot change
     that (the scale cancels). The parts, summed over the replicas, are
-    the batch's loss, as the shared mean losses' are. Without weights or
-    masks Keras divides by the loss values' entries: so does this, by all
-    replicas' entries.
+    the batch's loss, as the shared mean losses' are (with `keep_values`,
+    their values times the replicas, which average to it; the gradients
+    the same). Without weights or masks Keras divides by the loss values'
+    entries: so does this, by all replicas' entries.
 
     Example (one replica, where this is Keras' loss):
 
@@ -244,7 +249,21 @@ def divided_by_all_weights(context):
         # Summed in float32 (a float16 loss's sum could overflow).
         return context.all_reduce(tf.distribute.ReduceOp.SUM, local)
 
-    return divided_by(divisor)
+    wrap = divided_by(divisor)
+    if not keep_values:
+        return wrap
+    replicas = context.num_replicas_in_sync
+
+    def kept(loss, path):
+        fn = wrap(loss, path)
+
+        def part(y_true, y_pred, sample_weight=None):
+            value = fn(y_true, y_pred, sample_weight)
+            return keras_private.kept_loss(
+                value * tf.cast(replicas, value.dtype), value)
+        return part
+
+    return kept
 
 
 def divided_by(divisor):

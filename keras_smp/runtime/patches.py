@@ -233,7 +233,8 @@ def _global_share_loss(model, original, context, x, y, y_pred,
         return original(model, x, y, y_pred, sample_weight,
                         training=training)
     loss, rows_share = loss_shares.shared_loss(
-        model, context, divisors, y, y_pred, sample_weight, rows)
+        model, context, divisors, y, y_pred, sample_weight, rows,
+        keep_values=_keeps_loss_value())
     losses = [] if loss is None else [loss]
     weight_terms = keras_private.weight_regularization_count(model)
     unshared = []
@@ -490,7 +491,9 @@ def _array_shuffle(shuffle):
         return None
     frame = _in_progress.stack[-1]
     replacement, order = data_order.shuffle_for(frame["strategy"], shuffle)
-    if order is not None:
+    if order is not None and frame["iterators"] == 0:
+        # (the call's own data: not a fit's validation arrays, made after
+        # its record)
         frame["orders"][data_order.ORDER] = order
     return replacement
 
@@ -582,6 +585,10 @@ def _build_across_replicas(optimizer, trainable_variables):
     if not tf.distribute.has_strategy() or (
             tf.distribute.in_cross_replica_context()) or _runtime_of(
             tf.distribute.get_strategy()) is None:
+        return
+    if tf_private.replicas_update_without_merge_call():
+        # Keras' own updates make no merge_call here (each replica updates
+        # its copies): one could fail inside a `tf.cond`; Keras' build.
         return
 
     def build(strategy):

@@ -323,3 +323,12 @@ def _with_cardinality(method):
             stack.pop()
 
     return run
+
+
+def replicas_update_without_merge_call():
+    """Whether the current strategy's replicas update their variables
+    without a `merge_call` (`tf.__internal__`'s
+    `strategy_supports_no_merge_call`, what Keras' optimizer asks)."""
+    import tensorflow as tf
+
+    return tf.__internal__.distribute.strategy_supports_no_merge_call()

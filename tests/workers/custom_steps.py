@@ -5,7 +5,7 @@ import keras
 import tensorflow as tf
 
 
-class GuideSteps(keras.Sequential):
+class _GuideSteps:
     """The `train_step` and `test_step` of Keras' guide ("Customizing what
     happens in fit()"): the loss from `compute_loss`, fed to the `loss`
     tracker as it is (no replicas in mind)."""
@@ -14,8 +14,9 @@ class GuideSteps(keras.Sequential):
         for metric in self.metrics:
             if metric.name == "loss":
                 metric.update_state(loss)
-            else:
+            elif metric.name == "compile_metrics":
                 metric.update_state(y, y_pred)
+            # (per-output losses: `compute_loss` tracks them)
         return {m.name: m.result() for m in self.metrics}
 
     def train_step(self, data):
@@ -33,6 +34,14 @@ class GuideSteps(keras.Sequential):
         y_pred = self(x, training=False)
         return self._update(x, y, y_pred, self.compute_loss(
             x=x, y=y, y_pred=y_pred, sample_weight=sw, training=False))
+
+
+class GuideSteps(_GuideSteps, keras.Sequential):
+    """A Sequential model with the guide's steps."""
+
+
+class GuideFunctional(_GuideSteps, keras.Model):
+    """A functional model with the guide's steps."""
 
 
 class OwnLossSteps(keras.Model):

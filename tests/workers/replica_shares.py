@@ -76,6 +76,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from custom_steps import GAN  # noqa: E402
+from custom_steps import GuideFunctional  # noqa: E402
 from custom_steps import GuideSteps  # noqa: E402
 from custom_steps import OwnLossSteps  # noqa: E402
 
@@ -228,6 +229,40 @@ def guide_steps():
     return compare(train(build, fit, True), train(build, fit, False))
 
 
+def guide_steps_two_losses():
+    # Two outputs: a masked per-token loss reduced by "sum" (Keras never
+    # scales a sum: each replica's is its part) and a loss divided by its
+    # per-row sample weights ("mean_with_sample_weight", each replica's
+    # part divided by all replicas' weights); a last batch of 14/13 rows.
+    # The step's total and the per-output losses Keras logs: one device's.
+    rows = rng.uniform(0.1, 3.0, size=len(X)).astype("float32")
+    targets = {"a": Y, "b": rng.randn(len(X), 2).astype("float32")}
+    weights = {"a": SW, "b": rows}
+
+    def build():
+        keras.utils.set_random_seed(7)
+        tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
+        h = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(tokens)
+        a = keras.layers.Dense(3, name="a")(keras.layers.Dense(8)(h))
+        b = keras.layers.Dense(2, name="b")(keras.layers.GlobalAveragePooling1D()(h))
+        model = GuideFunctional(tokens, {"a": a, "b": b})
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+            loss={"a": keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True, reduction="sum"),
+                  "b": keras.losses.MeanSquaredError(
+                      reduction="mean_with_sample_weight")},
+            loss_weights={"a": 0.1, "b": 1.0})
+        return model
+
+    def fit(model):
+        return model.fit(X, targets, sample_weight=weights, batch_size=32,
+                         epochs=2, shuffle=False, verbose=0,
+                         validation_data=(X, targets, weights))
+
+    return compare(train(build, fit, True), train(build, fit, False))
+
+
 def own_loss_steps():
     # Equal shares (96 rows in batches of 32): a loss object's mean on
     # each replica.
@@ -362,6 +397,7 @@ def mean_with_sample_weight(pipelined=False, weighted=True, xla=False,
 
 CASES = {"custom_loop": custom_loop, "super_train_step": super_train_step,
          "guide_steps": guide_steps, "own_loss_steps": own_loss_steps,
+         "guide_steps_two_losses": guide_steps_two_losses,
          "gan": gan,
          "empty_replica": empty_replica, "two_masks": two_masks,
          "mean_with_sample_weight": mean_with_sample_weight,
