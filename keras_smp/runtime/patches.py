@@ -273,6 +273,16 @@ class _StepFunction(threading.local):
 _in_step_function = _StepFunction()
 
 
+@contextlib.contextmanager
+def _raised(flag):
+    """Sets a thread-local `flag.active` for the body."""
+    before, flag.active = flag.active, True
+    try:
+        yield
+    finally:
+        flag.active = before
+
+
 def _keeps_loss_value():
     """Whether Keras' losses keep their value (their gradient still divided
     by the replicas in sync, `keras_private.on_loss_scaling`): in a model's
@@ -336,12 +346,8 @@ def _patch_keras_steps(trainer):
                 user = step_function
 
                 def step_function(*args, **kwargs):
-                    before = _in_step_function.active
-                    _in_step_function.active = True
-                    try:
+                    with _raised(_in_step_function):
                         return user(*args, **kwargs)
-                    finally:
-                        _in_step_function.active = before
             return original_make(self, step_function)
 
         _make_function._smp_patched = True
@@ -353,12 +359,8 @@ def _patch_keras_steps(trainer):
 
         @functools.wraps(original)
         def step(self, *args, _original=original, **kwargs):
-            before = _in_keras_step.active
-            _in_keras_step.active = True
-            try:
+            with _raised(_in_keras_step):
                 return _original(self, *args, **kwargs)
-            finally:
-                _in_keras_step.active = before
 
         step._smp_patched = True
         setattr(trainer, name, step)

@@ -117,3 +117,17 @@ class GAN(keras.Model):
         self.d_tracker.update_state(d_loss)
         self.g_tracker.update_state(g_loss)
         return {m.name: m.result() for m in self.metrics}
+
+
+def make_gan():
+    """A GAN of two small Sequential parts (6 features, latent 4),
+    compiled with an Adam optimizer for each."""
+    model = GAN(
+        keras.Sequential([keras.Input((6,)),
+                          keras.layers.Dense(8, activation="tanh"),
+                          keras.layers.Dense(1)]),
+        keras.Sequential([keras.Input((4,)),
+                          keras.layers.Dense(8, activation="tanh"),
+                          keras.layers.Dense(6)]))
+    model.compile(keras.optimizers.Adam(1e-2), keras.optimizers.Adam(1e-2))
+    return model

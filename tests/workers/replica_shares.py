@@ -75,10 +75,10 @@ strategy = keras_smp.SMPStrategy(
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from custom_steps import GAN  # noqa: E402
 from custom_steps import GuideFunctional  # noqa: E402
 from custom_steps import GuideSteps  # noqa: E402
 from custom_steps import OwnLossSteps  # noqa: E402
+from custom_steps import make_gan  # noqa: E402
 
 rng = np.random.RandomState(0)
 VOCAB, SEQ = 20, 8
@@ -244,7 +244,8 @@ def guide_steps_two_losses():
         tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
         h = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(tokens)
         a = keras.layers.Dense(3, name="a")(keras.layers.Dense(8)(h))
-        b = keras.layers.Dense(2, name="b")(keras.layers.GlobalAveragePooling1D()(h))
+        b = keras.layers.Dense(2, name="b")(
+            keras.layers.GlobalAveragePooling1D()(h))
         model = GuideFunctional(tokens, {"a": a, "b": b})
         model.compile(
             optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
@@ -292,15 +293,7 @@ def gan():
 
     def build():
         keras.utils.set_random_seed(7)
-        model = GAN(
-            keras.Sequential([keras.Input((6,)),
-                              keras.layers.Dense(8, activation="tanh"),
-                              keras.layers.Dense(1)]),
-            keras.Sequential([keras.Input((4,)),
-                              keras.layers.Dense(8, activation="tanh"),
-                              keras.layers.Dense(6)]))
-        model.compile(keras.optimizers.Adam(1e-2), keras.optimizers.Adam(1e-2))
-        return model
+        return make_gan()
 
     def fit(model):
         return model.fit(real, batch_size=32, epochs=2, shuffle=False,
