@@ -1,9 +1,9 @@
 """Gradient sync returns exactly the NumPy sum: algorithms x hosts x fusion x dtypes.
 
 Real worker processes (`keras-smp launch`), emulated hosts (`--host-map`):
-2 processes on 2 hosts and 4 processes on 2 hosts, ring, hierarchical and
-horovod (in the Horovod environment, `launch --horovod`),
-fusion on (64 MB: one bucket per dtype) and off (one per tensor), one
+4 processes on 2 hosts with ring, hierarchical and horovod (in the Horovod
+environment, `launch --horovod`), and 2 processes on 2 hosts with
+hierarchical; fusion on (64 MB: one bucket per dtype) and off (one per tensor), one
 call each in the same job. Each
 all-reduce call mixes float32, float16 and bfloat16 tensors of several
 shapes holding small integers, whose sums are exact in every dtype, and
@@ -23,9 +23,13 @@ from conftest import launch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "horovod"])
-@pytest.mark.parametrize("workers,hosts", [(2, "a,b"), (4, "a,a,b,b")],
-                         ids=["2procs-2hosts", "4procs-2hosts"])
+# Every algorithm with 2 processes per host; the hierarchical one (a reduce
+# inside each host first) also with one process per host.
+@pytest.mark.parametrize("workers,hosts,algorithm", [
+    (4, "a,a,b,b", "ring"), (4, "a,a,b,b", "hierarchical"),
+    (4, "a,a,b,b", "horovod"), (2, "a,b", "hierarchical")],
+    ids=["4procs-2hosts-ring", "4procs-2hosts-hierarchical",
+         "4procs-2hosts-horovod", "2procs-2hosts-hierarchical"])
 def test_allreduce_equals_numpy_sum(workers, hosts, algorithm):
     # Fused (64 MB) and unfused (0), one call each, in one job.
     extra = dict(python=None, launcher_args=("--host-map", hosts))
