@@ -324,6 +324,14 @@ def test_ranks_making_different_calls_fail_at_the_call_naming_it(mode):
                  "0; predict on rank 1"),
         "validation": ("the validation data of their 3rd", "- steps: 2 on "
                        "rank 0; 1 on rank 1"),
+        # Infinite data on one rank only (both with steps_per_epoch): rank
+        # 0's steps skip the per-step "has every rank a batch?" agreement
+        # that rank 1's run (pp: rank 1 waited in it until the timeout;
+        # dp: both failed in TensorFlow's "Graph execution error ...
+        # CollectiveReduceV2").
+        "infinite_on_one_rank": (
+            "8th fit/evaluate/predict call", "- data: infinite (repeat()) "
+            "on rank 0; finite (or of unknown length) on rank 1"),
     }
     for name, (which, line) in expected.items():
         mine, theirs = rows[name, 0], rows[name, 1]
@@ -362,11 +370,11 @@ def test_ranks_making_different_calls_fail_at_the_call_naming_it(mode):
     # Left in the coordination service: the last call's keys, and those of
     # the fit's validation (made after the callback's predicts started).
     assert rows["keys", 0]["result"] == [
-        "keras_smp/calls/11/0", "keras_smp/calls/7/validation/0"]
+        "keras_smp/calls/12/0", "keras_smp/calls/8/validation/0"]
     # Rank 1's script ended; rank 0's evaluate fails at once saying so.
     ended = rows["ended", 0]
-    assert ("keras-smp: rank 0 starts evaluate() (its 13th "
-            "fit/evaluate/predict call), but rank 1's script ended after 12 "
+    assert ("keras-smp: rank 0 starts evaluate() (its 14th "
+            "fit/evaluate/predict call), but rank 1's script ended after 13 "
             "such calls") in ended["raised"], ended
     assert ended["seconds"] < 60, ended
     assert "lost" not in proc.stdout.lower(), proc.stdout[-3000:]

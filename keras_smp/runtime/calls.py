@@ -33,7 +33,8 @@ _FIX = (
     "Every rank must call fit, evaluate and predict the same number of "
     "times, in the same order, with the same arguments and the same global "
     "batches: the same dataset (same seed in shuffle), batch size, steps "
-    "and number of rows (or drop_remainder=True). To evaluate or predict "
+    "and number of rows (or drop_remainder=True), infinite (`.repeat()`) "
+    "on every rank or on none. To evaluate or predict "
     "for one rank, call it on every rank (each gets the whole result) and "
     "use the result on that rank: not `if rank == 0: model.evaluate(...)`.")
 

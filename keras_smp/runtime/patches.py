@@ -562,6 +562,7 @@ def _check_call(epoch_iterator):
     else:
         return
     orders.update(_data_orders(epoch_iterator, runtime, validation))
+    arguments = dict(arguments, data=_length_class(epoch_iterator))
     spec = _symbolic_batch(epoch_iterator)
     inputs = None if spec is None else [
         (s.dtype.name, s.shape.as_list()) for s in tf.nest.flatten(spec)]
@@ -571,6 +572,26 @@ def _check_call(epoch_iterator):
         of_call=frame["index"])
     if frame["index"] is None:
         frame["index"] = index
+
+
+def _length_class(epoch_iterator):
+    """Whether a call's data is infinite, for its record (several
+    processes): a step over infinite data (`repeat()`) takes its next
+    batch as it is, a step over other data first asks every process
+    whether each has one (TensorFlow's all-reduce of the replicas holding
+    a batch, `runtime.data_end`'s with model parallelism across
+    processes). So with `steps_per_epoch` given to both, a rank reading
+    infinite data beside one reading finite data left the latter waiting
+    until `collective_timeout_seconds` (one stage per process), or failed
+    both in TensorFlow's "Graph execution error ... CollectiveReduceV2"
+    (data parallel)."""
+    from keras_smp.runtime import keras_private
+
+    dataset = keras_private.epoch_iterator_dataset(epoch_iterator)
+    if dataset is not None and int(dataset.cardinality()) == (
+            tf_private.INFINITE_CARDINALITY):
+        return "infinite (repeat())"
+    return "finite (or of unknown length)"
 
 
 def _build_across_replicas(optimizer, trainable_variables):

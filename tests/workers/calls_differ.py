@@ -16,12 +16,19 @@ its call raised, the message, and the seconds the call took:
    rank 1's end, at once, naming it (before, rank 1 went on to its next
    call while rank 0 waited); data parallel, TensorFlow gives rank 1 an
    empty batch and both run 4 steps;
-5. "agree": the same fit (with validation, and a callback predicting at
+5. "infinite_on_one_rank": fit with `steps_per_epoch=3` on infinite data
+   (`repeat()`) on rank 0, on finite data of unknown length on rank 1:
+   refused before the first step (rank 0's steps skip the per-step
+   agreement on whether each rank has a batch: with one stage per
+   process rank 1 waited in it until the timeout; data parallel, both
+   failed in TensorFlow's "Graph execution error ...
+   CollectiveReduceV2");
+6. "agree": the same fit (with validation, and a callback predicting at
    the start of each epoch: calls within the fit, before its validation),
    evaluate and predict on both ranks: they run, and give the same results
    (the refused calls before left nothing behind); rank 0 then says which
    calls' keys the coordination service still holds;
-6. "ended": rank 1's script ends; rank 0 evaluates once more, as
+7. "ended": rank 1's script ends; rank 0 evaluates once more, as
    `if rank == 0: model.evaluate(...)` would.
 
 With `collective_timeout_seconds=120`, every refusal must come well
@@ -105,6 +112,19 @@ scenario("unknown_length", lambda: unknown_length("fit"))
 scenario("unknown_length_predict", lambda: unknown_length("predict"))
 
 
+def infinite_on_one_rank():
+    import tensorflow as tf
+
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    # Rank 1's data is finite, of unknown length (4 batches, 3 taken).
+    data = data.repeat() if rank == 0 else data.filter(lambda *_: True)
+    return model.fit(data, steps_per_epoch=3, epochs=1,
+                     verbose=0).history["loss"]
+
+
+scenario("infinite_on_one_rank", infinite_on_one_rank)
+
+
 class Predicts(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         model.predict(x[:16], batch_size=16, verbose=0)
@@ -125,14 +145,14 @@ scenario("agree", agree)
 
 def keys():
     # Calls 0-2 were refused, 3 and 4 trained, 5 and 6 failed at their
-    # data's end (pp), 7 is the fit (8, 9 its callback's predicts), 10 the
-    # evaluate, 11 the predict: rank 0 deleted each call's keys once every
-    # rank had started the next.
+    # data's end (pp), 7 was refused, 8 is the fit (9, 10 its
+    # callback's predicts), 11 the evaluate, 12 the predict: rank 0
+    # deleted each call's keys once every rank had started the next.
     from tensorflow.python.eager import context
 
     held = []
-    for key in [f"keras_smp/calls/{c}/0" for c in range(12)] + [
-            "keras_smp/calls/7/validation/0"]:
+    for key in [f"keras_smp/calls/{c}/0" for c in range(13)] + [
+            "keras_smp/calls/8/validation/0"]:
         try:
             # (a key held is found at once; 1 ms was too short for the
             # service's answer on a loaded machine: a held key then read
