@@ -65,6 +65,7 @@ CASES = ("arrays", "tf.data", "generator", "PyDataset",
          "early_stopping_restore_best_weights", "swap_ema_weights",
          "swap_ema_weights_loss_scale",
          "model_checkpoint_best_keras", "validation_freq",
+         "tensorboard_histograms",
          "added_loss_only", "partial_loss_weight_decay", "partial_last_batch",
          "arrays_seeded_per_rank", "PyDataset_seeded_per_rank")
 
@@ -75,8 +76,15 @@ CASES = ("arrays", "tf.data", "generator", "PyDataset",
 HALVES = (CASES[:9], CASES[9:] + ("inference",))
 
 
-def _check(report, only=CASES + ("inference",)):
+def _check(report, only=CASES + ("inference",), chief=True):
     assert report["ran"] == sorted(only), (report["ran"], only)
+    if "tensorboard_histograms" in only and chief:
+        # The chief's log: every weight's last histogram, its range equal
+        # to plain Keras' (within the weights' bound) and its count.
+        row = report["tensorboard_histograms"]["histograms"]
+        assert row["tags"][0] == row["tags"][1] and len(row["tags"][0]) == 6
+        assert row["counts"][0] == row["counts"][1], row
+        assert row["diff"] <= (RTOL + ATOL) * max(1.0, row["scale"]), row
     for name in (name for name in CASES if name in only):
         row = report[name]
         assert row["steps"][0] == row["steps"][1], (name, row)
@@ -122,7 +130,7 @@ def test_keras_features_across_processes(mode, tmp_path):
     for rank in range(2):
         with open(os.path.join(tmp_path, f"rank{rank}.json")) as f:
             report = json.load(f)
-        _check(report)
+        _check(report, chief=rank == 0)
         if mode == "mp":
             row = report["other_stage_layer"]
             assert [list(w) for w in row["whole"]] == [

@@ -672,6 +672,20 @@ def wrap_ema_swaps(wrapper):
     cls._apply_to_ema_optimizers = _apply_to_ema_optimizers
 
 
+def wrap_tensorboard_weights(wrapper):
+    """Replaces `keras.callbacks.TensorBoard._log_weights` (the weight
+    histograms and images written every `histogram_freq` epochs, read
+    from `model.layers`' weights) by `wrapper(original, callback, epoch)`."""
+    import keras
+
+    def wrap(original):
+        def _log_weights(self, epoch):
+            return wrapper(original, self, epoch)
+        return _log_weights
+
+    _wrap_once(keras.callbacks.TensorBoard, "_log_weights", wrap)
+
+
 def is_remote_path(path):
     """Whether Keras treats `path` as remote (`gs://`, `hf://`, ...)."""
     from keras.src.utils import file_utils

@@ -29,7 +29,8 @@
 - `keras.callbacks.BackupAndRestore` (non-chief workers save into scratch
   and never delete the chief's backup), `keras.callbacks.TensorBoard` and
   `keras.callbacks.CSVLogger` (non-chief summaries and rows go to a
-  scratch directory).
+  scratch directory; `TensorBoard`'s weight histograms are of the whole
+  model, gathered from the stage processes).
 - `keras.layers.Layer.__init__`: every new layer is shown to
   `keras_smp.tensor` (`install_layer_hook`), which makes those created in
   `keras_smp.tensor_parallelism()` tensor-parallel.
@@ -877,6 +878,18 @@ def _swap_own_averages(original, callback, tf_fn, backend_fn):
         return original(callback, tf_fn, backend_fn)
 
 
+def _log_whole_weights(original, callback, epoch):
+    """`TensorBoard`'s weight histograms of the whole model: with one stage
+    per process each process holds only its stage's weights, and the
+    others' were written as zeros. The model is gathered for them (as
+    `get_weights()` gathers it): every process runs the callback (the
+    chief's writes its log, the others' go to scratch), so each takes part
+    in the gather at the same epochs."""
+    gathered = getattr(callback.model, "_smp_gathered", None)
+    with gathered() if gathered is not None else contextlib.nullcontext():
+        return original(callback, epoch)
+
+
 def _patch_files(keras):
     keras.Model.save = _redirect_save(keras.Model.save)
     keras.Model.save_weights = _redirect_save(keras.Model.save_weights)
@@ -885,6 +898,7 @@ def _patch_files(keras):
 
     keras_private.wrap_save_model(_keras_file_writer)
     keras_private.wrap_ema_swaps(_swap_own_averages)
+    keras_private.wrap_tensorboard_weights(_log_whole_weights)
 
     backup = keras.callbacks.BackupAndRestore
     save_model = backup._save_model

@@ -11,7 +11,9 @@ plain Keras on one device (same seeds):
 - callbacks that touch the weights: `EarlyStopping` with
   `restore_best_weights`, `SwapEMAWeights` (evaluating and finishing with
   the moving averages), `ModelCheckpoint` with `save_best_only` into a
-  `.keras` file that plain Keras loads; `validation_freq`;
+  `.keras` file that plain Keras loads; `validation_freq`; `TensorBoard`
+  with `histogram_freq` (every layer's weight histograms, compared on the
+  chief);
 - `predict_on_batch`; `export` (served outputs); `evaluate` and
   `predict` with batches that do not divide into the microbatches, and
   `fit` with a last batch that does not;
@@ -216,6 +218,27 @@ def checkpoint_path(model):
     return os.path.join(folder, "best.keras")
 
 
+def tensorboard_dir(distributed):
+    # The chief writes the job's log (the other ranks write to scratch);
+    # the plain references of the two processes into their own.
+    return os.path.join(OUT if distributed else os.path.join(
+        OUT, f"plain{RANK}"), "tensorboard")
+
+
+def histograms(log_dir):
+    """`{tag: [[left, right, count] rows of its last histogram]}` of the
+    weight histograms TensorBoard wrote into `log_dir/train`."""
+    found = {}
+    train = os.path.join(log_dir, "train")
+    for name in sorted(os.listdir(train)):
+        for record in tf.data.TFRecordDataset(os.path.join(train, name)):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            for value in event.summary.value:
+                if value.tag.endswith("/histogram"):
+                    found[value.tag] = tf.make_ndarray(value.tensor)
+    return found
+
+
 def fit_with(*callbacks, epochs=4, **kwargs):
     return lambda m: m.fit(X, Y, batch_size=ROWS, epochs=epochs, verbose=0,
                            validation_data=(XV, YV),
@@ -245,6 +268,12 @@ CALLBACKS = {
         lambda m: keras.callbacks.ModelCheckpoint(
             checkpoint_path(m), monitor="val_loss", save_best_only=True))),
     "validation_freq": (momentum_sgd, fit_with(epochs=3, validation_freq=2)),
+    # Weight histograms of every layer (with one stage per process the
+    # chief wrote the other stage's weights as zeros).
+    "tensorboard_histograms": (momentum_sgd, fit_with(
+        lambda m: keras.callbacks.TensorBoard(tensorboard_dir(isinstance(
+            m.distribute_strategy, keras_smp.SMPStrategy)), histogram_freq=1),
+        epochs=2)),
 }
 # A model compiled without a loss: its loss is what its layers add.
 LOSS_ONLY = {"added_loss_only": lambda m: m.fit(
@@ -318,6 +347,18 @@ for name, (optimizer, fit, frozen) in CASES.items():
              and len(ref_history[k]) == len(got_history[k])), default=None),
         history_scale=max(float(np.max(np.abs(v)))
                           for v in ref_history.values()))
+    if name == "tensorboard_histograms" and RANK == 0:  # the chief's log
+        ref, got = (histograms(tensorboard_dir(d)) for d in (False, True))
+        # Each weight's last histogram: its range (the first bucket's
+        # left edge, the last's right edge) and its count.
+        report[name]["histograms"] = dict(
+            tags=[sorted(ref), sorted(got)],
+            diff=max(float(np.max(np.abs(ref[t][[0, -1], :2]
+                                         - got[t][[0, -1], :2])))
+                     for t in ref if t in got),
+            counts=[[float(ref[t][:, 2].sum()) for t in sorted(ref)],
+                    [float(got[t][:, 2].sum()) for t in sorted(got)]],
+            scale=max(float(np.max(np.abs(h[:, :2]))) for h in ref.values()))
 
 if INFERENCE:
     for name, two_inputs in (("predict_on_batch", False),
