@@ -7,7 +7,8 @@ under the embedding's mask (uneven padding) and a masked-pooling sequence
 head, self-attention with a residual over padded sequences (its masks
 cleared at run time, as Keras' MultiHeadAttention does), CNNs with BatchNormalization, a ResNet-style skip across stages, a
 dict-input two-output model with loss weights, per-output and weighted
-metrics and sample weights, mixed_bfloat16 and mixed_float16 models, frozen
+metrics (one a custom Metric whose `result()` returns its variable) and
+sample weights, mixed_bfloat16 and mixed_float16 models, frozen
 layers, Dropout, L2 regularizers, activity regularizers and a layer's
 add_loss() on both stages, weight constraints, a learning-rate schedule, a
 LossScaleOptimizer that skips steps,

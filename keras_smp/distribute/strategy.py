@@ -19,6 +19,7 @@ is ours:
 """
 
 import itertools
+import sys
 
 import tensorflow as tf
 
@@ -146,6 +147,13 @@ class SMPStrategy(tf_private.CollectiveAllReduceStrategy):
         if isinstance(value, (tuple, list, dict)):
             return tf.nest.map_structure(
                 lambda v: self.reduce(reduce_op, v, axis), value)
+        keras = sys.modules.get("keras")
+        if keras is not None and isinstance(value, keras.Variable):
+            # A metric whose `result()` returns its state variable (as in
+            # Keras' custom-metric guide): its TensorFlow variable, which
+            # reduces as Keras' own metrics' results do (a Keras variable
+            # has no device: TensorFlow's reduction failed on it).
+            value = value.value
         if axis is not None:
             parts = (value.values
                      if isinstance(value, tf.distribute.DistributedValues)
