@@ -792,6 +792,9 @@ def test_one_stage_per_process_matches_single_device(
     assert max(held) < full and full <= sum(held) <= full + 16, (held, full)
     if workers == 4:
         assert int(load(tmp_path, 0)["buckets_traced"]) > 0
+    if variant != "manual":  # a wrapped model: get_layer finds its layers
+        found = load(tmp_path, 0)["get_layer"]
+        assert found.size and found.all(), found
     compiled = [int(load(tmp_path, r)["compiled_calls"]) for r in range(2)]
     assert (min(compiled) > 0) == (variant == "xla"), compiled
     assert "[0] Epoch 3/3" in proc.stdout and "[1] Epoch" not in proc.stdout

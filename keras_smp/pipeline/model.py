@@ -182,6 +182,32 @@ class DistributedModel(keras.Model):
         self._smp_set_graph(self._smp_plan(inputs, outputs, {}))
         self.built = True
 
+    def get_layer(self, name=None, index=None):
+        """Keras' `get_layer`, also finding the wrapped model's layers.
+
+        `DistributedModel(model)` and `DistributedModel(inputs, outputs)`
+        hold the model they wrap as their one layer (`model.layers`, as a
+        Keras model holding another); a `name` not found there is looked
+        up among the wrapped model's layers, so `get_layer("dense")` finds
+        what it found on the model before wrapping.
+
+        Example:
+
+        ```python
+        import keras, keras_smp
+
+        plain = keras.Sequential([keras.Input((4,)),
+                                  keras.layers.Dense(2, name="head")])
+        model = keras_smp.DistributedModel(plain)
+        assert model.get_layer("head") is plain.get_layer("head")
+        ```
+        """
+        inner = getattr(self, "inner_model", None)
+        if (inner is not None and name is not None and index is None
+                and all(layer.name != name for layer in self.layers)):
+            return inner.get_layer(name)
+        return super().get_layer(name, index)
+
     def get_config(self):
         if getattr(self, "inner_model", None) is None:
             return super().get_config()

@@ -292,6 +292,10 @@ if args.pipelined:
     graph = model.staged_graph
     result["expanded"] = np.array(graph.expanded, dtype=str)
     result["summary"] = np.array(model.partition_summary())
+    inner = getattr(model, "inner_model", None)
+    if inner is not None:  # the wrapped model's layers, by name
+        result["get_layer"] = np.array(
+            [model.get_layer(layer.name) is layer for layer in inner.layers])
     result["stage_layers"] = np.array(
         [" ".join(graph.names[id(n)] for n in graph.stage_nodes(s))
          for s in range(graph.num_stages)], dtype=str)
