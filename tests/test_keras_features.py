@@ -15,7 +15,9 @@ one device (tests/workers/keras_features.py):
 - `gradient_accumulation_steps` and `use_ema` with
   `ema_overwrite_frequency`: Keras updates inside `tf.cond`, where a
   `merge_call` fails; keras-smp sums the gradients first and updates each
-  replica in its own context.
+  replica in its own context. A `MultiOptimizer` (an `OptimizerMap`, a
+  selector function): with one stage per process its build failed
+  (the other stage's slots colocated with weights it does not hold).
 - callbacks: `EarlyStopping(restore_best_weights=True)`, `SwapEMAWeights`
   (which with one stage per process failed: it swapped the other stages'
   weights too), also with a `LossScaleOptimizer` around the averaging
@@ -60,6 +62,7 @@ CASES = ("arrays", "tf.data", "generator", "PyDataset",
          "gradient_accumulation",
          "gradient_accumulation_clipnorm_weight_decay",
          "gradient_accumulation_global_clipnorm", "ema_overwrite",
+         "multi_optimizer_map", "multi_optimizer_selector",
          "frozen_stage_accumulation_global_clipnorm",
          "loss_scale_ema_frozen_stage_accumulation",
          "early_stopping_restore_best_weights", "swap_ema_weights",

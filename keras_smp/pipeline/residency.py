@@ -32,8 +32,10 @@ _SLOT_REFS = weakref.WeakKeyDictionary()
 def track_slots(optimizer):
     """Records which model variable each optimizer slot is made for.
 
-    A `LossScaleOptimizer`'s slots are its inner optimizer's: both are
-    tracked, under the outer optimizer.
+    A `LossScaleOptimizer`'s slots are its inner optimizer's, a
+    `MultiOptimizer`'s its sub-optimizers' (also those its selector
+    function makes when it is built): all are tracked, under the outer
+    optimizer.
     """
     if optimizer is None or optimizer in _SLOT_REFS:
         return
@@ -41,10 +43,62 @@ def track_slots(optimizer):
     for target in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         if target is not None:
             _track(target, refs)
+            if keras_private.is_multi_optimizer(target):
+                for sub in target.optimizers:
+                    _track(sub, refs)
+                _track_chosen(target, refs)
+                _apply_held(target)
     _own_finalize(optimizer)
 
 
+def _apply_held(optimizer):
+    """A `MultiOptimizer` applied to some of the weights it was built for:
+    a stage process's own (Keras' `apply` wants every weight). Each
+    sub-optimizer applies this stage's weights it owns; one that owns
+    none here but some elsewhere takes the step without gradients (it
+    joins the stages' norm and loss-scale reductions, and counts the step
+    in its `iterations` as on one device)."""
+    original = optimizer.apply
+
+    def apply(grads, trainable_variables=None):
+        if trainable_variables is None or not optimizer.built:
+            return original(grads, trainable_variables)
+        variables = list(trainable_variables)
+        index, key = keras_private.sub_optimizer_indices(optimizer)
+        if len(variables) == len(index):
+            return original(grads, variables)
+        from keras_smp.runtime import patches
+
+        pairs = {i: [] for i in sorted(set(index.values()))}
+        for grad, variable in zip(grads, variables):
+            pairs[index[key(variable)]].append((grad, variable))
+        for i, own in pairs.items():  # the same order on every stage
+            sub = optimizer.optimizers[i]
+            if own:
+                sub.apply([g for g, _ in own], [v for _, v in own])
+            else:
+                patches.step_without_gradients(sub)
+        optimizer.iterations.assign_add(1)
+
+    object.__setattr__(optimizer, "apply", apply)
+
+
+def _track_chosen(optimizer, refs):
+    """Tracks the sub-optimizers a `MultiOptimizer` picks as it builds."""
+    original = optimizer.build
+
+    def build(var_list):
+        with keras_private.choosing_sub_optimizers(
+                optimizer, lambda sub: _track(sub, refs)):
+            return original(var_list)
+
+    object.__setattr__(optimizer, "build", build)
+
+
 def _track(optimizer, refs):
+    if getattr(optimizer, "_smp_slots_tracked", False):
+        return
+    object.__setattr__(optimizer, "_smp_slots_tracked", True)
     original = optimizer.add_variable_from_reference
 
     def add_variable_from_reference(reference_variable, *args, **kwargs):

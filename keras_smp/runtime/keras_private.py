@@ -672,6 +672,39 @@ def wrap_ema_swaps(wrapper):
     cls._apply_to_ema_optimizers = _apply_to_ema_optimizers
 
 
+def is_multi_optimizer(optimizer):
+    """Whether `optimizer` is a `keras.optimizers.MultiOptimizer`."""
+    from keras.src.optimizers import multi_optimizer
+
+    return isinstance(optimizer, multi_optimizer.MultiOptimizer)
+
+
+@contextlib.contextmanager
+def choosing_sub_optimizers(optimizer, hook):
+    """For the body, calls `hook(sub_optimizer)` with each optimizer a
+    `MultiOptimizer`'s map or selector function picks for a variable (its
+    `build` picks them, a selector function may make new ones there);
+    the map itself is put back after (its `get_config` serializes it)."""
+    chooser = optimizer._optimizer_map
+
+    def choose(variable):
+        sub = chooser(variable)
+        hook(sub)
+        return sub
+
+    object.__setattr__(optimizer, "_optimizer_map", choose)
+    try:
+        yield
+    finally:
+        object.__setattr__(optimizer, "_optimizer_map", chooser)
+
+
+def sub_optimizer_indices(optimizer):
+    """`{variable key: index into optimizer.optimizers}` of a built
+    `MultiOptimizer`, and the key function (`optimizer._var_key`)."""
+    return dict(optimizer._var_to_optimizer_idx), optimizer._var_key
+
+
 def wrap_tensorboard_weights(wrapper):
     """Replaces `keras.callbacks.TensorBoard._log_weights` (the weight
     histograms and images written every `histogram_freq` epochs, read

@@ -7,7 +7,8 @@ plain Keras on one device (same seeds):
   and `PyDataset` with each stage process seeded differently (`mp`);
 - optimizer options whose updates Keras makes inside `tf.cond`:
   `gradient_accumulation_steps` (with and without `clipnorm` and
-  `weight_decay`), `use_ema` with `ema_overwrite_frequency`;
+  `weight_decay`), `use_ema` with `ema_overwrite_frequency`; a
+  `MultiOptimizer` (an `OptimizerMap`, and a selector function);
 - callbacks that touch the weights: `EarlyStopping` with
   `restore_best_weights`, `SwapEMAWeights` (evaluating and finishing with
   the moving averages), `ModelCheckpoint` with `save_best_only` into a
@@ -194,6 +195,20 @@ OPTIMIZERS = {
                              gradient_accumulation_steps=2)),
     "ema_overwrite": lambda: keras.optimizers.SGD(
         0.1, momentum=0.9, use_ema=True, ema_overwrite_frequency=3),
+    # One optimizer per group of weights: with one stage per process, a
+    # stage holding none of a sub-optimizer's weights (the first stage
+    # has no "d3") still steps it (before, the slots of the other stage's
+    # weights failed to build: "colocate_vars_with must only be passed a
+    # variable created in this tf.distribute.Strategy.scope()").
+    "multi_optimizer_map": lambda: keras.optimizers.MultiOptimizer(
+        keras.optimizers.OptimizerMap(
+            keras.optimizers.SGD(0.1, momentum=0.9),
+            {"d3/.*": keras.optimizers.Adam(0.01)})),
+    # ... chosen by a function making them as the optimizer is built (as
+    # in Keras' MultiOptimizer documentation).
+    "multi_optimizer_selector": lambda: keras.optimizers.MultiOptimizer(
+        lambda v: (keras.optimizers.Adam(0.01) if v.path.startswith("d3")
+                   else keras.optimizers.SGD(0.1, momentum=0.9))),
 }
 # A first stage with nothing to train (fine-tuning) still takes part in
 # the clip's norm, and in the loss-scale decision, on the right steps.
