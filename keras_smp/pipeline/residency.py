@@ -155,6 +155,10 @@ def _own_finalize(optimizer):
     original = optimizer.finalize_variable_values
 
     def finalize_variable_values(var_list):
+        # Another stage's weights have nothing to finalize here (a
+        # `MultiOptimizer` also looks each up by its storage's id, which
+        # gathers replace).
+        var_list = [v for v in var_list if not is_local(v)]
         with own_averages(optimizer):
             # A LossScaleOptimizer hands `var_list` to its inner one.
             for target in (optimizer,

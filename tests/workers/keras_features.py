@@ -320,6 +320,13 @@ CASES.update({name: (optimizer, fit, False)
               for name, (optimizer, fit) in CALLBACKS.items()})
 CASES.update({name: (optimizer, SOURCES["arrays"], False)
               for name, optimizer in OPTIMIZERS.items()})
+# ... with the whole model gathered after each epoch (a callback reading
+# `get_weights()`): with one stage per process that replaces the other
+# stage's weights' storage, by whose ids a MultiOptimizer looks them up
+# at the end of fit (it raised a KeyError).
+CASES["multi_optimizer_map"] = (OPTIMIZERS["multi_optimizer_map"], fit_with(
+    lambda m: keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: m.get_weights()), epochs=2), False)
 CASES.update({name: (optimizer, SOURCES["arrays"], True)
               for name, optimizer in FROZEN.items()})
 
