@@ -132,7 +132,8 @@ def test_callbacks_across_workers(tmp_path, reference):
     # ModelCheckpoint, BackupAndRestore, EarlyStopping, TensorBoard and
     # CSVLogger(append=True) on 2 workers: training still matches, files are
     # written once (by the chief: the CSV holds each epoch once; both ranks
-    # appended their rows before), and a second run restores from the
+    # appended their rows before; keras.saving.save_model wrote from every
+    # rank, into one file: a zip with bad CRCs), and a second run restores from the
     # backup without retraining. The non-chief's TensorBoard scratch
     # directory is gone when it exits.
     scratch = tmp_path / "scratch"
@@ -150,6 +151,11 @@ def test_callbacks_across_workers(tmp_path, reference):
     assert len({e.parent for e in events}) == len(events) >= 1, events
     assert not (files / "backup").exists(), "backup not cleaned after fit"
     assert _csv_epochs(files / "log.csv") == [0, 1, 2]
+    # keras.saving.save_model / save_weights and keras.models.save_model,
+    # each rank naming its own file: the chief's only (as model.save).
+    written = sorted(p.name for p in files.glob("rank*_*"))
+    assert written == ["rank0_models.keras", "rank0_saving.keras",
+                       "rank0_saving.weights.h5"], written
 
 
 def _csv_epochs(path):

@@ -23,6 +23,8 @@
   for models under `SMPStrategy` and pipelined models; non-chief workers of
   a multi-worker job write into a scratch directory removed right after, so
   the same (collective) work runs everywhere but only the chief writes.
+  `keras.saving.save_model` / `save_weights` (and `keras.models.save_model`)
+  of such a model call these methods.
 - Keras' `.keras` writer (`saving_lib.save_model`, behind `Model.save`
   and `keras.saving.save_model`): a `DistributedModel` decides how to
   write itself (with one stage per process, streamed from its stages).
@@ -818,6 +820,22 @@ def _redirect_save(method):
     return wrapper
 
 
+def _redirect_save_function(function, method_name):
+    """`keras.saving.save_model(model, path)` / `save_weights(model, path)`
+    (also `keras.models.save_model`) of a model under an `SMPStrategy` or
+    pipelined: the model's own `save` / `save_weights`, which write on the
+    chief only, atomically (every process of a data-parallel job wrote
+    the same file at once: a `.keras` zip with a bad CRC)."""
+    @functools.wraps(function)
+    def wrapper(model, filepath, *args, **kwargs):
+        if _smp_model(model):
+            return getattr(model, method_name)(filepath, *args, **kwargs)
+        return function(model, filepath, *args, **kwargs)
+
+    wrapper._smp_patched = True
+    return wrapper
+
+
 def _redirect_export(method):
     """`Model.export` on a non-chief worker writes into scratch (every
     process of a data-parallel job may call it; rank 0's is the file)."""
@@ -894,6 +912,14 @@ def _patch_files(keras):
     keras.Model.save = _redirect_save(keras.Model.save)
     keras.Model.save_weights = _redirect_save(keras.Model.save_weights)
     keras.Model.export = _redirect_export(keras.Model.export)
+    for module in (keras.saving, keras.models):
+        for name, method_name in (("save_model", "save"),
+                                  ("save_weights", "save_weights")):
+            function = getattr(module, name, None)
+            if function is not None and not getattr(
+                    function, "_smp_patched", False):
+                setattr(module, name,
+                        _redirect_save_function(function, method_name))
     from keras_smp.runtime import keras_private
 
     keras_private.wrap_save_model(_keras_file_writer)

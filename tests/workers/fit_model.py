@@ -264,6 +264,13 @@ if args.callbacks:
     board = next(c for c in callbacks
                  if isinstance(c, keras.callbacks.TensorBoard))
     print(f"rank {rank}: tensorboard log_dir {board.log_dir}", flush=True)
+    if not args.pipelined:
+        # Keras' saving functions, each rank naming its own file: only the
+        # chief's is written (every rank wrote the same file at once).
+        for fn, suffix in ((keras.saving.save_model, "saving.keras"),
+                           (keras.models.save_model, "models.keras"),
+                           (keras.saving.save_weights, "saving.weights.h5")):
+            fn(model, os.path.join(d, f"rank{rank}_{suffix}"))
 if args.save_weights:
     model.save_weights(args.save_weights)
 eval_ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
