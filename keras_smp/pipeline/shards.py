@@ -136,15 +136,18 @@ class _Recorder(keras_private.H5IOStore):
 
 def _stage_of_entries(model, items):
     """The pipeline stage owning each entry: a weight's home stage, an
-    optimizer slot's weight's, other values (step counter, loss scale)
-    stage 0's; a value a layer computes, its layer's stage."""
+    optimizer slot's (or other state made for one weight: Adafactor's
+    factors) weight's, other values (step counter, loss scale) stage 0's;
+    a value a layer computes, its layer's stage."""
     graph = model.staged_graph
     home = graph.home_stage()
     layer_stage = {}
     for s in range(graph.num_stages):
         for node in graph.stage_nodes(s):
             layer_stage.setdefault(getattr(node.operation, "name", None), s)
-    slots = residency.slot_references(getattr(model, "optimizer", None))
+    optimizer = getattr(model, "optimizer", None)
+    slots = residency.slot_references(optimizer)
+    slots.update(keras_private.per_weight_state(optimizer))
     stages = []
     for _, _, value, owner in items:
         # A tensor-parallel layer saves whole weights gathered from its

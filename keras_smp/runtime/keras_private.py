@@ -699,6 +699,32 @@ def choosing_sub_optimizers(optimizer, hook):
         object.__setattr__(optimizer, "_optimizer_map", chooser)
 
 
+def per_weight_state(optimizer):
+    """`{id(optimizer variable): model weight}` for optimizer state Keras
+    makes per weight with `add_variable` rather than
+    `add_variable_from_reference`: `Adafactor`'s factored accumulators
+    (`_r`, `_c`, in the order of the weights it was built for), also
+    inside a `LossScaleOptimizer` or a `MultiOptimizer`."""
+    import keras
+
+    found = {}
+    pending = [optimizer]
+    while pending:
+        target = pending.pop()
+        if target is None:
+            continue
+        pending.append(getattr(target, "inner_optimizer", None))
+        if is_multi_optimizer(target):
+            pending.extend(target.optimizers)
+        if isinstance(target, keras.optimizers.Adafactor) and target.built:
+            for weight, r, c in zip(target._trainable_variables,
+                                    target._r, target._c):
+                for state in (r, c):
+                    if state is not None:
+                        found[id(state)] = weight
+    return found
+
+
 def sub_optimizer_indices(optimizer):
     """`{variable key: index into optimizer.optimizers}` of a built
     `MultiOptimizer`, and the key function (`optimizer._var_key`)."""

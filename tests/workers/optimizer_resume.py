@@ -1,0 +1,81 @@
+"""Optimizer state saved by the stage processes, then resumed (used by
+tests/test_keras_features.py).
+
+Run under `keras-smp launch -n 2` (2 stages, one per process). For each
+optimizer: fit 1 epoch, `save_weights(OUT/NAME.weights.json)` (weights and
+optimizer state, each stage writing its own), fit another epoch; then a new
+model loads the file and fits that epoch again. Prints per optimizer
+`RESUME {json}`: the largest difference between the saved and the loaded
+weights, and between the uninterrupted run's and the resumed run's final
+weights.
+
+- "multi_optimizer": a `MultiOptimizer` (Adam for the first stage's layer,
+  SGD with momentum for the rest);
+- "adafactor": `Adafactor`, whose factored accumulators Keras makes per
+  weight with `add_variable` (not as slots of the weight): the last
+  stage's were written from the first stage's copy (never updated there),
+  so the resumed run drifted (weights off by 0.05).
+
+    optimizer_resume.py OUT
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras_smp  # noqa: E402
+
+strategy = keras_smp.SMPStrategy(partitions=2, microbatches=2)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+OUT = sys.argv[1]
+x = np.random.RandomState(0).randn(64, 8).astype("float32")
+y = x[:, :2] * 2
+OPTIMIZERS = {
+    "multi_optimizer": lambda: keras.optimizers.MultiOptimizer(
+        keras.optimizers.OptimizerMap(
+            keras.optimizers.SGD(0.05, momentum=0.9),
+            {"enc/.*": keras.optimizers.Adam(1e-2)})),
+    "adafactor": lambda: keras.optimizers.Adafactor(0.05),
+}
+
+
+def build(optimizer):
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        inp = keras.Input((8,))
+        h = keras.layers.Dense(16, activation="relu", name="enc")(inp)
+        h = keras.layers.Dense(16, activation="relu", name="dec")(h)
+        model = keras_smp.DistributedModel(
+            keras.Model(inp, keras.layers.Dense(2, name="head")(h)))
+        model.compile(optimizer=OPTIMIZERS[optimizer](), loss="mse")
+    return model
+
+
+def largest(a, b):
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
+
+
+for name in OPTIMIZERS:
+    path = os.path.join(OUT, f"{name}.weights.json")
+    model = build(name)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    model.save_weights(path)
+    saved = model.get_weights()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    resumed = build(name)
+    with strategy.scope():
+        resumed.build((None, 8))
+        resumed.optimizer.build(resumed.trainable_variables)
+    resumed.load_weights(path)
+    loaded = resumed.get_weights()
+    resumed.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    print("RESUME " + json.dumps(dict(
+        rank=keras_smp.rank(), optimizer=name,
+        loaded=largest(saved, loaded),
+        moved=largest(saved, model.get_weights()),
+        resumed=largest(model.get_weights(), resumed.get_weights()))),
+        flush=True)
