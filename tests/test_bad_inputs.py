@@ -302,7 +302,8 @@ def test_ranks_started_with_different_settings_all_fail_at_once_naming_them():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dp", "pp"])
-def test_ranks_making_different_calls_fail_at_the_call_naming_it(mode):
+def test_ranks_making_different_calls_fail_at_the_call_naming_it(mode,
+                                                                 tmp_path):
     # A plain Keras model trained data-parallel ("dp") and a 2-stage
     # DistributedModel with one stage per process ("pp"). Without the
     # check, different steps or calls waited in a collective until
@@ -310,8 +311,8 @@ def test_ranks_making_different_calls_fail_at_the_call_naming_it(mode):
     # (pp), or failed in TensorFlow's "Collective instance 114 expected
     # type 0 and data_type 9" (dp); `if rank == 0: model.evaluate(...)`
     # waited until the timeout in every mode.
-    proc = launch(2, [os.path.join(WORKERS, "calls_differ.py"), mode],
-                  timeout=300)
+    proc = launch(2, [os.path.join(WORKERS, "calls_differ.py"), mode,
+                      str(tmp_path)], timeout=300)
     rows = {}
     for line in proc.stdout.splitlines():
         if "ROW {" in line:
@@ -361,6 +362,22 @@ def test_ranks_making_different_calls_fail_at_the_call_naming_it(mode):
             assert mine["raised"] is None and theirs["raised"] is None, (
                 mine, theirs)
             assert mine["result"] == theirs["result"], (mine, theirs)
+    # TensorBoard's weight histograms on rank 0 only: with one stage per
+    # process each histogram epoch gathers the model from every rank, so
+    # the fit is refused before its first step (rank 0 waited in the
+    # gather); data parallel gathers nothing: it trains.
+    mine, theirs = rows["histograms_on_one_rank", 0], rows[
+        "histograms_on_one_rank", 1]
+    if mode == "pp":
+        assert mine["raised"] is not None and (
+            mine["raised"] == theirs["raised"]), (mine, theirs)
+        assert "9th fit/evaluate/predict call" in mine["raised"], mine
+        assert ("- TensorBoard histogram_freq: [1] on rank 0; None on "
+                "rank 1") in mine["raised"].splitlines(), mine
+        assert max(mine["seconds"], theirs["seconds"]) < 60, (mine, theirs)
+    else:
+        assert mine["raised"] is None and theirs["raised"] is None, (
+            mine, theirs)
     # Nothing left behind: the same calls then run, with the same logs and
     # outputs on both ranks.
     agree = rows["agree", 0]
@@ -370,11 +387,11 @@ def test_ranks_making_different_calls_fail_at_the_call_naming_it(mode):
     # Left in the coordination service: the last call's keys, and those of
     # the fit's validation (made after the callback's predicts started).
     assert rows["keys", 0]["result"] == [
-        "keras_smp/calls/12/0", "keras_smp/calls/8/validation/0"]
+        "keras_smp/calls/13/0", "keras_smp/calls/9/validation/0"]
     # Rank 1's script ended; rank 0's evaluate fails at once saying so.
     ended = rows["ended", 0]
-    assert ("keras-smp: rank 0 starts evaluate() (its 14th "
-            "fit/evaluate/predict call), but rank 1's script ended after 13 "
+    assert ("keras-smp: rank 0 starts evaluate() (its 15th "
+            "fit/evaluate/predict call), but rank 1's script ended after 14 "
             "such calls") in ended["raised"], ended
     assert ended["seconds"] < 60, ended
     assert "lost" not in proc.stdout.lower(), proc.stdout[-3000:]

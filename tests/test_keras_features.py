@@ -169,4 +169,10 @@ def test_optimizer_state_of_each_stage_resumes_exactly(tmp_path):
     for row in rows:
         assert row["moved"] > 1e-3, row  # the second epoch trained
         assert row["loaded"] == 0.0 and row["resumed"] == 0.0, row
+    # A sub-optimizer with global_clipnorm (its norm spans the stages):
+    # refused on every rank before it trains.
+    refused = [json.loads(line.split("REFUSED ", 1)[1])["refused"]
+               for line in proc.stdout.splitlines() if "REFUSED {" in line]
+    assert len(refused) == 2 and all(
+        r and "sets global_clipnorm" in r for r in refused), refused
 

@@ -158,6 +158,16 @@ def test_callbacks_across_workers(tmp_path, reference):
                        "rank0_saving.weights.h5"], written
 
 
+def test_fit_on_a_distributed_dataset_across_workers():
+    # A dataset distributed by the strategy itself: the per-call check of
+    # infinite data read its cardinality as a method and failed.
+    proc = launch(2, [os.path.join(WORKERS, "distributed_dataset_fit.py")],
+                  timeout=240)
+    losses = dict(re.findall(r"LOSS (\d) (\S+)", proc.stdout))
+    assert sorted(losses) == ["0", "1"], proc.stdout[-2000:]
+    assert losses["0"] == losses["1"], losses  # the same global batches
+
+
 def _csv_epochs(path):
     """The epochs of a `CSVLogger` file's rows (one header line first)."""
     lines = path.read_text().splitlines()

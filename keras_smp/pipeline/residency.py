@@ -54,10 +54,12 @@ def track_slots(optimizer):
 def _apply_held(optimizer):
     """A `MultiOptimizer` applied to some of the weights it was built for:
     a stage process's own (Keras' `apply` wants every weight). Each
-    sub-optimizer applies this stage's weights it owns; one that owns
-    none here but some elsewhere takes the step without gradients (it
-    joins the stages' norm and loss-scale reductions, and counts the step
-    in its `iterations` as on one device)."""
+    sub-optimizer applies this stage's weights it owns; one with no
+    gradient here (its weights on other stages, or none reaching the
+    loss here) counts the step in its `iterations`, as on one device.
+    Sub-optimizers whose update depends on all their weights together
+    (`global_clipnorm`, `use_ema`, `gradient_accumulation_steps`) are
+    refused: their reductions across the stages are not made yet."""
     original = optimizer.apply
 
     def apply(grads, trainable_variables=None):
@@ -67,17 +69,29 @@ def _apply_held(optimizer):
         index, key = keras_private.sub_optimizer_indices(optimizer)
         if len(variables) == len(index):
             return original(grads, variables)
-        from keras_smp.runtime import patches
-
         pairs = {i: [] for i in sorted(set(index.values()))}
         for grad, variable in zip(grads, variables):
             pairs[index[key(variable)]].append((grad, variable))
+        for i in pairs:
+            sub = optimizer.optimizers[i]
+            unsupported = [name for name in (
+                "global_clipnorm", "use_ema", "gradient_accumulation_steps")
+                if getattr(sub, name, None)]
+            if unsupported:
+                raise NotImplementedError(
+                    f"MultiOptimizer with one pipeline stage per process: "
+                    f"its sub-optimizer {sub.name!r} sets "
+                    f"{', '.join(unsupported)}, which act on all its "
+                    "weights together, across the stages; not supported "
+                    "yet. Set them on a single optimizer, or use "
+                    "clipnorm/clipvalue (per weight).")
         for i, own in pairs.items():  # the same order on every stage
             sub = optimizer.optimizers[i]
+            own = [(g, v) for g, v in own if g is not None]
             if own:
                 sub.apply([g for g, _ in own], [v for _, v in own])
             else:
-                patches.step_without_gradients(sub)
+                sub.iterations.assign_add(1)
         optimizer.iterations.assign_add(1)
 
     object.__setattr__(optimizer, "apply", apply)

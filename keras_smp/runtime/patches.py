@@ -470,6 +470,10 @@ def _patch_calls(trainer):
                 arguments["validation data"] = (
                     given.get("validation_data") is not None
                     or bool(given.get("validation_split")))
+                histograms = _gathering_callbacks(self,
+                                                  given.get("callbacks"))
+                if histograms:
+                    arguments["TensorBoard histogram_freq"] = histograms
             _in_progress.stack.append({
                 "call": _name, "arguments": arguments, "iterators": 0,
                 "index": None, "orders": {}, "model": self,
@@ -483,6 +487,20 @@ def _patch_calls(trainer):
 
         call._smp_patched = True
         setattr(trainer, name, call)
+
+
+def _gathering_callbacks(model, callbacks):
+    """The `histogram_freq` of each `TensorBoard` among `callbacks` that
+    gathers `model` (one stage per process: `_log_whole_weights`), for the
+    fit's record: a rank without it (`callbacks=[board] if rank == 0 else
+    []`) would leave the others waiting in the gather."""
+    import keras
+
+    if not getattr(model, "_smp_multi_process", lambda: False)():
+        return []
+    return [board.histogram_freq for board in (callbacks or [])
+            if isinstance(board, keras.callbacks.TensorBoard)
+            and board.histogram_freq]
 
 
 def _array_shuffle(shuffle):
@@ -588,11 +606,20 @@ def _length_class(epoch_iterator):
     until `collective_timeout_seconds` (one stage per process), or failed
     both in TensorFlow's "Graph execution error ... CollectiveReduceV2"
     (data parallel)."""
+    import tensorflow as tf
+
     from keras_smp.runtime import keras_private
 
     dataset = keras_private.epoch_iterator_dataset(epoch_iterator)
-    if dataset is not None and int(dataset.cardinality()) == (
-            tf_private.INFINITE_CARDINALITY):
+    try:
+        if isinstance(dataset, tf.data.Dataset):
+            cardinality = int(dataset.cardinality())
+        else:  # a distributed dataset: an int attribute, maybe absent
+            cardinality = getattr(dataset, "cardinality", None)
+    except Exception as e:  # noqa: BLE001 - reported through the record
+        # (not raised here alone: the other ranks would wait)
+        return f"unknown on this rank ({type(e).__name__}: {str(e)[:80]})"
+    if cardinality == tf_private.INFINITE_CARDINALITY:
         return "infinite (repeat())"
     return "finite (or of unknown length)"
 
@@ -826,11 +853,27 @@ def _redirect_save_function(function, method_name):
     pipelined: the model's own `save` / `save_weights`, which write on the
     chief only, atomically (every process of a data-parallel job wrote
     the same file at once: a `.keras` zip with a bad CRC)."""
+    import inspect
+
     @functools.wraps(function)
     def wrapper(model, filepath, *args, **kwargs):
-        if _smp_model(model):
-            return getattr(model, method_name)(filepath, *args, **kwargs)
-        return function(model, filepath, *args, **kwargs)
+        if not _smp_model(model):
+            return function(model, filepath, *args, **kwargs)
+        method = getattr(model, method_name)
+        try:
+            inspect.signature(method).bind(filepath, *args, **kwargs)
+        except TypeError:
+            if is_pipelined(model):
+                raise TypeError(
+                    f"keras.saving.{function.__name__}(model, ...) of a "
+                    f"DistributedModel takes the arguments of "
+                    f"model.{method_name}{inspect.signature(method)}; "
+                    f"received {sorted(kwargs)}.") from None
+            # Keras' own keywords (objects_to_skip): the function itself,
+            # written by the chief only, atomically.
+            return _redirect_save(function)(model, filepath, *args,
+                                            **kwargs)
+        return method(filepath, *args, **kwargs)
 
     wrapper._smp_patched = True
     return wrapper
@@ -1093,6 +1136,18 @@ def _stage_sum(optimizer, tensor):
     return tensor if reduce_sum is None else reduce_sum(tensor)
 
 
+def _sub_optimizers_with_weights(optimizer):
+    """The sub-optimizers of a built `MultiOptimizer` that train some
+    weight (on any stage), in order; `[]` for other optimizers."""
+    from keras_smp.runtime import keras_private
+
+    if not keras_private.is_multi_optimizer(optimizer) or (
+            not optimizer.built):
+        return []
+    used = set(keras_private.sub_optimizer_indices(optimizer)[0].values())
+    return [sub for i, sub in enumerate(optimizer.optimizers) if i in used]
+
+
 def step_without_gradients(optimizer):
     """The optimizer step of a stage process with nothing to train.
 
@@ -1126,8 +1181,19 @@ def step_without_gradients(optimizer):
         tf.cond(tf.equal((counter + 1) % accumulate, 0), norm_share,
                 lambda: tf.constant(False))
 
+    subs = _sub_optimizers_with_weights(inner)
+    if subs and (scaled or getattr(inner, "global_clipnorm", None)
+                 or accumulate):
+        raise NotImplementedError(
+            "A stage process with nothing to train and a MultiOptimizer "
+            "inside a LossScaleOptimizer (mixed precision), or with "
+            "global_clipnorm or gradient_accumulation_steps of its own, is "
+            "not supported yet. Give the frozen stage a trainable weight, "
+            "or use one optimizer.")
     if not scaled:
         clip_sum()
+        for sub in subs:  # each counts the step, as on one device
+            step_without_gradients(sub)
         counter.assign_add(1)
         return
     if not optimizer.built:

@@ -1,6 +1,6 @@
 """Ranks that make different fit / evaluate / predict calls (used by tests).
 
-Run under `keras-smp launch -n 2 -- python calls_differ.py MODE`, MODE
+Run under `keras-smp launch -n 2 -- python calls_differ.py MODE TMPDIR`, MODE
 "dp" (data parallel, one replica per process) or "pp" (2 stages, one per
 process). In order, each rank prints `ROW {json}` per scenario: whether
 its call raised, the message, and the seconds the call took:
@@ -23,12 +23,16 @@ its call raised, the message, and the seconds the call took:
    process rank 1 waited in it until the timeout; data parallel, both
    failed in TensorFlow's "Graph execution error ...
    CollectiveReduceV2");
-6. "agree": the same fit (with validation, and a callback predicting at
+6. "histograms_on_one_rank": a fit with `TensorBoard(histogram_freq=1)`
+   on rank 0 only: with one stage per process refused before the first
+   step (each histogram epoch gathers the model from every rank: rank 0
+   waited in the gather); data parallel, it runs;
+7. "agree": the same fit (with validation, and a callback predicting at
    the start of each epoch: calls within the fit, before its validation),
    evaluate and predict on both ranks: they run, and give the same results
    (the refused calls before left nothing behind); rank 0 then says which
    calls' keys the coordination service still holds;
-7. "ended": rank 1's script ends; rank 0 evaluates once more, as
+8. "ended": rank 1's script ends; rank 0 evaluates once more, as
    `if rank == 0: model.evaluate(...)` would.
 
 With `collective_timeout_seconds=120`, every refusal must come well
@@ -36,6 +40,7 @@ before it: the check runs before the first step of each call.
 """
 
 import json
+import os
 import sys
 import time
 
@@ -123,6 +128,14 @@ def infinite_on_one_rank():
 
 
 scenario("infinite_on_one_rank", infinite_on_one_rank)
+# Weight histograms on rank 0 only: with one stage per process each
+# histogram epoch gathers the model from every rank (rank 0 waited in the
+# gather until the timeout); data parallel, no gather: it runs.
+scenario("histograms_on_one_rank", lambda: model.fit(
+    x, y, batch_size=16, epochs=1, verbose=0,
+    callbacks=[keras.callbacks.TensorBoard(
+        os.path.join(sys.argv[2], "tb"), histogram_freq=1)]
+    if rank == 0 else []).history["loss"])
 
 
 class Predicts(keras.callbacks.Callback):
@@ -145,14 +158,14 @@ scenario("agree", agree)
 
 def keys():
     # Calls 0-2 were refused, 3 and 4 trained, 5 and 6 failed at their
-    # data's end (pp), 7 was refused, 8 is the fit (9, 10 its
-    # callback's predicts), 11 the evaluate, 12 the predict: rank 0
-    # deleted each call's keys once every rank had started the next.
+    # data's end (pp), 7 was refused, 8 was refused (pp), 9 is the fit
+    # (10, 11 its callback's predicts), 12 the evaluate, 13 the predict:
+    # rank 0 deleted each call's keys once every rank had started the next.
     from tensorflow.python.eager import context
 
     held = []
-    for key in [f"keras_smp/calls/{c}/0" for c in range(13)] + [
-            "keras_smp/calls/8/validation/0"]:
+    for key in [f"keras_smp/calls/{c}/0" for c in range(14)] + [
+            "keras_smp/calls/9/validation/0"]:
         try:
             # (a key held is found at once; 1 ms was too short for the
             # service's answer on a loaded machine: a held key then read

@@ -16,6 +16,9 @@ weights.
   stage's were written from the first stage's copy (never updated there),
   so the resumed run drifted (weights off by 0.05).
 
+First, a `MultiOptimizer` whose sub-optimizer sets `global_clipnorm` is
+refused at the first step on every rank (`REFUSED {json}`).
+
     optimizer_resume.py OUT
 """
 
@@ -58,6 +61,23 @@ def build(optimizer):
 def largest(a, b):
     return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
 
+
+# A sub-optimizer whose update needs all its weights together, across the
+# stages: refused at the first step, on every rank (it clipped by this
+# stage's norm alone).
+OPTIMIZERS["clipped_sub_optimizer"] = lambda: keras.optimizers.MultiOptimizer(
+    keras.optimizers.OptimizerMap(
+        keras.optimizers.SGD(0.05, global_clipnorm=0.1),
+        {"enc/.*": keras.optimizers.Adam(1e-2)}))
+model = build("clipped_sub_optimizer")
+try:
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    refused = None
+except NotImplementedError as e:
+    refused = str(e)
+print("REFUSED " + json.dumps(dict(rank=keras_smp.rank(), refused=refused)),
+      flush=True)
+del OPTIMIZERS["clipped_sub_optimizer"]
 
 for name in OPTIMIZERS:
     path = os.path.join(OUT, f"{name}.weights.json")
