@@ -69,29 +69,18 @@ def _apply_held(optimizer):
         index, key = keras_private.sub_optimizer_indices(optimizer)
         if len(variables) == len(index):
             return original(grads, variables)
-        pairs = {i: [] for i in sorted(set(index.values()))}
+        from keras_smp.runtime import patches
+
+        subs = patches.sub_optimizers_with_weights(optimizer)
+        pairs = {i: [] for i in subs}
         for grad, variable in zip(grads, variables):
             pairs[index[key(variable)]].append((grad, variable))
-        for i in pairs:
-            sub = optimizer.optimizers[i]
-            unsupported = [name for name in (
-                "global_clipnorm", "use_ema", "gradient_accumulation_steps")
-                if getattr(sub, name, None)]
-            if unsupported:
-                raise NotImplementedError(
-                    f"MultiOptimizer with one pipeline stage per process: "
-                    f"its sub-optimizer {sub.name!r} sets "
-                    f"{', '.join(unsupported)}, which act on all its "
-                    "weights together, across the stages; not supported "
-                    "yet. Set them on a single optimizer, or use "
-                    "clipnorm/clipvalue (per weight).")
         for i, own in pairs.items():  # the same order on every stage
-            sub = optimizer.optimizers[i]
             own = [(g, v) for g, v in own if g is not None]
             if own:
-                sub.apply([g for g, _ in own], [v for _, v in own])
+                subs[i].apply([g for g, _ in own], [v for _, v in own])
             else:
-                sub.iterations.assign_add(1)
+                subs[i].iterations.assign_add(1)
         optimizer.iterations.assign_add(1)
 
     object.__setattr__(optimizer, "apply", apply)

@@ -1136,16 +1136,33 @@ def _stage_sum(optimizer, tensor):
     return tensor if reduce_sum is None else reduce_sum(tensor)
 
 
-def _sub_optimizers_with_weights(optimizer):
-    """The sub-optimizers of a built `MultiOptimizer` that train some
-    weight (on any stage), in order; `[]` for other optimizers."""
+def sub_optimizers_with_weights(optimizer):
+    """`{index: sub-optimizer}` of a built `MultiOptimizer`'s
+    sub-optimizers that train some weight (on any stage), in order; `{}`
+    for other optimizers. With one stage per process, one whose update
+    acts on all its weights together (`global_clipnorm`, `use_ema`,
+    `gradient_accumulation_steps`: reductions across the stages not made
+    yet) is refused, on every stage."""
     from keras_smp.runtime import keras_private
 
     if not keras_private.is_multi_optimizer(optimizer) or (
             not optimizer.built):
-        return []
-    used = set(keras_private.sub_optimizer_indices(optimizer)[0].values())
-    return [sub for i, sub in enumerate(optimizer.optimizers) if i in used]
+        return {}
+    used = sorted(set(keras_private.sub_optimizer_indices(optimizer)[0]
+                      .values()))
+    subs = {i: optimizer.optimizers[i] for i in used}
+    for sub in subs.values():
+        unsupported = [name for name in (
+            "global_clipnorm", "use_ema", "gradient_accumulation_steps")
+            if getattr(sub, name, None)]
+        if unsupported:
+            raise NotImplementedError(
+                f"MultiOptimizer with one pipeline stage per process: its "
+                f"sub-optimizer {sub.name!r} sets {', '.join(unsupported)}, "
+                "which act on all its weights together, across the stages; "
+                "not supported yet. Set them on a single optimizer, or use "
+                "clipnorm/clipvalue (per weight).")
+    return subs
 
 
 def step_without_gradients(optimizer):
@@ -1181,7 +1198,7 @@ def step_without_gradients(optimizer):
         tf.cond(tf.equal((counter + 1) % accumulate, 0), norm_share,
                 lambda: tf.constant(False))
 
-    subs = _sub_optimizers_with_weights(inner)
+    subs = sub_optimizers_with_weights(inner)
     if subs and (scaled or getattr(inner, "global_clipnorm", None)
                  or accumulate):
         raise NotImplementedError(
@@ -1192,8 +1209,8 @@ def step_without_gradients(optimizer):
             "or use one optimizer.")
     if not scaled:
         clip_sum()
-        for sub in subs:  # each counts the step, as on one device
-            step_without_gradients(sub)
+        for sub in subs.values():  # each counts the step, as on 1 device
+            sub.iterations.assign_add(1)
         counter.assign_add(1)
         return
     if not optimizer.built:
