@@ -45,10 +45,14 @@ predictions of magnitude 1.4). `History` values (losses, accuracies,
 epoch counts and `History` keys must be equal exactly.
 """
 
+import io
 import json
 import os
 import re
+import zipfile
 
+import h5py
+import numpy as np
 import pytest
 
 from conftest import ATOL
@@ -77,6 +81,21 @@ CASES = ("arrays", "tf.data", "generator", "PyDataset",
 # of a 300 s timeout with 2 pipelines of 2 stages (Intel Xeon, 2 cores, the
 # suite's other file running beside), too close on a slower CPU.
 HALVES = (CASES[:9], CASES[9:] + ("inference",))
+
+
+def _h5_values(path):
+    """`{dataset path: array}` of a `.keras` file or folder's weights."""
+    path = str(path)
+    if os.path.isdir(path):
+        source = os.path.join(path, "model.weights.h5")
+    else:
+        with zipfile.ZipFile(path) as zf:
+            source = io.BytesIO(zf.read("model.weights.h5"))
+    values = {}
+    with h5py.File(source, "r") as f:
+        f.visititems(lambda name, item: values.__setitem__(name, item[()])
+                     if isinstance(item, h5py.Dataset) else None)
+    return values
 
 
 def _check(report, only=CASES + ("inference",), chief=True):
@@ -169,6 +188,17 @@ def test_optimizer_state_of_each_stage_resumes_exactly(tmp_path):
     for row in rows:
         assert row["moved"] > 1e-3, row  # the second epoch trained
         assert row["loaded"] == 0.0 and row["resumed"] == 0.0, row
+    # The gathered save (Keras' writer, `zipped=False`) holds the same
+    # optimizer state as the streamed one, bit for bit (the same values
+    # written by the same writer).
+    for name in ("adafactor", "multi_optimizer"):
+        streamed = _h5_values(tmp_path / f"{name}.keras")
+        gathered = _h5_values(tmp_path / f"{name}_gathered")
+        assert sorted(gathered) == sorted(streamed), (name, sorted(gathered))
+        assert len([k for k in streamed if k.startswith("optimizer/")]) > 3
+        differ = [k for k in streamed
+                  if not np.array_equal(streamed[k], gathered[k])]
+        assert differ == [], (name, differ)
     # A sub-optimizer with global_clipnorm (its norm spans the stages):
     # refused on every rank before it trains.
     refused = [json.loads(line.split("REFUSED ", 1)[1])["refused"]

@@ -219,9 +219,11 @@ class StageResidency:
         self._syncs = 0
 
     def slots_by_weight(self):
-        """`id(weight) -> [optimizer slots made for it]`."""
+        """`id(weight) -> [optimizer slots made for it]` (also state Keras
+        makes per weight without a slot: Adafactor's factors)."""
         optimizer = getattr(self.model, "optimizer", None)
         refs = slot_references(optimizer)
+        refs.update(keras_private.per_weight_state(optimizer))
         by_weight = {}
         for v in (optimizer.variables if optimizer else []):
             ref = refs.get(id(v))

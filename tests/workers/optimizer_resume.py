@@ -7,7 +7,10 @@ optimizer state, each stage writing its own), fit another epoch; then a new
 model loads the file and fits that epoch again. Prints per optimizer
 `RESUME {json}`: the largest difference between the saved and the loaded
 weights, and between the uninterrupted run's and the resumed run's final
-weights.
+weights. At the save, the same state is also written as `OUT/NAME.keras`
+(streamed from the stages) and `OUT/NAME_gathered/` (`zipped=False`:
+Keras' writer on the gathered model, which copied other stages' Adafactor
+factors from this process's never-updated copy).
 
 - "multi_optimizer": a `MultiOptimizer` (Adam for the first stage's layer,
   SGD with momentum for the rest);
@@ -84,6 +87,11 @@ for name in OPTIMIZERS:
     model = build(name)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     model.save_weights(path)
+    # The same state as a streamed `.keras` file (from the stages' shards)
+    # and as Keras' writer on the gathered model (a folder): the test
+    # compares their optimizer variables.
+    model.save(os.path.join(OUT, f"{name}.keras"))
+    model.save(os.path.join(OUT, f"{name}_gathered"), zipped=False)
     saved = model.get_weights()
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     resumed = build(name)
