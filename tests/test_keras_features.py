@@ -69,6 +69,7 @@ CASES = ("arrays", "tf.data", "generator", "PyDataset",
          "multi_optimizer_map", "multi_optimizer_selector",
          "frozen_stage_accumulation_global_clipnorm",
          "loss_scale_ema_frozen_stage_accumulation",
+         "frozen_stage_multi_optimizer",
          "early_stopping_restore_best_weights", "swap_ema_weights",
          "swap_ema_weights_loss_scale",
          "model_checkpoint_best_keras", "validation_freq",
@@ -110,6 +111,8 @@ def _check(report, only=CASES + ("inference",), chief=True):
     for name in (name for name in CASES if name in only):
         row = report[name]
         assert row["steps"][0] == row["steps"][1], (name, row)
+        if "multi_optimizer" in name:  # and each sub-optimizer's
+            assert len(row["steps"][0]) == 3, (name, row)
         bound = (RTOL + ATOL) * max(1.0, row["scale"])
         assert row["diff"] <= bound, (name, row)
         assert row["moved"] > 100 * bound, (name, row)  # it trained

@@ -221,6 +221,12 @@ FROZEN = {
             0.1, momentum=0.9, global_clipnorm=0.2,
             gradient_accumulation_steps=2, use_ema=True,
             ema_overwrite_frequency=3))),
+    # ... and steps each sub-optimizer of a MultiOptimizer (their step
+    # counts are saved from the first stage).
+    "frozen_stage_multi_optimizer": lambda: keras.optimizers.MultiOptimizer(
+        keras.optimizers.OptimizerMap(
+            keras.optimizers.SGD(0.1, momentum=0.9),
+            {"d3/.*": keras.optimizers.Adam(0.01)})),
 }
 
 
@@ -353,8 +359,10 @@ for name, (optimizer, fit, frozen) in CASES.items():
                 keras_smp.barrier()  # rank 0's last save is complete
             weights = keras.models.load_model(
                 checkpoint_path(model)).get_weights()
-        runs.append((weights, int(model.optimizer.iterations.numpy()),
-                     history))
+        # The optimizer's step count, and each sub-optimizer's.
+        steps = [int(o.iterations.numpy()) for o in [model.optimizer] + list(
+            getattr(model.optimizer, "optimizers", []))]
+        runs.append((weights, steps, history))
     (ref, ref_steps, ref_history), (got, got_steps, got_history) = runs
     report[name] = dict(
         diff=max(float(np.max(np.abs(a - b))) for a, b in zip(ref, got)),
