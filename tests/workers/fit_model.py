@@ -7,6 +7,7 @@ Writes OUT/rank{R}.npz with weights, history, evaluate and predict results.
 """
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -269,7 +270,12 @@ if args.callbacks:
         # chief's is written (every rank wrote the same file at once).
         for fn, suffix in ((keras.saving.save_model, "saving.keras"),
                            (keras.models.save_model, "models.keras"),
-                           (keras.saving.save_weights, "saving.weights.h5")):
+                           (keras.saving.save_weights, "saving.weights.h5"),
+                           # Keras' own keyword (not model.save_weights'):
+                           # Keras' function itself, on the chief only.
+                           (functools.partial(keras.saving.save_weights,
+                                              objects_to_skip=[model.layers[0]]),
+                            "skip.weights.h5")):
             fn(model, os.path.join(d, f"rank{rank}_{suffix}"))
 if args.save_weights:
     model.save_weights(args.save_weights)
