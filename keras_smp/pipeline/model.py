@@ -319,7 +319,8 @@ class DistributedModel(keras.Model):
             warnings.warn(
                 "keras_smp.partition() scopes are ignored because "
                 "auto_partition=True; set auto_partition=False in the "
-                "SMPStrategy config to place layers manually.", stacklevel=3)
+                "config (SMPStrategy or smp.init) to place layers "
+                "manually.", stacklevel=3)
         cost = self._smp_cost or (
             "flops" if config.optimize == "speed" else "parameters")
         # Nested models' layers are placed one by one, except a model
@@ -503,6 +504,22 @@ class DistributedModel(keras.Model):
     def __call__(self, *args, **kwargs):
         if not custom_loop.in_step():
             return super().__call__(*args, **kwargs)
+        allowed = {"training"}
+        if not args:  # the inputs by keyword: `model(inputs=x)`
+            allowed.update(list(inspect.signature(self.call).parameters)[:1])
+        extra = [f"argument {i + 1} ({a!r})"
+                 for i, a in enumerate(args[1:])] + sorted(
+                     k for k in kwargs if k not in allowed)
+        if extra:
+            # The stages are traced once, from `call(inputs, training)`:
+            # other arguments would keep their first values (or be lost).
+            raise TypeError(
+                f"Inside @smp.step a DistributedModel is called as "
+                f"model(inputs, training=...); received also "
+                f"{', '.join(map(str, extra))}. Pass `training` by "
+                "keyword; give other values as part of `inputs` (a "
+                "tuple or dict of tensors) or set them on a layer "
+                "before the step.")
         if self._smp_graph is not None and args:
             result = self._smp_call_staged(args[0], kwargs.get("training"))
         else:
@@ -803,7 +820,7 @@ class DistributedModel(keras.Model):
             path = os.fspath(filepath)
             # Rank 0 decides for all (hosts may see the file differently).
             rank = self._smp_runtime().topology.rank
-            if not overwrite and comms.broadcast(
+            if not overwrite and comms.share(
                     os.path.exists(path) if rank == 0 else None):
                 raise FileExistsError(
                     f"save: {path!r} exists; pass overwrite=True to "
@@ -1000,7 +1017,7 @@ class DistributedModel(keras.Model):
                 except Exception as e:  # pylint: disable=broad-except
                     error = e
         # Rank 0's outcome, on every process (the others would wait).
-        message = comms.broadcast(
+        message = comms.share(
             None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
             raise error

@@ -223,7 +223,7 @@ def save(model, filepath, own_layout=False, with_optimizer=True):
         error = f"rank {rank}: {type(e).__name__}: {e}"
     _raise_any(comms.allgather(error), filepath)
     num_stages = model.staged_graph.num_stages
-    first = comms.broadcast(
+    first = comms.share(
         _first_number(folder, base, num_stages) if rank == 0 else None)
     names = [_shard_name(base, first + s) for s in range(num_stages)]
     error = None
@@ -243,7 +243,7 @@ def save(model, filepath, own_layout=False, with_optimizer=True):
             _write_index(filepath, folder, base, items, stages, names)
         except Exception as e:  # pylint: disable=broad-except
             errors = [f"rank 0: {type(e).__name__}: {e}"]
-    _raise_any(comms.broadcast(errors), filepath)
+    _raise_any(comms.share(errors), filepath)
     return os.path.join(folder, base + ".weights.json")
 
 
@@ -303,7 +303,7 @@ def _from_shards(model, target, work, own_layout, with_optimizer, failed):
     anything fails."""
     folder, name = os.path.split(target)
     rank, _ = _layout(model)
-    token = comms.broadcast(
+    token = comms.share(
         f"{os.getpid()}-{time.time_ns()}" if rank == 0 else None)
     staging = os.path.join(folder, f".{name}.shards-{token}")
     try:
@@ -316,7 +316,7 @@ def _from_shards(model, target, work, own_layout, with_optimizer, failed):
         else:
             error = _WORKING
             while error == _WORKING:
-                error = comms.broadcast(None)
+                error = comms.share(None)
         if error:
             raise RuntimeError(f"{failed}: {error}")
     finally:
@@ -333,7 +333,7 @@ def _while_telling_the_others(work, timeout_seconds):
     """Rank 0: runs `work()` in a thread, broadcasting `_WORKING` to the
     other ranks well within their collective timeout (one process copying
     a whole model may take longer), then the outcome: None, or the error
-    text. The other ranks loop on `comms.broadcast` until it is not
+    text. The other ranks loop on `comms.share` until it is not
     `_WORKING`."""
     outcome = []
 
@@ -351,8 +351,8 @@ def _while_telling_the_others(work, timeout_seconds):
     while True:
         thread.join(interval)
         if not thread.is_alive():
-            return comms.broadcast(outcome[0])
-        comms.broadcast(_WORKING)
+            return comms.share(outcome[0])
+        comms.share(_WORKING)
 
 
 def _write_keras_archive(path, model, index):

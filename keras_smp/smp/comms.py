@@ -17,7 +17,8 @@ Groups (`CommGroup`) and rank numberings (`RankType`) follow SMP:
   every replica.
 
 Every member of a group must make the same calls in the same order (as
-with any collective). A call waits at most `collective_timeout_seconds`
+with any collective); `broadcast`'s receivers may call `recv_from(first
+rank)` instead, as SMP's scripts do. A call waits at most `collective_timeout_seconds`
 (config) and then raises `RuntimeError` naming the rank it waited for.
 
 Example (one process; with `keras-smp launch -n 2` every rank gets rank
@@ -164,10 +165,31 @@ def _check_member(ranks, what):
 def broadcast(obj, group=CommGroup.WORLD):
     """Returns the object of the group's first rank, on every member.
 
+    The first rank sends `obj` to each other member, as `send` does; they
+    receive it by calling `broadcast` too, or `recv_from(first rank)` (SMP's
+    pattern: `smp.broadcast(obj, group)` on the sender, `smp.recv_from(0,
+    smp.RankType.WORLD_RANK)` on the others).
+
     Args:
         obj: any picklable object (ignored on the other ranks).
         group: a `CommGroup`.
     """
+    ranks = _group_ranks(group)
+    me = _check_member(ranks, "broadcast")
+    if len(ranks) == 1:
+        return obj
+    if me == ranks[0]:
+        text = _encode(obj)
+        for dest in ranks[1:]:
+            _context().set_config_key_value(_p2p_key(me, dest), text)
+        return obj
+    return _receive(ranks[0], "broadcast")
+
+
+def share(obj, group=CommGroup.WORLD):
+    """`broadcast` for keras-smp's own use: every member calls it, and its
+    keys are its own, so it never takes (or leaves) an object of the
+    script's `send` / `recv_from` / `broadcast` between the same ranks."""
     ranks = _group_ranks(group)
     me = _check_member(ranks, "broadcast")
     if len(ranks) == 1:
@@ -209,22 +231,35 @@ def mp_barrier():
 pp_barrier = mp_barrier
 
 
+def _p2p_key(src, dest):
+    """The key of the next object from world rank `src` to `dest` (each
+    end counts its own: the sender its sends, the receiver its receives)."""
+    me = state.topology().rank
+    return (f"{_PREFIX}/p2p/{src}-{dest}/"
+            f"{_next(('s', dest) if src == me else ('r', src))}")
+
+
+def _receive(src, what):
+    key = _p2p_key(src, state.topology().rank)
+    obj = _get(key, src, what)
+    _context().delete_config_key_value(key)
+    return obj
+
+
 def send(obj, dest_rank, rank_type=RankType.WORLD_RANK):
     """Sends a picklable object to one rank (returns at once)."""
     me = state.topology().rank
     dest = _world_rank(dest_rank, rank_type)
     if dest == me:
         raise ValueError(f"send: rank {me} cannot send to itself.")
-    _put(f"{_PREFIX}/p2p/{me}-{dest}/{_next(('s', dest))}", obj)
+    _put(_p2p_key(me, dest), obj)
 
 
 def recv_from(src_rank, rank_type=RankType.WORLD_RANK):
-    """Receives the next object `send` by rank `src_rank`."""
+    """Receives the next object `send` (or `broadcast`) by rank
+    `src_rank`."""
     me = state.topology().rank
     src = _world_rank(src_rank, rank_type)
     if src == me:
         raise ValueError(f"recv_from: rank {me} cannot receive from itself.")
-    key = f"{_PREFIX}/p2p/{src}-{me}/{_next(('r', src))}"
-    obj = _get(key, src, "recv_from")
-    _context().delete_config_key_value(key)
-    return obj
+    return _receive(src, "recv_from")

@@ -52,6 +52,7 @@ import tensorflow as tf
 
 from keras_smp import state
 from keras_smp import tensor
+from keras_smp.config import SMPConfig
 from keras_smp.pipeline import microbatch
 from keras_smp.runtime import process
 
@@ -95,6 +96,23 @@ def init(config=None):
     assert config.partitions == 2 and smp.rank() == 0
     ```
     """
+    previous = _initialised.get("runtime")
+    if previous is not None and state.runtime() is previous:
+        # Again (a notebook cell run twice): the same config is a no-op;
+        # another cannot apply to what is already set up and traced.
+        old, new = previous.config.to_dict(), SMPConfig.build(
+            config).to_dict()
+        changed = {k: (old.get(k), new.get(k)) for k in sorted(
+            set(old) | set(new)) if old.get(k) != new.get(k)}
+        if not changed:
+            return previous.config
+        raise ValueError(
+            "smp.init was already called in this process, with another "
+            "config: " + ", ".join(f"{k}: {a!r} -> {b!r}"
+                                   for k, (a, b) in changed.items())
+            + ". Models, steps and the distributed runtime keep the first "
+            "config; start a new process (or restart the notebook's "
+            "kernel) to change it.")
     # One runtime set-up for strategies and custom loops; here every
     # process runs whole model replicas (as SMPStrategy in process).
     runtime = process.start(config, custom_loop=True)
@@ -165,7 +183,8 @@ _instance_keys = iter(range(300_000, 10**9))
 _last_collective = weakref.WeakKeyDictionary()
 
 
-def _average_over_replicas(t):
+def _over_replicas(t, final_op="Div"):
+    """The replicas' sum of `t` (`final_op="Id"`) or their mean."""
     size, timeout = _replica_sync()
     graph = tf.compat.v1.get_default_graph()
     # Chain the collectives of one graph so every replica runs them in the
@@ -175,7 +194,7 @@ def _average_over_replicas(t):
         out = tf.raw_ops.CollectiveReduceV2(
             input=t, group_size=size, group_key=_initialised["group_key"],
             instance_key=next(_instance_keys), ordering_token=[],
-            merge_op="Add", final_op="Div", timeout_seconds=timeout)
+            merge_op="Add", final_op=final_op, timeout_seconds=timeout)
     _last_collective[graph] = out
     return out
 
@@ -199,7 +218,7 @@ def after_first_call(model):
             # group: every rank takes part), rank 0's sent to all, each
             # keeping its own shard.
             whole = [patches.whole_value(v) for v in model.variables]
-            values = comms.broadcast(
+            values = comms.share(
                 whole if state.topology().rank == 0 else None)
             for v, value in zip(model.variables, values):
                 patches.assign_whole(v, value)
@@ -236,14 +255,23 @@ class StepOutput:
         return [tf.convert_to_tensor(o) for o in self.outputs]
 
     def reduce_sum(self):
-        """Elementwise sum over microbatches."""
+        """Elementwise sum over microbatches (and, as `accumulate`, over
+        the replicas: the global batch's sum)."""
         ts = self._tensors()
-        return None if ts is None else tf.add_n(ts)
+        if ts is None:
+            return None
+        total = tf.add_n(ts)
+        return _over_replicas(total, "Id") if _replica_sync() else total
 
     def reduce_mean(self):
-        """Elementwise mean over microbatches (e.g. of per-microbatch losses)."""
+        """Elementwise mean over microbatches (e.g. of per-microbatch
+        losses; and, as `accumulate`, over the replicas: the global
+        batch's mean loss, the same on every replica)."""
         ts = self._tensors()
-        return None if ts is None else tf.add_n(ts) / len(ts)
+        if ts is None:
+            return None
+        mean = tf.add_n(ts) / len(ts)
+        return _over_replicas(mean) if _replica_sync() else mean
 
     def concat(self, axis=0):
         """The microbatches' values concatenated along `axis`."""
@@ -259,7 +287,11 @@ class StepOutput:
         """Per-sample values in the original order of the batch.
 
         keras-smp splits a batch into contiguous microbatches, so merging
-        concatenates them along the split axis.
+        concatenates them: along the axis every split argument of the
+        step was split along (`input_split_axes`), or axis 0 when the
+        arguments were split along different axes (a time-major input
+        split on axis 1 beside batch-major labels: the model's outputs
+        and the labels are batch-major). Pass `axis` for other outputs.
         """
         return self.concat(self.axis if axis is None else axis)
 
@@ -267,8 +299,10 @@ class StepOutput:
         """The mean over microbatches, for gradients.
 
         With several data-parallel replicas (processes) and `horovod=False`
-        it is also averaged over the replicas (a collective all-reduce);
-        with `horovod=True` average it with `hvd.allreduce` as in SMP.
+        it is also averaged over the replicas (a collective all-reduce),
+        as `reduce_mean` and `reduce_sum` are (every replica must call
+        them, in the same order); with `horovod=True` all three are this
+        replica's own: average with `hvd.allreduce` as in SMP.
 
         Args:
             method: "variable" (a running sum, one microbatch's value alive
@@ -289,15 +323,21 @@ class StepOutput:
         else:
             total = tf.add_n(ts)
         mean = total / len(ts)
-        if _replica_sync() is not None:
-            mean = _average_over_replicas(mean)
-        return mean
+        return _over_replicas(mean) if _replica_sync() else mean
 
 
 def _split(value, m, axis, name):
     if value is None or isinstance(value, (int, float, bool, str)):
         return [value] * m
     t = tf.convert_to_tensor(value)
+    rank = t.shape.rank
+    if rank is not None and not -rank <= axis < rank:
+        raise ValueError(
+            f"@smp.step: argument '{name}' is a tensor of shape "
+            f"{tuple(t.shape)}, with no axis {axis} to split into "
+            f"microbatches. List it in non_split_inputs=['{name}'] (passed "
+            "whole to every microbatch), or give its batch axis in "
+            f"input_split_axes={{'{name}': ...}}.")
     checks = microbatch.check_divisible(
         t, m, what=f"@smp.step: argument '{name}' (axis {axis})", axis=axis,
         advice=(f"Use a batch size divisible by {m} (e.g. dataset.batch(..., "
@@ -371,12 +411,23 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
         return results
 
     compiled = tf.function(run, input_signature=input_signature)
-    axis = 0 if not axes else next(iter(axes.values()))
+
+    def merge_axis(args, kwargs):
+        """The axis every split argument was split along (`merge`'s
+        default), or 0 (the batch axis of Keras outputs) when they differ."""
+        bound = signature.bind(*args, **kwargs)
+        split = {axes.get(name, 0) for name, value in bound.arguments.items()
+                 if name not in whole and any(
+                     v is not None and not isinstance(
+                         v, (int, float, bool, str))
+                     for v in tf.nest.flatten(value))}
+        return split.pop() if len(split) == 1 else 0
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         # A tf.function returns tensors only: wrap them afterwards.
         results = compiled(*args, **kwargs)
+        axis = merge_axis(args, kwargs)
         return tf.nest.map_structure(
             lambda *values: StepOutput(values, axis=axis), *results)
 

@@ -94,6 +94,12 @@ def train_step(inputs, labels):
 
 rows = GLOBAL // smp.dp_size()
 lo = smp.dp_rank() * rows
+# SMP's broadcast pattern: `smp.broadcast` on rank 0, `smp.recv_from(0)`
+# on the others, here after training: the first step's copy of rank 0's
+# weights (keras-smp's own broadcast, between the same ranks) comes
+# between the send and the receive.
+if smp.rank() == 0 and smp.size() > 1:
+    smp.broadcast({"smp": "pattern"})
 losses = []
 for step in range(start, args.steps):
     x, y = batch(step)
@@ -103,8 +109,17 @@ for step in range(start, args.steps):
         print(f"rank {smp.rank()}: saved at step {step + 1}, stopping")
         raise SystemExit(0)
 
-# The communication helpers on Python objects.
+# Over the replicas, as accumulate(): a sum over microbatches (the rows
+# of this replica's half) is the global batch's (32 rows on every rank).
+rows_of = smp.step(lambda x: tf.cast(tf.shape(x)[0], tf.float32))
+global_rows = float(rows_of(batch(0)[0][lo:lo + rows]).reduce_sum())
+
+# The communication helpers on Python objects (first the receive of SMP's
+# broadcast pattern, see above: objects from one rank arrive in order).
+smp_broadcast = (smp.recv_from(0, smp.RankType.WORLD_RANK)
+                 if smp.rank() != 0 else None)
 comms = {
+    "smp_broadcast": smp_broadcast,
     "broadcast": smp.broadcast({"from": smp.rank()}),
     "allgather": smp.allgather(smp.rank() * 10),
     "dp_allgather": smp.allgather(smp.dp_rank(), smp.CommGroup.DP_GROUP),
@@ -124,7 +139,7 @@ smp.dp_barrier()
 
 result = {
     "rank": smp.rank(), "dp_size": smp.dp_size(), "start": start,
-    "losses": losses, "comms": comms,
+    "losses": losses, "comms": comms, "global_rows": global_rows,
     "weights": [w.tolist() for w in model.get_weights()],
     "iterations": int(opt.iterations.numpy()),
 }
