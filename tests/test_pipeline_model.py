@@ -523,6 +523,9 @@ def test_forward_and_backward_ops_run_on_their_stage_device(placement):
 
 
 ERROR_CASES = {
+    "compiled_to_run_eagerly": ("ValueError", [
+        "is a DistributedModel compiled with run_eagerly=True",
+        "Compile without run_eagerly", "run the plain Keras model"]),
     "batch_smaller_than_microbatches": ("ValueError", [
         "batch of 3 samples is smaller than microbatches=4",
         "drop_remainder=True"]),

@@ -15,6 +15,7 @@ import inspect
 import os
 import re
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -1230,7 +1231,30 @@ class DistributedModel(keras.Model):
                      if len(ranks) > 1 and home[w] != links.rank]
         return patches.across_stages(self.optimizer, reduce_sum, elsewhere)
 
+    def _smp_after_previous_step(self, step):
+        """Runs `step()` after the previous step traced into the same
+        function has shared its results (one stage per process).
+
+        Keras traces `steps_per_execution > 1` steps into one function,
+        and every step's transfers use the same collective keys: without
+        this order a stage could send (or post a receive of) the next
+        step's tensor before its peer took this step's ("BufRendezvous::
+        ProvideBuf already called for key")."""
+        if not self._smp_multi_process():
+            return step()
+        graph = tf.compat.v1.get_default_graph()
+        previous = _LAST_STEP.setdefault(graph, {})
+        with tf.control_dependencies(previous.get(id(self), [])):
+            out = step()
+        previous[id(self)] = [t for t in tf.nest.flatten(out)
+                              if isinstance(t, tf.Tensor)]
+        return out
+
     def train_step(self, data):
+        return self._smp_after_previous_step(
+            lambda: self._smp_train_step(data))
+
+    def _smp_train_step(self, data):
         run = run_step(self, data, training=True,
                        need_outputs=self._smp_needs_outputs())
         reduce_sum = self._smp_stage_reducer()
@@ -1266,6 +1290,10 @@ class DistributedModel(keras.Model):
                                     sample_weight=run.sample_weight)
 
     def test_step(self, data):
+        return self._smp_after_previous_step(
+            lambda: self._smp_test_step(data))
+
+    def _smp_test_step(self, data):
         run = run_step(self, data, training=False,
                        need_outputs=self._smp_needs_outputs())
         if run.losses[0] is not None or self._smp_added_loss_only():
@@ -1275,7 +1303,8 @@ class DistributedModel(keras.Model):
                                     sample_weight=run.sample_weight)
 
     def predict_step(self, data):
-        return run_step(self, data, training=False, need_loss=False).y_pred
+        return self._smp_after_previous_step(lambda: run_step(
+            self, data, training=False, need_loss=False).y_pred)
 
     def executed_timeline(self, x, y=None, sample_weight=None, runs=3):
         """Measures when each stage ran each microbatch, for one batch.
@@ -1321,6 +1350,9 @@ class DistributedModel(keras.Model):
 # Keras' step hooks a DistributedModel runs its own pipelined versions
 # of. `compute_metrics` is kept on a DistributedModel subclass (its
 # `train_step` calls it with the whole batch's outputs).
+# `{function graph: {id(model): the last step's results}}`: the order of
+# the steps Keras traces into one function (`_smp_after_previous_step`).
+_LAST_STEP = weakref.WeakKeyDictionary()
 _WRAPPED_STEP_HOOKS = ("train_step", "test_step", "predict_step",
                        "compute_loss", "compute_metrics")
 _SUBCLASS_STEP_HOOKS = ("compute_loss",)

@@ -121,6 +121,21 @@ def check_pipelined(model):
             "keras_smp.DistributedModel).")
 
 
+def check_not_eager(model):
+    """Raises for `run_eagerly=True` on a `DistributedModel`: its steps are
+    TensorFlow graphs (gradients per stage with `tf.gradients`, transfers
+    between stage processes as collective ops ordered in one graph);
+    eagerly, the first failed ("tf.gradients is not supported when eager
+    execution is enabled") and the second waited until the timeout."""
+    if is_pipelined(model) and getattr(model, "run_eagerly", False):
+        raise ValueError(
+            f"Model '{model.name}' is a DistributedModel compiled with "
+            "run_eagerly=True, which its pipelined steps do not support "
+            "(they run as TensorFlow graphs). Compile without run_eagerly; "
+            "to debug a layer eagerly, run the plain Keras model on one "
+            "device (`model.inner_model`, or the model before wrapping).")
+
+
 def _multi_worker_runtime(model):
     runtime = _runtime_of(getattr(model, "_distribute_strategy", None))
     if runtime is not None and runtime.cluster.world_size > 1:
@@ -139,6 +154,7 @@ def _patch_make_functions(trainer):
         @functools.wraps(original)
         def make(self, *args, _original=original, _attr=attr, **kwargs):
             check_pipelined(self)
+            check_not_eager(self)
             tensor.check_model(self)
             before = getattr(self, _attr, None)
             smp = _runtime_of(getattr(self, "_distribute_strategy",

@@ -498,6 +498,21 @@ def operation_takes_a_weight_of_another_stage():
                                            split_points=["d"])
 
 
+def compiled_to_run_eagerly():
+    # Its steps are graphs: in one process the backward failed in
+    # tf.gradients; with one stage per process the stages waited on each
+    # other until the collective timeout.
+    with keras_smp.SMPStrategy(partitions=2, microbatches=2).scope():
+        model = keras_smp.DistributedModel(mlp())
+        model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+    try:
+        model.predict(X, verbose=0)
+    except ValueError as e:
+        predict_error = str(e)
+    assert "run_eagerly=True" in predict_error, predict_error
+    refused_before_training(model, X, Y, batch_size=8, epochs=1, verbose=0)
+
+
 def devices_not_divisible():
     keras_smp.SMPStrategy(partitions=3, local_devices=4)
 

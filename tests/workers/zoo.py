@@ -425,7 +425,10 @@ def class_weight_lr(rng):
     compile_args["steps_per_execution"] = 2
     # validation_split: the last quarter (16 samples) validates, the rest
     # trains (3 steps: one full steps_per_execution group and one partial).
-    fit = dict(class_weight={0: 1.0, 1: 2.0, 2: 0.5}, initial_epoch=1,
+    # evaluate() and predict() run 3 batches too (with one stage per
+    # process, predict's steps in one execution reused each other's
+    # transfer keys: "BufRendezvous::ProvideBuf already called").
+    fit = dict(eval_batches=3, class_weight={0: 1.0, 1: 2.0, 2: 0.5}, initial_epoch=1,
                validation_split=0.25, epochs=EPOCHS + 1, callbacks=[
                    keras.callbacks.LearningRateScheduler(
                        lambda epoch, lr: lr * 0.5),
@@ -463,6 +466,11 @@ def build(name):
     fit_args.setdefault("epochs", EPOCHS)
     if "validation_split" not in fit_args:
         fit_args["validation_data"] = (take(x), take(y))
-    # What evaluate() and predict() run on afterwards.
-    fit_args["eval_data"] = (take(x), take(y))
+    # What evaluate() and predict() run on afterwards (the validation
+    # batch, or the first `eval_batches` batches of the training data).
+    rows = fit_args.pop("eval_batches", 1) * BATCH
+    first = lambda t: ({k: v[:rows] for k, v in t.items()}  # noqa: E731
+                       if isinstance(t, dict) else t[:rows])
+    fit_args["eval_data"] = ((take(x), take(y)) if rows == BATCH
+                             else (first(x), first(y)))
     return model, compile_args, (x, y, sw), fit_args
