@@ -156,7 +156,8 @@ def test_model_call_arguments_a_step_cannot_trace_are_refused(tf_smp):
     with pytest.raises(TypeError, match=r"received also scale\. Pass "
                        r"`training` by keyword"):
         keyword(x)
-    with pytest.raises(TypeError, match=r"received also argument 1 \(True\)"):
+    with pytest.raises(TypeError, match=r"received also positional argument 2 "
+                       r"\(True\)"):
         positional(x)
     np.testing.assert_allclose(plain(x).merge(), model(x), rtol=1e-6)
 
@@ -254,6 +255,10 @@ def test_communication_helpers_across_processes(full_run):
     # others (it waited for a key broadcast never wrote), with keras-smp's
     # own broadcast (the first step's copy of rank 0's weights) between.
     assert r1["comms"]["smp_broadcast"] == {"smp": "pattern"}
+    # A broadcast receiving a send's object instead: a clear error.
+    assert r0["comms"]["mixed"] is None
+    assert "sent with smp.send, not smp.broadcast" in r1["comms"]["mixed"]
+    assert r1["comms"]["after_mixed"] == "broadcast"
 
 
 @pytest.mark.slow

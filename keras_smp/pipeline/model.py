@@ -15,7 +15,6 @@ import inspect
 import os
 import re
 import warnings
-import weakref
 
 import keras
 import numpy as np
@@ -505,12 +504,14 @@ class DistributedModel(keras.Model):
     def __call__(self, *args, **kwargs):
         if not custom_loop.in_step():
             return super().__call__(*args, **kwargs)
-        allowed = {"training"}
-        if not args:  # the inputs by keyword: `model(inputs=x)`
-            allowed.update(list(inspect.signature(self.call).parameters)[:1])
-        extra = [f"argument {i + 1} ({a!r})"
+        first = list(inspect.signature(self.call).parameters)[:1]
+        if not args and first and first[0] in kwargs:
+            # The inputs by keyword: `model(inputs=x)`.
+            kwargs = dict(kwargs)
+            args = (kwargs.pop(first[0]),)
+        extra = [f"positional argument {i + 2} ({a!r})"
                  for i, a in enumerate(args[1:])] + sorted(
-                     k for k in kwargs if k not in allowed)
+                     k for k in kwargs if k != "training")
         if extra:
             # The stages are traced once, from `call(inputs, training)`:
             # other arguments would keep their first values (or be lost).
@@ -1242,8 +1243,11 @@ class DistributedModel(keras.Model):
         ProvideBuf already called for key")."""
         if not self._smp_multi_process():
             return step()
+        # Kept on the graph (a cycle the garbage collector frees with it).
         graph = tf.compat.v1.get_default_graph()
-        previous = _LAST_STEP.setdefault(graph, {})
+        if not hasattr(graph, "_smp_last_steps"):
+            graph._smp_last_steps = {}
+        previous = graph._smp_last_steps
         with tf.control_dependencies(previous.get(id(self), [])):
             out = step()
         previous[id(self)] = [t for t in tf.nest.flatten(out)
@@ -1350,9 +1354,6 @@ class DistributedModel(keras.Model):
 # Keras' step hooks a DistributedModel runs its own pipelined versions
 # of. `compute_metrics` is kept on a DistributedModel subclass (its
 # `train_step` calls it with the whole batch's outputs).
-# `{function graph: {id(model): the last step's results}}`: the order of
-# the steps Keras traces into one function (`_smp_after_previous_step`).
-_LAST_STEP = weakref.WeakKeyDictionary()
 _WRAPPED_STEP_HOOKS = ("train_step", "test_step", "predict_step",
                        "compute_loss", "compute_metrics")
 _SUBCLASS_STEP_HOOKS = ("compute_loss",)

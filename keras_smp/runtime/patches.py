@@ -127,13 +127,23 @@ def check_not_eager(model):
     between stage processes as collective ops ordered in one graph);
     eagerly, the first failed ("tf.gradients is not supported when eager
     execution is enabled") and the second waited until the timeout."""
-    if is_pipelined(model) and getattr(model, "run_eagerly", False):
-        raise ValueError(
-            f"Model '{model.name}' is a DistributedModel compiled with "
-            "run_eagerly=True, which its pipelined steps do not support "
-            "(they run as TensorFlow graphs). Compile without run_eagerly; "
-            "to debug a layer eagerly, run the plain Keras model on one "
-            "device (`model.inner_model`, or the model before wrapping).")
+    import tensorflow as tf
+
+    if not is_pipelined(model):
+        return
+    if getattr(model, "run_eagerly", False):
+        how = "compiled with run_eagerly=True"
+        fix = "Compile without run_eagerly"
+    elif tf.config.functions_run_eagerly():
+        how = "trained under tf.config.run_functions_eagerly(True)"
+        fix = "Call tf.config.run_functions_eagerly(False)"
+    else:
+        return
+    raise ValueError(
+        f"Model '{model.name}' is a DistributedModel {how}, which its "
+        "pipelined steps do not support (they run as TensorFlow graphs). "
+        f"{fix}; to debug a layer eagerly, run the plain Keras model on "
+        "one device (`model.inner_model`, or the model before wrapping).")
 
 
 def _multi_worker_runtime(model):
@@ -1403,7 +1413,11 @@ def _patch_optimizer(keras):
             clip_norm = self.global_clipnorm
             scale = clip_norm * tf.minimum(1.0 / norm, 1.0 / clip_norm)
             scale = scale + (norm - norm)
-            return [None if g is None else _scaled(g, scale) for g in grads]
+            # Dense, as Keras' `v * scale` makes a sparse gradient (Adam's
+            # sparse update of an id repeated in the batch is not its dense
+            # one: the step differed from plain Keras).
+            return [None if g is None else _scaled(tf.convert_to_tensor(g),
+                                                   scale) for g in grads]
 
         return clip_gradients
 

@@ -165,10 +165,11 @@ def _check_member(ranks, what):
 def broadcast(obj, group=CommGroup.WORLD):
     """Returns the object of the group's first rank, on every member.
 
-    The first rank sends `obj` to each other member, as `send` does; they
-    receive it by calling `broadcast` too, or `recv_from(first rank)` (SMP's
-    pattern: `smp.broadcast(obj, group)` on the sender, `smp.recv_from(0,
-    smp.RankType.WORLD_RANK)` on the others).
+    The group's first rank sends `obj` to each other member, as `send`
+    does; they receive it by calling `broadcast` too, or `recv_from(first
+    rank)` (SMP's pattern: `smp.broadcast(obj, group)` on the sender,
+    `smp.recv_from(0, smp.RankType.WORLD_RANK)` on the others). Objects
+    from one rank arrive in the order sent, whichever call sent them.
 
     Args:
         obj: any picklable object (ignored on the other ranks).
@@ -179,11 +180,18 @@ def broadcast(obj, group=CommGroup.WORLD):
     if len(ranks) == 1:
         return obj
     if me == ranks[0]:
-        text = _encode(obj)
+        text = _encode(("broadcast", obj))
         for dest in ranks[1:]:
             _context().set_config_key_value(_p2p_key(me, dest), text)
         return obj
-    return _receive(ranks[0], "broadcast")
+    kind, got = _receive(ranks[0], "broadcast")
+    if kind != "broadcast":
+        raise ValueError(
+            f"broadcast: rank {me} received an object rank {ranks[0]} sent "
+            "with smp.send, not smp.broadcast: objects from one rank "
+            "arrive in the order sent. Receive the send first with "
+            f"smp.recv_from({ranks[0]}).")
+    return got
 
 
 def share(obj, group=CommGroup.WORLD):
@@ -240,6 +248,8 @@ def _p2p_key(src, dest):
 
 
 def _receive(src, what):
+    """`(kind, object)`: the next object from world rank `src` and the
+    call that sent it ("send" or "broadcast")."""
     key = _p2p_key(src, state.topology().rank)
     obj = _get(key, src, what)
     _context().delete_config_key_value(key)
@@ -252,7 +262,7 @@ def send(obj, dest_rank, rank_type=RankType.WORLD_RANK):
     dest = _world_rank(dest_rank, rank_type)
     if dest == me:
         raise ValueError(f"send: rank {me} cannot send to itself.")
-    _put(_p2p_key(me, dest), obj)
+    _put(_p2p_key(me, dest), ("send", obj))
 
 
 def recv_from(src_rank, rank_type=RankType.WORLD_RANK):
@@ -262,4 +272,4 @@ def recv_from(src_rank, rank_type=RankType.WORLD_RANK):
     src = _world_rank(src_rank, rank_type)
     if src == me:
         raise ValueError(f"recv_from: rank {me} cannot receive from itself.")
-    return _receive(src, "recv_from")
+    return _receive(src, "recv_from")[1]

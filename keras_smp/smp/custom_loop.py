@@ -46,7 +46,6 @@ device, and TensorFlow's executor overlaps the microbatches' stages.
 
 import functools
 import inspect
-import weakref
 
 import tensorflow as tf
 
@@ -177,25 +176,31 @@ def _replica_sync():
 
 # Instance keys of `accumulate`'s replica average: one per traced call
 # (every replica traces the same calls in order); instance keys are scoped
-# by their group.
+# by their group. Eager calls draw from their own range, so an eager call
+# made on some replicas only (`if smp.rank() == 0: loss.reduce_mean()`)
+# does not shift the keys of the steps traced afterwards.
 _instance_keys = iter(range(300_000, 10**9))
-# Last replica-average collective of each graph (weak: graphs come and go).
-_last_collective = weakref.WeakKeyDictionary()
+_eager_instance_keys = iter(range(1_100_000_000, 2_100_000_000))
 
 
 def _over_replicas(t, final_op="Div"):
     """The replicas' sum of `t` (`final_op="Id"`) or their mean."""
     size, timeout = _replica_sync()
+    if tf.executing_eagerly():
+        return tf.raw_ops.CollectiveReduceV2(
+            input=t, group_size=size, group_key=_initialised["group_key"],
+            instance_key=next(_eager_instance_keys), ordering_token=[],
+            merge_op="Add", final_op=final_op, timeout_seconds=timeout)
     graph = tf.compat.v1.get_default_graph()
     # Chain the collectives of one graph so every replica runs them in the
-    # same order.
-    previous = _last_collective.get(graph)
+    # same order (the last one kept on the graph, freed with it).
+    previous = getattr(graph, "_smp_last_collective", None)
     with tf.control_dependencies([previous] if previous is not None else []):
         out = tf.raw_ops.CollectiveReduceV2(
             input=t, group_size=size, group_key=_initialised["group_key"],
             instance_key=next(_instance_keys), ordering_token=[],
             merge_op="Add", final_op=final_op, timeout_seconds=timeout)
-    _last_collective[graph] = out
+    graph._smp_last_collective = out
     return out
 
 
@@ -416,6 +421,7 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
         """The axis every split argument was split along (`merge`'s
         default), or 0 (the batch axis of Keras outputs) when they differ."""
         bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
         split = {axes.get(name, 0) for name, value in bound.arguments.items()
                  if name not in whole and any(
                      v is not None and not isinstance(

@@ -134,6 +134,17 @@ if smp.size() > 1:
         got = smp.recv_from(0)
         comms["recv"] = {"to": got["to"], "arr": got["arr"].tolist()}
         smp.send(f"hello from {smp.rank()}", 0)
+    # A broadcast that finds a send of the same rank first says so (it
+    # returned the send's object); the broadcast's object comes next.
+    if smp.rank() == 0:
+        smp.send("sent first", 1)
+    try:
+        smp.broadcast("broadcast" if smp.rank() == 0 else None)
+        comms["mixed"] = None
+    except ValueError as e:
+        comms["mixed"] = str(e)
+    if smp.rank() == 1:
+        comms["after_mixed"] = smp.recv_from(0)
 smp.barrier()
 smp.dp_barrier()
 

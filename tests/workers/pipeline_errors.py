@@ -510,6 +510,18 @@ def compiled_to_run_eagerly():
     except ValueError as e:
         predict_error = str(e)
     assert "run_eagerly=True" in predict_error, predict_error
+    # ... and every function run eagerly: evaluate says how to undo it.
+    model.run_eagerly = False
+    tf.config.run_functions_eagerly(True)
+    try:
+        model.evaluate(X, Y, verbose=0)
+    except ValueError as e:
+        evaluate_error = str(e)
+    finally:
+        tf.config.run_functions_eagerly(False)
+    assert "tf.config.run_functions_eagerly(False)" in evaluate_error, (
+        evaluate_error)
+    model.run_eagerly = True
     refused_before_training(model, X, Y, batch_size=8, epochs=1, verbose=0)
 
 
