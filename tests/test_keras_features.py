@@ -193,6 +193,15 @@ def test_optimizer_state_of_each_stage_resumes_exactly(tmp_path):
     for row in rows:
         assert row["moved"] > 1e-3, row  # the second epoch trained
         assert row["loaded"] == 0.0 and row["resumed"] == 0.0, row
+    # A checkpoint of another last layer: every rank raises (only the last
+    # stage's process holds that layer; the first returned normally).
+    mismatch = {json.loads(line.split("MISMATCH ", 1)[1])["rank"]:
+                json.loads(line.split("MISMATCH ", 1)[1])["error"]
+                for line in proc.stdout.splitlines() if "MISMATCH {" in line}
+    assert sorted(mismatch) == [0, 1], proc.stdout[-3000:]
+    assert "could not be loaded" in (mismatch[1] or ""), mismatch
+    assert "failed on another process" in (mismatch[0] or ""), mismatch
+    assert "rank 1: ValueError" in mismatch[0], mismatch
     # The gathered save (Keras' writer, `zipped=False`) holds the same
     # optimizer state as the streamed one, bit for bit (the same values
     # written by the same writer).

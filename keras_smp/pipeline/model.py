@@ -1036,7 +1036,32 @@ class DistributedModel(keras.Model):
         stages and replicas: a sharded checkpoint (`.weights.json`, or the
         `.weights.h5` pointing to one), a plain Keras model's
         `.weights.h5`, or a `.keras` file. With one stage per process,
-        each process reads only its stage's weights."""
+        each process reads only its stage's weights; a process failing
+        to load its stage's (a shape that does not match) fails the
+        others too."""
+        if self._smp_residency() is None:
+            return self._smp_load_weights(filepath, skip_mismatch, **kwargs)
+        # Each process assigns only its stage's weights, so only the one
+        # holding a mismatched weight saw the error: all raise.
+        error = None
+        try:
+            result = self._smp_load_weights(filepath, skip_mismatch,
+                                            **kwargs)
+        except Exception as e:  # pylint: disable=broad-except
+            error = e
+        rank = self._smp_runtime().topology.rank
+        failed = [e for e in comms.allgather(
+            None if error is None
+            else f"rank {rank}: {type(error).__name__}: {error}") if e]
+        if error is not None:
+            raise error
+        if failed:
+            raise ValueError(
+                f"load_weights({os.fspath(filepath)!r}) failed on another "
+                f"process, so this one stops too: {'; '.join(failed)}")
+        return result
+
+    def _smp_load_weights(self, filepath, skip_mismatch, **kwargs):
         path = (os.fspath(filepath)
                 if isinstance(filepath, (str, os.PathLike)) else None)
         with self._smp_shaped():

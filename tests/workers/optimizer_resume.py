@@ -20,7 +20,9 @@ factors from this process's never-updated copy).
   so the resumed run drifted (weights off by 0.05).
 
 First, a `MultiOptimizer` whose sub-optimizer sets `global_clipnorm` is
-refused at the first step on every rank (`REFUSED {json}`).
+refused at the first step on every rank (`REFUSED {json}`). Last, a model
+whose last layer has another width fails to load the checkpoint on every
+rank (`MISMATCH {json}`).
 
     optimizer_resume.py OUT
 """
@@ -49,14 +51,14 @@ OPTIMIZERS = {
 }
 
 
-def build(optimizer):
+def build(optimizer, head=2):
     keras.utils.set_random_seed(0)
     with strategy.scope():
         inp = keras.Input((8,))
         h = keras.layers.Dense(16, activation="relu", name="enc")(inp)
         h = keras.layers.Dense(16, activation="relu", name="dec")(h)
         model = keras_smp.DistributedModel(
-            keras.Model(inp, keras.layers.Dense(2, name="head")(h)))
+            keras.Model(inp, keras.layers.Dense(head, name="head")(h)))
         model.compile(optimizer=OPTIMIZERS[optimizer](), loss="mse")
     return model
 
@@ -107,3 +109,17 @@ for name in OPTIMIZERS:
         moved=largest(saved, model.get_weights()),
         resumed=largest(model.get_weights(), resumed.get_weights()))),
         flush=True)
+
+# A checkpoint whose last layer has another width: only the last stage's
+# process holds that layer, and it alone raised (the first stage went on
+# with a half-loaded model). Every process raises.
+other = build("adafactor", head=3)
+with strategy.scope():
+    other.build((None, 8))
+try:
+    other.load_weights(os.path.join(OUT, "adafactor.weights.json"))
+    mismatch = None
+except ValueError as e:
+    mismatch = str(e)
+print("MISMATCH " + json.dumps(dict(rank=keras_smp.rank(), error=mismatch)),
+      flush=True)
