@@ -168,9 +168,14 @@ def test_keras_features_across_processes(mode, tmp_path):
                 if name in row["own"]:
                     assert isinstance(read, list) and len(read) == 2, row
                     assert isinstance(after, list) and after, row
+                    # set_weights of its own layer: every element 1
+                    assert row["wrote"][name] == float(np.prod(read[0])), row
                 else:
                     assert re.search(rf"Weight '{name}/kernel' belongs to "
                                      "another pipeline stage", after), row
+                    assert re.search(
+                        rf"Layer '{name}' holds weights of another pipeline "
+                        r"stage.*model\.set_weights", row["wrote"][name]), row
                     assert re.search(
                         rf"Weight '{name}/kernel' belongs to another pipeline "
                         r"stage.*model\.get_weights\(\)", read), row

@@ -1791,6 +1791,23 @@ def _patch_split_weights(keras):
     @functools.wraps(set_weights)
     def set_whole_weights(self, weights):
         variables = self.weights
+        # Another pipeline stage's weight (one stage per process), unless
+        # its assignment is dropped on purpose (`model.set_weights` sets
+        # every weight; each process keeps its stage's).
+        unheld = [v for v in variables
+                  if (getattr(v, "_smp_unheld", False)
+                      or getattr(v, "_smp_local", False))
+                  and "assign" not in vars(v)]
+        if unheld:
+            raise ValueError(
+                f"Layer '{self.name}' holds weights of another pipeline "
+                f"stage (e.g. {unheld[0].path!r}): with one stage per "
+                "process this process holds no copy of them, so "
+                "`set_weights` here would set nothing. Set whole weights "
+                "with `model.set_weights(...)` (a collective: every process "
+                "calls it, each keeping its stage's), or call the layer's "
+                "`set_weights` in the process that runs its stage "
+                "(`model.partition_summary()` names the stages' layers).")
         if not any(split_of(v) for v in variables):
             return set_weights(self, weights)
         if len(variables) != len(weights):

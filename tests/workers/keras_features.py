@@ -472,8 +472,19 @@ if INFERENCE:
                 after[name] = list(after[name].shape)
             except ValueError as e:
                 after[name] = str(e)
+        # ... and setting them too (it set nothing, silently; after a
+        # gather, TensorFlow's "Shape mismatch"); this stage's are set.
+        wrote = {}
+        for name in layers:
+            layer = model.inner_model.get_layer(name)
+            try:
+                layer.set_weights([np.ones(w.shape, "float32")
+                                   for w in layer.weights])
+                wrote[name] = float(np.asarray(layer.kernel).sum())
+            except ValueError as e:
+                wrote[name] = str(e)
         report["other_stage_layer"] = dict(
-            read=read, after=after, whole=whole,
+            read=read, after=after, whole=whole, wrote=wrote,
             own=[n for n, s in layers.items() if s == RANK])
 
 with open(os.path.join(OUT, f"rank{strategy.topology.rank}.json"), "w") as f:
