@@ -257,8 +257,9 @@ def test_communication_helpers_across_processes(full_run):
     assert r1["comms"]["smp_broadcast"] == {"smp": "pattern"}
     # A broadcast receiving a send's object instead: a clear error.
     assert r0["comms"]["mixed"] is None
-    assert "sent with smp.send, not smp.broadcast" in r1["comms"]["mixed"]
-    assert r1["comms"]["after_mixed"] == "broadcast"
+    assert "was sent with smp.send, not smp.broadcast" in r1["comms"][
+        "mixed"]
+    assert r1["comms"]["after_mixed"] == ["sent first", "broadcast"]
 
 
 @pytest.mark.slow

@@ -286,9 +286,11 @@ def test_tensor_parallel_training_matches_single_device(tmp_path_factory,
 def test_adam_with_global_clipnorm_on_a_split_embedding_matches_keras():
     # Ids repeated in the batch: Keras' global clip makes the sparse
     # gradient dense, and so must keras-smp's (kept sparse, Adam's step
-    # differed: losses 0.9637 vs 0.9669 after 2 steps). Adam's update is
-    # elementwise on the same sums: 1e-6 of the weights' scale holds
-    # float32 rounding of the tensor-parallel norm's sum order.
+    # differed: weights off by 0.019-0.027, losses 0.9637 vs 0.9669 after
+    # 2 steps). 1e-4 (absolute; weights below 1): Adam divides each
+    # element by its own gradient's size, so float32 rounding of a
+    # near-zero element of the split layers' sums can move a weight by
+    # far more than float32's epsilon (observed: 0.0).
     script = os.path.join(WORKERS, "tensor_sparse_clip.py")
     ref = run_python([script, "plain"], timeout=240).stdout
     got = launch(2, [script, "tp"], timeout=240).stdout
@@ -296,8 +298,8 @@ def test_adam_with_global_clipnorm_on_a_split_embedding_matches_keras():
                 for out in (ref, got))
     assert len(got) == len(ref) == 3
     for i, (g, r) in enumerate(zip(got, ref)):
-        np.testing.assert_allclose(g, r, rtol=1e-6, atol=scaled_atol(
-            np.array(r), 1e-6), err_msg=f"w{i}")
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=scaled_atol(
+            np.array(r), 1e-4), err_msg=f"w{i}")
 
 
 @pytest.mark.slow

@@ -1057,7 +1057,7 @@ class DistributedModel(keras.Model):
             raise error
         if failed:
             raise ValueError(
-                f"load_weights({os.fspath(filepath)!r}) failed on another "
+                f"load_weights({str(filepath)!r}) failed on another "
                 f"process, so this one stops too: {'; '.join(failed)}")
         return result
 

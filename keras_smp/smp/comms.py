@@ -184,14 +184,7 @@ def broadcast(obj, group=CommGroup.WORLD):
         for dest in ranks[1:]:
             _context().set_config_key_value(_p2p_key(me, dest), text)
         return obj
-    kind, got = _receive(ranks[0], "broadcast")
-    if kind != "broadcast":
-        raise ValueError(
-            f"broadcast: rank {me} received an object rank {ranks[0]} sent "
-            "with smp.send, not smp.broadcast: objects from one rank "
-            "arrive in the order sent. Receive the send first with "
-            f"smp.recv_from({ranks[0]}).")
-    return got
+    return _receive(ranks[0], "broadcast", expect="broadcast")
 
 
 def share(obj, group=CommGroup.WORLD):
@@ -247,11 +240,19 @@ def _p2p_key(src, dest):
             f"{_next(('s', dest) if src == me else ('r', src))}")
 
 
-def _receive(src, what):
-    """`(kind, object)`: the next object from world rank `src` and the
-    call that sent it ("send" or "broadcast")."""
-    key = _p2p_key(src, state.topology().rank)
-    obj = _get(key, src, what)
+def _receive(src, what, expect=None):
+    """The next object from world rank `src`. With `expect` ("broadcast"),
+    an object another call sent (`send`) raises and stays next."""
+    me = state.topology().rank
+    key = _p2p_key(src, me)
+    kind, obj = _get(key, src, what)
+    if expect is not None and kind != expect:
+        with _lock:  # the send's object stays the next one from src
+            _counters[("r", src)] -= 1
+        raise ValueError(
+            f"{what}: rank {me}'s next object from rank {src} was sent with "
+            f"smp.{kind}, not smp.{expect}: objects from one rank arrive "
+            f"in the order sent. Receive it first with smp.recv_from({src}).")
     _context().delete_config_key_value(key)
     return obj
 
@@ -272,4 +273,4 @@ def recv_from(src_rank, rank_type=RankType.WORLD_RANK):
     src = _world_rank(src_rank, rank_type)
     if src == me:
         raise ValueError(f"recv_from: rank {me} cannot receive from itself.")
-    return _receive(src, "recv_from")[1]
+    return _receive(src, "recv_from")

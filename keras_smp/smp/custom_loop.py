@@ -176,9 +176,10 @@ def _replica_sync():
 
 # Instance keys of `accumulate`'s replica average: one per traced call
 # (every replica traces the same calls in order); instance keys are scoped
-# by their group. Eager calls draw from their own range, so an eager call
+# by their group. Eager calls draw from their own range: an eager call
 # made on some replicas only (`if smp.rank() == 0: loss.reduce_mean()`)
-# does not shift the keys of the steps traced afterwards.
+# still waits for the others until the timeout (a collective), but it does
+# not shift the keys of the steps traced afterwards.
 _instance_keys = iter(range(300_000, 10**9))
 _eager_instance_keys = iter(range(1_100_000_000, 2_100_000_000))
 

@@ -135,7 +135,8 @@ if smp.size() > 1:
         comms["recv"] = {"to": got["to"], "arr": got["arr"].tolist()}
         smp.send(f"hello from {smp.rank()}", 0)
     # A broadcast that finds a send of the same rank first says so (it
-    # returned the send's object); the broadcast's object comes next.
+    # returned the send's object); as the error advises, the send's object
+    # is received first, then the broadcast's.
     if smp.rank() == 0:
         smp.send("sent first", 1)
     try:
@@ -144,7 +145,8 @@ if smp.size() > 1:
     except ValueError as e:
         comms["mixed"] = str(e)
     if smp.rank() == 1:
-        comms["after_mixed"] = smp.recv_from(0)
+        comms["after_mixed"] = [smp.recv_from(0),
+                                smp.broadcast(None)]
 smp.barrier()
 smp.dp_barrier()
 
