@@ -77,7 +77,10 @@ class DistributedModel(keras.Model):
     - `DistributedModel(inputs, outputs)`, like a functional `keras.Model`;
     - `DistributedModel(model)`, wrapping a Sequential or functional model
       (its layers and weights are shared, not copied; a Sequential model
-      without an `Input` is built when this model is, from the data);
+      without an `Input` is built when this model is, from the data; a
+      compiled model's compile is kept, so
+      `DistributedModel(keras.models.load_model(path))` in the scope
+      trains on with the loaded optimizer state; `compile` replaces it);
     - `DistributedModel(model)`, wrapping a subclassed `keras.Model` (built
       or not): its `call` is traced into layers when the model is built
       (the first `fit` or `evaluate`, or `build(input_shape)`), then
@@ -166,6 +169,12 @@ class DistributedModel(keras.Model):
             if not keras_private.is_subclassed_model(inner) and getattr(
                     inner, "built", False):
                 self._smp_wrap_functional()
+            compiled = keras_private.compile_arguments(inner)
+            if compiled is not None:
+                # Wrapping keeps the compile (`keras.models.load_model`'s,
+                # with the optimizer state it loaded); `compile` again
+                # replaces it.
+                self.compile(**compiled)
 
     def _smp_wrap_functional(self):
         """Partitions the wrapped Sequential or functional model's graph."""

@@ -277,6 +277,15 @@ def loss_output_trackers(model):
     return list(getattr(loss, "metrics", None) or []) if loss else []
 
 
+def compile_arguments(model):
+    """The keyword arguments `model.compile` was given (its own optimizer
+    object for `optimizer`), or `None` when it is not compiled."""
+    config = getattr(model, "_compile_config", None)
+    if not getattr(model, "compiled", False) or config is None:
+        return None
+    return dict(config.config, optimizer=model.optimizer)
+
+
 def compiled_metrics(model):
     """The compiled metrics container, or None."""
     return getattr(model, "_compile_metrics", None)

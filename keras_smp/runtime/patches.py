@@ -747,6 +747,8 @@ def _patch_symbolic_build(trainer):
             return original(self, iterator=iterator, data_batch=data_batch)
         from keras_smp.runtime import keras_private
 
+        # (before Keras builds the optimizer on weights without a stage)
+        check_pipelined(self)
         if not keras_private.implements_call(self):
             # A model whose own steps call its parts (a GAN's generator
             # and discriminator), not itself: built as its steps are
@@ -1614,6 +1616,94 @@ def _patch_add_weight(keras):
     keras_private.wrap_variable_direct_assign(wrap_assign)
 
 
+def _unpartitioned(variable):
+    """Whether `variable` is a weight of a model built in a pipeline
+    strategy's scope that no `DistributedModel` has placed yet: deferred
+    (shapes only), or given values in this process only (read, assigned,
+    loaded) before any plan. Other stages' weights are not."""
+    import tensorflow as tf
+
+    own = vars(variable) if hasattr(variable, "__dict__") else {}
+    if own.get("_smp_local") is True:
+        return False
+    if deferred.is_pending(variable):
+        return True
+    storage = own.get("_value")
+    return (own.get("_smp_local") is False and storage is not None
+            and not isinstance(storage, tf.distribute.DistributedValues))
+
+
+def _patch_loading(keras):
+    """`keras.models.load_model` of a compiled plain model inside the scope
+    of a pipeline `SMPStrategy`, then `DistributedModel(model)`: Keras
+    builds the loaded model's optimizer on its weights to load the saved
+    optimizer state, but they have no stage yet (TensorFlow failed:
+    "`colocate_vars_with` must only be passed a variable created in this
+    tf.distribute.Strategy.scope()"). The build waits for the pipeline,
+    and the optimizer keeps the state it is given (`load_own_variables`)
+    until it is built there. Building an optimizer on such weights
+    otherwise (`fit` on a model never wrapped) is a clear error."""
+    import numpy as np
+
+    optimizer_class = keras.optimizers.Optimizer
+    if getattr(optimizer_class.build, "_smp_patched", False):
+        return
+    original_build = optimizer_class.build
+    original_load = optimizer_class.load_own_variables
+    original_compile_from_config = keras.Model.compile_from_config
+
+    @functools.wraps(original_build)
+    def build(self, var_list):
+        if not self.built and defers_layer_weights():
+            waiting = [v for v in var_list if _unpartitioned(v)]
+            if waiting:
+                raise ValueError(
+                    f"The optimizer {self.name!r} is being built for "
+                    f"{len(waiting)} weight(s) of a model that no "
+                    f"DistributedModel has partitioned (first: "
+                    f"{waiting[0].path!r}), inside the scope of an "
+                    "SMPStrategy with several pipeline stages. A plain "
+                    "Keras model is not pipelined: wrap it inside the "
+                    "scope, `model = keras_smp.DistributedModel(model)`, "
+                    "before fit (or building its optimizer).")
+        return original_build(self, var_list)
+
+    @functools.wraps(original_load)
+    def load_own_variables(self, store):
+        if self.built or not defers_layer_weights():
+            return original_load(self, store)
+        # Saved state for an optimizer of weights without a stage yet:
+        # kept until the pipeline builds it, then loaded as Keras would.
+        saved = {k: np.array(store[k]) for k in store.keys()}
+        build_first = self.build
+
+        def build_then_load(var_list):
+            build_first(var_list)
+            state = vars(self).pop("_smp_saved_state", None)
+            if state is not None:
+                original_load(self, state)
+
+        object.__setattr__(self, "_smp_saved_state", saved)
+        object.__setattr__(self, "build", build_then_load)
+
+    @functools.wraps(original_compile_from_config)
+    def compile_from_config(self, config):
+        if (type(self).compile is not keras.Model.compile
+                or not defers_layer_weights()
+                or not any(_unpartitioned(v)
+                           for v in self.trainable_variables)):
+            return original_compile_from_config(self, config)
+        # Keras' compile_from_config, less the optimizer's build (the
+        # saved state waits for it: `load_own_variables` above).
+        self.compile(**keras.saving.deserialize_keras_object(config))
+
+    for f in (build, load_own_variables, compile_from_config):
+        f._smp_patched = True
+    optimizer_class.build = build
+    optimizer_class.load_own_variables = load_own_variables
+    keras.Model.compile_from_config = compile_from_config
+
+
 def _patch_unheld_reads(keras):
     """Reading a weight this process holds no copy of (another pipeline
     stage's, with one stage per process: `pipeline.residency` marks it
@@ -1676,6 +1766,7 @@ def install():
         install_layer_hook()
         _patch_split_weights(keras)
         _patch_unheld_reads(keras)
+        _patch_loading(keras)
         _installed.append(True)
 
 
