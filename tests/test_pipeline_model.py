@@ -1143,6 +1143,45 @@ def test_one_stage_per_process_resumes_from_backup(tmp_path, reference):
 
 
 @pytest.mark.slow
+def test_one_stage_per_process_falls_back_to_the_previous_backup(tmp_path):
+    # BackupAndRestore(double_checkpoint=True): the last backup damaged
+    # (a stage's shard truncated), the re-run resumes from the one before
+    # and ends as an uninterrupted run. Keras' copy of the last backup's
+    # `.weights.h5` only named the sharded index the next save replaced
+    # (no second state), and a damaged shard was a ValueError inside
+    # Keras' loading, where its fallback expects an OSError.
+    worker = os.path.join(WORKERS, "double_backup.py")
+    ref_dir, run = tmp_path / "ref", tmp_path / "run"
+    ref_dir.mkdir()
+    run.mkdir()
+    run_python([worker, "--out", str(ref_dir), "--mode", "reference"])
+    given = [worker, "--out", str(run), "--mode", "pipeline"]
+    proc = launch(2, given + ["--fail-at-epoch", "2"], check=False)
+    assert proc.returncode != 0 and "fails on purpose" in proc.stdout
+    folder = run / "backup"
+    with open(folder / "training_metadata.json") as f:
+        assert json.load(f)["epoch"] == 2
+    with open(folder / "training_metadata.json.bkp") as f:
+        assert json.load(f)["epoch"] == 1
+    last = json.loads((folder / "latest.weights.json").read_text())
+    kept = json.loads((folder / "latest-backup.weights.json").read_text())
+    names = [set(f for g in i["weight_map"].values()
+                 for f in ([g] if isinstance(g, str) else g))
+             for i in (last, kept)]
+    assert len(names[0]) == len(names[1]) == 2 and not names[0] & names[1]
+    for name in names[1]:
+        assert (folder / name).is_file(), name
+    damaged = folder / sorted(names[0])[-1]
+    with open(damaged, "r+b") as f:
+        f.truncate(200)
+    proc = launch(2, given)
+    assert "Epoch 2/3" in proc.stdout and "Epoch 1/3" not in proc.stdout
+    ref = load(ref_dir)
+    for r in range(2):
+        assert_same_training(load(run, r), ref, keys=("predict",))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("where,pipeline", [
     ("in_process", "1f1b"), ("multi_process", "1f1b"),
     # Virtual stages (4 model stages, the tied layer's calls in stages 0

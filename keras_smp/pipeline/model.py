@@ -854,6 +854,13 @@ class DistributedModel(keras.Model):
                 and not keras_private.is_remote_path(os.fspath(filepath))
                 and zipped is not False)
 
+    def _smp_keep_backup(self, filepath, backup_path):
+        """`BackupAndRestore(double_checkpoint=True)`'s copy of its last
+        backup, on the chief, before the next: a sharded checkpoint is
+        kept with its own index and shards (`shards.keep_as_backup`).
+        False for a plain file (Keras' copy)."""
+        return shards.keep_as_backup(filepath, backup_path)
+
     def _smp_save_model(self, original, filepath, *args, **kwargs):
         """Keras' `saving_lib.save_model(self, ...)` (what
         `keras.saving.save_model` calls): streamed or gathered, as `save`.
@@ -1077,7 +1084,9 @@ class DistributedModel(keras.Model):
             if path is not None and os.path.isfile(path) and (
                     path.endswith(".weights.json")
                     or (path.endswith(".weights.h5")
-                        and not shards.is_wrapper_layout(path))):
+                        and not shards.is_wrapper_layout(path))
+                    # (`BackupAndRestore`'s `.weights.h5.bkp` of one)
+                    or shards.is_pointer(path)):
                 if not self.built:
                     raise ValueError(
                         "load_weights: the model has no weights yet to load "

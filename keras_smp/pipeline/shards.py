@@ -493,10 +493,7 @@ def _shard_names(index_path):
         index = read_index(index_path)
     except (OSError, ValueError):
         return set()
-    names = set()
-    for files in (index or {}).get("weight_map", {}).values():
-        names.update([files] if isinstance(files, str) else files)
-    return names
+    return _names_in((index or {}).get("weight_map", {}))
 
 
 def _replace(path, write):
@@ -508,6 +505,107 @@ def _replace(path, write):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+BACKUP_SUFFIX = "-backup"
+
+
+def keep_as_backup(filepath, backup_path):
+    """Keeps the sharded checkpoint at `filepath` as a second checkpoint
+    named by `backup_path`, for `BackupAndRestore(double_checkpoint=True)`.
+
+    Keras copies `latest.weights.h5` to `latest.weights.h5.bkp` before
+    each save. A sharded checkpoint's `.weights.h5` only names its index,
+    which the next save replaces (removing the shards it named): that copy
+    would name the new state, or shards no longer there. Here the backup
+    gets an index of its own (`<base>-backup.weights.json`) and its own
+    names for the shards (hard links where the filesystem allows, else
+    copies: saves never rewrite a shard, they write new ones), and
+    `backup_path` names that index, so Keras' fallback (`backup_path`
+    copied over `filepath`, then loaded) loads it. The previous backup's
+    shards are removed after. Call it on one process (rank 0), before the
+    save. Returns False when `filepath` is not a sharded checkpoint (Keras'
+    copy of a plain file is right) and True otherwise; an unreadable
+    checkpoint at `filepath` leaves the backup as it was.
+    """
+    filepath = os.path.abspath(os.fspath(filepath))
+    if not os.path.isfile(filepath):
+        return False
+    try:
+        index = read_index(filepath)
+    except (OSError, ValueError):
+        return True  # a damaged checkpoint is no backup: keep the last one
+    if index is None:
+        return False
+    folder = os.path.dirname(filepath)
+    backup_base = _base(filepath) + BACKUP_SUFFIX
+    renamed = {}
+    for name in sorted(_names_in(index["weight_map"])):
+        number = int(name[:-len(".weights.h5")].rsplit("_", 1)[1])
+        renamed[name] = _shard_name(backup_base, number)
+        source = os.path.join(folder, name)
+        target = os.path.join(folder, renamed[name])
+        if os.path.exists(target) and os.path.samefile(source, target):
+            continue  # (the checkpoint in place is the backup already)
+        _replace(target, lambda tmp, source=source: _link_or_copy(source,
+                                                                   tmp))
+    backup = dict(index, weight_map={
+        g: renamed[f] if isinstance(f, str) else [renamed[n] for n in f]
+        for g, f in index["weight_map"].items()})
+    ours = backup.get("metadata", {}).get("keras_smp")
+    if ours and "shards" in ours:
+        backup["metadata"] = dict(backup["metadata"], keras_smp=dict(
+            ours, shards=[renamed.get(n, n) for n in ours["shards"]]))
+    json_path = os.path.join(folder, backup_base + ".weights.json")
+    previous = _shard_names(json_path)
+    placeholder = os.path.join(folder, _shard_name(backup_base, 0))
+    if not os.path.exists(placeholder):
+        _replace(placeholder, lambda tmp: h5py.File(tmp, "w").close())
+    text = json.dumps(backup, indent=1)
+    _replace(json_path, lambda tmp: open(tmp, "w").write(text))
+
+    def pointer(tmp):
+        with h5py.File(tmp, "w") as f:
+            f.attrs[POINTER_ATTR] = os.path.basename(json_path)
+
+    _replace(os.path.abspath(os.fspath(backup_path)), pointer)
+    for name in previous - set(renamed.values()):
+        try:
+            os.remove(os.path.join(folder, name))
+        except OSError:
+            pass
+    return True
+
+
+def _link_or_copy(source, target):
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+
+
+def _names_in(weight_map):
+    names = set()
+    for files in weight_map.values():
+        names.update([files] if isinstance(files, str) else files)
+    return names
+
+
+def _check_readable(folder, weight_map, filepath):
+    """Opens every shard an index names: a missing or damaged one is an
+    `OSError` naming it, before any weight is assigned (as Keras' own
+    load of a damaged `.weights.h5` fails, so `BackupAndRestore` falls
+    back to its previous backup; inside Keras' per-object loading it
+    became a `ValueError`)."""
+    for name in sorted(_names_in(weight_map)):
+        try:
+            with h5py.File(os.path.join(folder, name), "r"):
+                pass
+        except OSError as e:
+            raise OSError(
+                f"Shard {name!r} of the checkpoint {filepath!r} cannot be "
+                f"read: {e}. Copy every file of the checkpoint together; "
+                "a damaged checkpoint cannot be loaded.") from e
 
 
 def read_index(filepath):
@@ -529,6 +627,16 @@ def read_index(filepath):
         return json.load(f)
 
 
+def is_pointer(filepath):
+    """Whether `filepath` is the small HDF5 file naming a sharded
+    checkpoint's index (whatever its name)."""
+    filepath = os.fspath(filepath)
+    if not h5py.is_hdf5(filepath):
+        return False
+    with h5py.File(filepath, "r") as f:
+        return POINTER_ATTR in f.attrs
+
+
 def is_wrapper_layout(filepath):
     """Whether a `.weights.h5` file was written by Keras' own
     `save_weights` of a `DistributedModel` (an `inner_model` level)."""
@@ -545,11 +653,16 @@ def load(model, filepath, skip_mismatch=False):
     assigned.
     """
     filepath = os.path.abspath(os.fspath(filepath))
-    index = read_index(filepath)
+    try:
+        index = read_index(filepath)
+    except ValueError as e:  # (json's error; a damaged HDF5 file: OSError)
+        raise OSError(f"The index of the checkpoint {filepath!r} cannot "
+                      f"be read: {e}") from e
     folder = os.path.dirname(filepath)
     if index is None:
         files = _OneFile(filepath)
     else:
+        _check_readable(folder, index["weight_map"], filepath)
         files = _ShardFiles(folder, index["weight_map"])
     store = _LazyReader(files)
     try:

@@ -1001,12 +1001,69 @@ def _patch_files(keras):
     save_model = backup._save_model
     on_train_end = backup.on_train_end
 
+    on_train_begin = backup.on_train_begin
+
     @functools.wraps(save_model)
     def _save_model(self):
-        if _non_chief_runtime(self.model) is None:
+        if _non_chief_runtime(self.model) is not None:
+            # Same save (and collectives) as the chief, into scratch.
+            self.model.save_weights(filepath=self._weights_path,
+                                    overwrite=True)
+            return None
+        keep = getattr(self.model, "_smp_keep_backup", None)
+        if not (self.double_checkpoint and keep is not None and keep(
+                self._weights_path, self._prev_weights_path)):
             return save_model(self)
-        # Same save (and collectives) as the chief, into scratch.
-        self.model.save_weights(filepath=self._weights_path, overwrite=True)
+        # The weights' backup is kept (a sharded checkpoint: Keras' copy
+        # of its `.weights.h5` would name the next save's index); Keras'
+        # copy of the training metadata, then its save.
+        if os.path.exists(self._training_metadata_path):
+            shutil.copyfile(self._training_metadata_path,
+                            self._prev_training_metadata_path)
+        self.double_checkpoint = False
+        try:
+            return save_model(self)
+        finally:
+            self.double_checkpoint = True
+
+    @functools.wraps(on_train_begin)
+    def _on_train_begin(self, logs=None):
+        if _multi_worker_runtime(self.model) is None:
+            return on_train_begin(self, logs)
+        try:
+            self._load_model()
+        except OSError:
+            if not os.path.exists(self._prev_weights_path):
+                raise
+            # Keras' fallback copies the previous backup over the last one
+            # and loads that: every process at once, on the same files.
+            # Each loads the previous backup where it is; the chief then
+            # makes it the last one (Keras' copies) for the next save.
+            paths = self._weights_path, self._training_metadata_path
+            scratch = None
+            if getattr(self.model, "_smp_keep_backup", None) is not None:
+                # (a DistributedModel loads a sharded `.bkp` as it is)
+                self._weights_path = self._prev_weights_path
+            else:  # Keras reads a `.weights.h5` only by that name
+                scratch = tempfile.mkdtemp(prefix="keras_smp_backup_")
+                self._weights_path = os.path.join(
+                    scratch, os.path.basename(paths[0]))
+                shutil.copyfile(self._prev_weights_path, self._weights_path)
+            self._training_metadata_path = self._prev_training_metadata_path
+            try:
+                self._load_model()
+            finally:
+                self._weights_path, self._training_metadata_path = paths
+                if scratch is not None:
+                    shutil.rmtree(scratch, ignore_errors=True)
+            if _non_chief_runtime(self.model) is None:
+                shutil.copyfile(self._prev_weights_path, self._weights_path)
+                if os.path.exists(self._prev_training_metadata_path):
+                    shutil.copyfile(self._prev_training_metadata_path,
+                                    self._training_metadata_path)
+                elif os.path.exists(self._training_metadata_path):
+                    os.remove(self._training_metadata_path)
+        return None
 
     @functools.wraps(on_train_end)
     def _on_train_end(self, logs=None):
@@ -1014,6 +1071,7 @@ def _patch_files(keras):
             return on_train_end(self, logs)
 
     backup._save_model = _save_model
+    backup.on_train_begin = _on_train_begin
     backup.on_train_end = _on_train_end
 
     board = keras.callbacks.TensorBoard
