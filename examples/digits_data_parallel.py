@@ -1,6 +1,7 @@
 """Data-parallel training of a digit classifier with keras-smp.
 
-Run on 2 local worker processes (what `make demo` does):
+Run on 2 local worker processes (`make demo` runs the pipelined example,
+examples/digits_pipeline.py):
 
     keras-smp launch -n 2 -- python examples/digits_data_parallel.py
 

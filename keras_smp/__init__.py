@@ -108,6 +108,14 @@ def __getattr__(name):
     raise AttributeError(f"module 'keras_smp' has no attribute {name!r}")
 
 
+import sys as _sys  # noqa: E402
+
+if "keras" in _sys.modules and "tensorflow" in _sys.modules:
+    # Keras is loaded already (`import keras, keras_smp`): define
+    # DistributedModel now, which registers it for `keras.models.load_model`
+    # (to find a saved class Keras imports only its own packages).
+    __getattr__("DistributedModel")
+
 __all__ = [
     "SMPConfig", "SMPStrategy", "DistributedModel", "partition", "rank", "size", "local_rank", "local_size",
     "dp_rank", "dp_size", "pp_rank", "pp_size", "mp_rank", "mp_size",

@@ -722,6 +722,20 @@ def test_saved_pipelined_model_loads_back_pipelined(tmp_path):
     assert "TYPE DistributedModel ['dense_1']" in out, out
     assert "DIFF 0.0" in out, out
     assert out.split("DEVICE ")[1].strip().endswith("CPU:1"), out
+    # In a fresh process, `import keras, keras_smp` is enough for Keras to
+    # find the class (it raised "Could not locate class
+    # 'DistributedModel'" until keras_smp.DistributedModel was touched).
+    fresh = tmp_path / "fresh_load.py"
+    fresh.write_text(
+        "import keras, numpy as np\n"
+        "import keras_smp\n"
+        f"loaded = keras.models.load_model(r'{tmp_path}/m.keras')\n"
+        "x = np.random.RandomState(0).randn(32, 8).astype('float32')\n"
+        "print('TYPE', type(loaded).__name__)\n"
+        "print('SHAPE', loaded.predict(x, verbose=0).shape)\n")
+    out = run_python([str(fresh)], timeout=300, extra_env={
+        "SMP_CONFIG": '{"partitions": 2, "microbatches": 2}'}).stdout
+    assert "TYPE DistributedModel" in out and "SHAPE (32, 2)" in out, out
 
 
 @pytest.mark.slow
