@@ -738,6 +738,49 @@ def test_saved_pipelined_model_loads_back_pipelined(tmp_path):
     assert "TYPE DistributedModel" in out and "SHAPE (32, 2)" in out, out
 
 
+def test_model_compiled_before_wrapping_saves_the_wrappers_optimizer(
+        tmp_path):
+    # A model compiled before it is wrapped (KerasHub tasks compile
+    # themselves), the DistributedModel compiled again: save_weights wrote
+    # both optimizers into the one "optimizer" group and failed ("Unable to
+    # create link (name already exists)"). The file holds the wrapper's
+    # (the one training), as the model's own save_weights lays it out:
+    # plain Keras loads weights and SGD momentum, equal.
+    script = tmp_path / "compiled_inner.py"
+    path = tmp_path / "ci.weights.h5"
+    script.write_text(
+        "import keras, numpy as np, keras_smp\n"
+        "strategy = keras_smp.SMPStrategy(partitions=2, microbatches=2,\n"
+        "                                 local_devices=2)\n"
+        "x = np.random.RandomState(0).randn(16, 8).astype('float32')\n"
+        "y = np.random.RandomState(1).randn(16, 3).astype('float32')\n"
+        "def net():\n"
+        "    return keras.Sequential([keras.Input((8,)),\n"
+        "        keras.layers.Dense(8), keras.layers.Dense(3)])\n"
+        "with strategy.scope():\n"
+        "    inner = net()\n"
+        "    inner.compile(optimizer='adam', loss='mse')\n"
+        "    model = keras_smp.DistributedModel(inner)\n"
+        "    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),\n"
+        "                  loss='mse')\n"
+        "model.fit(x, y, batch_size=8, verbose=0)\n"
+        f"model.save_weights(r'{path}')\n"
+        "plain = net()\n"
+        "plain.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),\n"
+        "              loss='mse')\n"
+        "plain.optimizer.build(plain.trainable_variables)\n"
+        f"plain.load_weights(r'{path}')\n"
+        "pairs = list(zip(plain.get_weights(), model.get_weights()))\n"
+        "pairs += [(a.numpy(), b.numpy()) for a, b in zip(\n"
+        "    plain.optimizer.variables, model.optimizer.variables)]\n"
+        "print('STEPS', int(plain.optimizer.iterations.numpy()))\n"
+        "print('DIFF', max(float(np.abs(a - b).max()) for a, b in pairs))\n"
+        f"model.load_weights(r'{path}')\n"
+        "print('LOADED')\n")
+    out = run_python([str(script)], timeout=300).stdout
+    assert "STEPS 2" in out and "DIFF 0.0" in out and "LOADED" in out, out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("workers,pipeline,variant", [
     # (Each schedule, variant and process count once: the stage processes

@@ -94,11 +94,25 @@ def entries(model, own_layout=False, with_optimizer=True):
     optimizer) saving it.
     """
     recorder = _Recorder()
-    visited = set()
+    visited = _not_saved(model, own_layout)
     for saveable, path in _roots(model, own_layout):
         if with_optimizer or path != "optimizer":
             keras_private.save_state(saveable, recorder, path, visited)
     return recorder.entries
+
+
+def _not_saved(model, own_layout=False):
+    """Ids of what the wrapped model holds but does not train with: the
+    optimizer it was compiled with before wrapping (a KerasHub task
+    compiles itself), when the `DistributedModel` was compiled with
+    another. Its group would be the wrapper's optimizer's ("optimizer"):
+    written twice ("Unable to create link (name already exists)")."""
+    inner = getattr(model, "inner_model", None)
+    own = getattr(inner, "optimizer", None)
+    if inner is None or own_layout or own is None or own is getattr(
+            model, "optimizer", None):
+        return set()
+    return {id(own)}
 
 
 def _roots(model, own_layout=False):
@@ -666,7 +680,7 @@ def load(model, filepath, skip_mismatch=False):
         files = _ShardFiles(folder, index["weight_map"])
     store = _LazyReader(files)
     try:
-        visited = set()
+        visited = _not_saved(model)
         for saveable, path in _roots(model):
             keras_private.load_state(saveable, store, path, visited,
                                      skip_mismatch=skip_mismatch)
