@@ -378,6 +378,28 @@ def test_ranks_making_different_calls_fail_at_the_call_naming_it(mode,
     else:
         assert mine["raised"] is None and theirs["raised"] is None, (
             mine, theirs)
+    # save_weights / save to a path with the rank in it: with one stage
+    # per process refused on every rank, naming both paths, before
+    # anything is written (rank 0's index named shards that rank 1 wrote
+    # beside its own path: no error until a load); data parallel, rank 0
+    # writes its file.
+    for name, suffix in (("save_weights_paths", ".weights.h5"),
+                         ("save_paths", ".keras")):
+        mine, theirs = rows[name, 0], rows[name, 1]
+        if mode == "pp":
+            assert mine["raised"] is not None and (
+                mine["raised"] == theirs["raised"]), (mine, theirs)
+            assert "every process of the job must pass the same path" in (
+                mine["raised"]), mine
+            assert f"rank 1: '{tmp_path}/saves/rank1{suffix}'" in (
+                mine["raised"]), mine
+            assert not (tmp_path / "saves").exists() or not list(
+                (tmp_path / "saves").iterdir()), list(
+                (tmp_path / "saves").iterdir())
+        else:
+            assert mine["raised"] is None and theirs["raised"] is None, (
+                mine, theirs)
+            assert f"rank0{suffix}" in mine["result"], mine
     # Nothing left behind: the same calls then run, with the same logs and
     # outputs on both ranks.
     agree = rows["agree", 0]

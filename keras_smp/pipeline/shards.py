@@ -219,6 +219,27 @@ def _to_numpy(value):
     return array
 
 
+def _check_one_path(model, filepath, call):
+    """With one stage per process every process must name the same file:
+    each stage writes its shard beside the others' and rank 0 the index
+    naming them. Paths with the rank in them gave an index naming shards
+    that were elsewhere (no error until it was loaded). A `ValueError` on
+    every process, before anything is written. (Otherwise rank 0 writes
+    it all: other ranks' paths do not matter, as in Keras.)"""
+    if model._smp_residency() is None:  # pylint: disable=protected-access
+        return
+    paths = comms.allgather(filepath)
+    if len(set(paths)) > 1:
+        raise ValueError(
+            f"{call}: every process of the job must pass the same path (with "
+            "one pipeline stage per process each writes its stage's part "
+            "beside the others', and rank 0 the file naming them); "
+            "received " + ", ".join(f"rank {r}: {p!r}"
+                                    for r, p in enumerate(paths))
+            + ". Pass one path on every rank (keras-smp writes each file "
+            "once).")
+
+
 def save(model, filepath, own_layout=False, with_optimizer=True):
     """Writes a sharded checkpoint of `model` (a `DistributedModel`).
 
@@ -227,6 +248,7 @@ def save(model, filepath, own_layout=False, with_optimizer=True):
     `entries` (`with_optimizer=False`: the weights only).
     """
     filepath = os.path.abspath(os.fspath(filepath))
+    _check_one_path(model, filepath, "save_weights")
     folder, base = os.path.dirname(filepath), _base(filepath)
     rank, writes = _layout(model)
     error = None
@@ -315,6 +337,7 @@ def _from_shards(model, target, work, own_layout, with_optimizer, failed):
     (`_while_telling_the_others`); the folder is removed. A collective:
     raises `RuntimeError` starting with `failed` on every process when
     anything fails."""
+    _check_one_path(model, target, "save")
     folder, name = os.path.split(target)
     rank, _ = _layout(model)
     token = comms.share(

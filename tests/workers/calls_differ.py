@@ -27,12 +27,16 @@ its call raised, the message, and the seconds the call took:
    on rank 0 only: with one stage per process refused before the first
    step (each histogram epoch gathers the model from every rank: rank 0
    waited in the gather); data parallel, it runs;
-7. "agree": the same fit (with validation, and a callback predicting at
+7. "save_weights_paths", "save_paths": `save_weights` and `save` to a
+   path with the rank in it: with one stage per process refused on every
+   rank before anything is written (the index named shards written
+   elsewhere); data parallel, rank 0 writes;
+8. "agree": the same fit (with validation, and a callback predicting at
    the start of each epoch: calls within the fit, before its validation),
    evaluate and predict on both ranks: they run, and give the same results
    (the refused calls before left nothing behind); rank 0 then says which
    calls' keys the coordination service still holds;
-8. "ended": rank 1's script ends; rank 0 evaluates once more, as
+9. "ended": rank 1's script ends; rank 0 evaluates once more, as
    `if rank == 0: model.evaluate(...)` would.
 
 With `collective_timeout_seconds=120`, every refusal must come well
@@ -136,6 +140,21 @@ scenario("histograms_on_one_rank", lambda: model.fit(
     callbacks=[keras.callbacks.TensorBoard(
         os.path.join(sys.argv[2], "tb"), histogram_freq=1)]
     if rank == 0 else []).history["loss"])
+
+
+def save_paths(save):
+    # Each rank its own path (the rank in the name): with one stage per
+    # process the index named shards written elsewhere; refused on every
+    # rank before anything is written. Data parallel, rank 0 writes.
+    folder = os.path.join(sys.argv[2], "saves")
+    os.makedirs(folder, exist_ok=True)
+    save(os.path.join(folder, f"rank{rank}"))
+    return sorted(os.listdir(folder))
+
+
+scenario("save_weights_paths", lambda: save_paths(
+    lambda p: model.save_weights(p + ".weights.h5")))
+scenario("save_paths", lambda: save_paths(lambda p: model.save(p + ".keras")))
 
 
 class Predicts(keras.callbacks.Callback):
