@@ -559,8 +559,15 @@ def _specs(tensors, rows, split=1):
         if any(d is None for d in rest):
             raise ValueError(
                 f"Tensor {t.name} of shape {t.shape} crosses a stage "
-                "boundary between processes; only its batch dimension may "
-                "be unknown. Give the layers producing it static shapes.")
+                "boundary between processes; with one stage per process "
+                "only its batch dimension may be unknown (the receiving "
+                "process must know the shape). Inputs of unknown length "
+                "(`keras.Input((None,))`, as KerasHub backbones declare) "
+                "make it so: call the model on inputs of a fixed length, "
+                "`inputs = keras.Input((seq_len,), dtype='int32'); model "
+                "= keras_smp.DistributedModel(keras.Model(inputs, "
+                "model(inputs)))`, and pad the data to it; or run the "
+                "stages in one process (`local_devices`).")
         out.append((tf.concat([[rows], tf.constant(rest, tf.int32)], axis=0),
                     t.dtype))
     return out
