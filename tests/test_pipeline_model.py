@@ -1200,6 +1200,33 @@ def test_one_stage_per_process_resumes_from_backup(tmp_path, reference):
 
 
 @pytest.mark.slow
+def test_one_stage_per_process_takes_inputs_of_unknown_length(tmp_path):
+    # keras.Input((None,)), as every KerasHub backbone declares: the tensor
+    # crossing the stage boundary is (batch, None, 16), with its Keras
+    # mask. The receiving process needs its shape: it was refused ("only
+    # its batch dimension may be unknown"); now the shapes come from the
+    # step's batch (sequences of 12 tokens). Weights, losses and
+    # predictions = plain Keras (float32 bounds). A later batch of another
+    # length is refused on both ranks (TensorFlow keeps one shape per
+    # transfer), naming the shapes and the fix.
+    worker = os.path.join(WORKERS, "dynamic_length.py")
+    ref_dir, run = tmp_path / "ref", tmp_path / "run"
+    ref_dir.mkdir()
+    run.mkdir()
+    run_python([worker, "--out", str(ref_dir), "--mode", "reference"])
+    launch(2, [worker, "--out", str(run), "--mode", "pipeline"])
+    ref = load(ref_dir)
+    for r in range(2):
+        got = load(run, r)
+        assert_same_training(got, ref, keys=("loss", "predict"))
+        error = str(got["error"])
+        # (Keras traces the second length's step for any length)
+        assert "had shape (None, 12, 16) in an earlier step and is of " \
+               "unknown length now" in error, error
+        assert "Pad the data to one length" in error, error
+
+
+@pytest.mark.slow
 def test_one_stage_per_process_falls_back_to_the_previous_backup(tmp_path):
     # BackupAndRestore(double_checkpoint=True): the last backup damaged
     # (a stage's shard truncated), the re-run resumes from the one before

@@ -493,9 +493,26 @@ class StagedGraph:
                      for t in carry
                      if keras_private.keras_mask(t) is not None}
                     for carry in plain]
-        import tensorflow as tf
-
         found = []
+
+        def stage_done(s, values):
+            found.append({})
+            for t in plain[s]:
+                mask = keras_private.keras_mask(values[id(t)])
+                if mask is not None:
+                    found[-1][id(t)] = (mask.shape, mask.dtype)
+
+        self._trace_stages([(t.shape, t.dtype) for t in self.inputs],
+                           stage_done)
+        return found
+
+    def _trace_stages(self, input_specs, stage_done):
+        """Runs the stages in order, in inference mode, into a graph that
+        is never run, on inputs of `input_specs` (`(shape, dtype)`);
+        `stage_done(stage, values)` sees `{id(graph tensor): value}` after
+        each stage."""
+        import keras
+        import tensorflow as tf
 
         def trace(*tensors):
             values = {id(t): v for t, v in zip(self.inputs, tensors)}
@@ -507,21 +524,69 @@ class StagedGraph:
                     for x, y in zip(tree.flatten(node.outputs),
                                     tree.flatten(outs)):
                         values[id(x)] = y
-                found.append({})
-                for t in plain[s]:
-                    mask = keras_private.keras_mask(values[id(t)])
-                    if mask is not None:
-                        found[-1][id(t)] = (mask.shape, mask.dtype)
+                stage_done(s, values)
             return []
 
-        import keras
-
-        specs = [tf.TensorSpec(t.shape, t.dtype) for t in self.inputs]
+        specs = [tf.TensorSpec(shape, dtype) for shape, dtype in input_specs]
         # Stateless: no state changes, added losses dropped; weights this
         # process does not hold (other stages') read as placeholders.
         with tf.init_scope(), self.trace_scope(), keras.StatelessScope(), \
                 keras_private.call_context(None, False):
             tf.function(trace, autograph=False).get_concrete_function(*specs)
+
+    def carry_shapes(self, input_shapes):
+        """`{id(carry): shape}` of the carried tensors (and masks) whose
+        symbolic shape leaves a dimension other than the batch unknown
+        (`keras.Input((None,))`), as they are for inputs of
+        `input_shapes` (the step's batch: a sequence length known there).
+        Found by tracing the stages once per input shapes (cached);
+        tensors still unknown there are left out."""
+        key = tuple(tuple(s) for s in input_shapes)
+        cache = self.__dict__.setdefault("_carry_shapes", {})
+        if key in cache:
+            return cache[key]
+        unknown = [t for carry in self.carries for t in carry
+                   if any(d is None for d in tuple(t.shape)[1:])]
+        found = {}
+        if unknown:
+            def stage_done(s, values):
+                for t in self.carries[s]:
+                    if not any(d is None for d in tuple(t.shape)[1:]):
+                        continue
+                    value = values.get(
+                        t.owner_id if isinstance(t, MaskOf) else id(t))
+                    if isinstance(t, MaskOf) and value is not None:
+                        value = keras_private.keras_mask(value)
+                    if value is None:
+                        continue
+                    shape = tuple(value.shape)
+                    if all(d is not None for d in shape[1:]):
+                        found[id(t)] = (None,) + shape[1:]
+
+            self._trace_stages(
+                [((None,) + tuple(shape)[1:], t.dtype)
+                 for shape, t in zip(input_shapes, self.inputs)],
+                stage_done)
+        # TensorFlow keeps one shape per transfer (its collective's key)
+        # for the life of the process: a length may not change.
+        first = self.__dict__.setdefault("_first_carry_shapes", {})
+        for t in unknown:
+            if id(t) in found:
+                first.setdefault(id(t), found[id(t)])
+            if id(t) in first and first[id(t)] != found.get(id(t)):
+                now = (f"has {found[id(t)]} now" if id(t) in found else
+                       "is of unknown length now (Keras traces a step for "
+                       "any length once batches of several lengths came)")
+                raise ValueError(
+                    f"Tensor {t.name} crossing a stage boundary between "
+                    f"processes had shape {first[id(t)]} in an earlier "
+                    f"step and {now} (inputs of shapes "
+                    f"{[tuple(s) for s in input_shapes]}): with one stage "
+                    "per process each dimension other than the batch must "
+                    "keep one size for the whole run. Pad the data to one "
+                    "length (the longest), or run the stages in one "
+                    "process (`local_devices`).")
+        cache[key] = found
         return found
 
     def output_masks(self):

@@ -228,16 +228,21 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         if whole:
             stages[s].snapshot, stages[s].replay = _replay(
                 model, graph, s, m, batch_rows)
+    # Shapes the receiving process must know that the symbolic graph
+    # leaves open (a sequence of unknown length): as for this batch.
+    resolved = (graph.carry_shapes([t.shape for t in flat_x])
+                if links is not None else {})
     if links is None:
         transport = LocalTransport()
     else:
         specs = {}
         for s in held:
             if s > 0 and not links.holds(s - 1):
-                specs[("F", s)] = functools.partial(_specs,
-                                                    graph.carries[s - 1])
+                specs[("F", s)] = functools.partial(
+                    _specs, graph.carries[s - 1], resolved=resolved)
             if s < p - 1 and not links.holds(s + 1):
-                specs[("B", s)] = functools.partial(_specs, graph.carries[s])
+                specs[("B", s)] = functools.partial(
+                    _specs, graph.carries[s], resolved=resolved)
         transport = CollectiveTransport(
             links, specs, batch // m if rows is None else
             [rows[i] for i in range(m)])
@@ -315,7 +320,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                  training,
                  variables, [grads.get(id(v)) for v in variables],
                  trackers, loss_fn, true_batch, unreached, context, static,
-                 _rows_share(true_batch, share_batch))
+                 _rows_share(true_batch, share_batch), resolved)
     run.rows_share = _rows_share(true_batch, share_batch)
     if added and not model._smp_adds_losses():
         raise NotImplementedError(
@@ -548,26 +553,27 @@ def _model_inputs_constant(fn):
     return run
 
 
-def _specs(tensors, rows, split=1):
+def _specs(tensors, rows, split=1, resolved=None):
     """`(shape, dtype)` of tensors crossing a process boundary (`split`:
-    their last axis is split in that many slices)."""
+    their last axis is split in that many slices; `resolved`: the shapes
+    of those the symbolic graph leaves open, `StagedGraph.carry_shapes`)."""
     out = []
     for t in tensors:
-        rest = list(t.shape[1:])
+        rest = list((resolved or {}).get(id(t), t.shape)[1:])
         if split > 1 and rest:
             rest[-1] //= split
         if any(d is None for d in rest):
             raise ValueError(
                 f"Tensor {t.name} of shape {t.shape} crosses a stage "
                 "boundary between processes; with one stage per process "
-                "only its batch dimension may be unknown (the receiving "
-                "process must know the shape). Inputs of unknown length "
-                "(`keras.Input((None,))`, as KerasHub backbones declare) "
-                "make it so: call the model on inputs of a fixed length, "
-                "`inputs = keras.Input((seq_len,), dtype='int32'); model "
-                "= keras_smp.DistributedModel(keras.Model(inputs, "
-                "model(inputs)))`, and pad the data to it; or run the "
-                "stages in one process (`local_devices`).")
+                "only its batch dimension may be unknown when the step "
+                "runs (the receiving process must know the shape). Its "
+                "length follows the inputs' (`keras.Input((None,))`), "
+                "and this step's batch leaves theirs unknown too (a "
+                "tf.data dataset batched with `padded_batch` without "
+                "`padded_shapes`, or a generator of several lengths). Pad "
+                "the data to one length, or run the stages in one process "
+                "(`local_devices`).")
         out.append((tf.concat([[rows], tf.constant(rest, tf.int32)], axis=0),
                     t.dtype))
     return out
@@ -576,7 +582,7 @@ def _specs(tensors, rows, split=1):
 def _share(model, links, result, x, y, sample_weight, batch, rows,
            has_loss, need_outputs, training, variables, grads, trackers,
            loss_fn, true_batch, unreached, context=None, static=None,
-           rows_share=None):
+           rows_share=None, resolved=None):
     """One stage per process: the last stage's outputs and loss to all.
 
     The last stage shares the merged outputs, the loss and the step's
@@ -592,8 +598,10 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
     group = current_group_of(model) if tensor.logits_kept_split() else None
     # (with their Keras masks, which are not split)
     pred_specs = (_specs(graph.outputs, batch,
-                         split=group.size if group is not None else 1)
-                  + _specs(graph.carries[-1][graph.num_outputs:], batch)
+                         split=group.size if group is not None else 1,
+                         resolved=resolved)
+                  + _specs(graph.carries[-1][graph.num_outputs:], batch,
+                           resolved=resolved)
                   if need_outputs else [])
     tracked = ([v for m in keras_private.loss_output_trackers(model)
                 for v in m.variables] if has_loss else [])
