@@ -400,6 +400,7 @@ def test_ranks_making_different_calls_fail_at_the_call_naming_it(mode,
             assert mine["raised"] is None and theirs["raised"] is None, (
                 mine, theirs)
             assert f"rank0{suffix}" in mine["result"], mine
+            assert f"rank1{suffix}" not in mine["result"], mine
     # Nothing left behind: the same calls then run, with the same logs and
     # outputs on both ranks.
     agree = rows["agree", 0]

@@ -1263,6 +1263,16 @@ def test_one_stage_per_process_falls_back_to_the_previous_backup(tmp_path):
     ref = load(ref_dir)
     for r in range(2):
         assert_same_training(load(run, r), ref, keys=("predict",))
+    # The re-run saved twice more: each backup's shards replaced the
+    # previous backup's, none left behind (placeholder _00000 aside).
+    kept = json.loads((folder / "latest-backup.weights.json").read_text())
+    named = {f for g in kept["weight_map"].values()
+             for f in ([g] if isinstance(g, str) else g)}
+    on_disk = {p.name for p in folder.glob("latest-backup_*.weights.h5")}
+    assert on_disk == named | {"latest-backup_00000.weights.h5"}, (
+        on_disk, named)
+    with open(folder / "training_metadata.json.bkp") as f:
+        assert json.load(f)["epoch"] == 2
 
 
 @pytest.mark.slow

@@ -548,6 +548,12 @@ class StagedGraph:
         unknown = [t for carry in self.carries for t in carry
                    if any(d is None for d in tuple(t.shape)[1:])]
         found = {}
+        if unknown and any(
+                hasattr(layer, "_smp_tp_mode") for s in range(self.num_stages)
+                for layer in self.stage_layers(s)):
+            # Tensor-parallel layers' collectives are traced per stage
+            # (as for `_runtime_masks`): unknown lengths stay refused.
+            unknown = []
         if unknown:
             def stage_done(s, values):
                 for t in self.carries[s]:

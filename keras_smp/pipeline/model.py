@@ -173,8 +173,9 @@ class DistributedModel(keras.Model):
             if compiled is not None:
                 # Wrapping keeps the compile (`keras.models.load_model`'s,
                 # with the optimizer state it loaded); `compile` again
-                # replaces it.
-                self.compile(**compiled)
+                # replaces it. (DistributedModel's: a subclass may
+                # override `compile`.)
+                DistributedModel.compile(self, **compiled)
 
     def _smp_wrap_functional(self):
         """Partitions the wrapped Sequential or functional model's graph."""
@@ -857,9 +858,15 @@ class DistributedModel(keras.Model):
     def _smp_keep_backup(self, filepath, backup_path):
         """`BackupAndRestore(double_checkpoint=True)`'s copy of its last
         backup, on the chief, before the next: a sharded checkpoint is
-        kept with its own index and shards (`shards.keep_as_backup`).
-        False for a plain file (Keras' copy)."""
+        kept with its own index and shards (`shards.keep_as_backup`:
+        "kept", "unchanged" for a damaged one); False for a plain file
+        (Keras' copy)."""
         return shards.keep_as_backup(filepath, backup_path)
+
+    def _smp_loads_as_is(self, filepath):
+        """Whether `load_weights` takes `filepath` whatever its name (the
+        `.bkp` of a sharded checkpoint's `.weights.h5`)."""
+        return shards.is_pointer(filepath)
 
     def _smp_save_model(self, original, filepath, *args, **kwargs):
         """Keras' `saving_lib.save_model(self, ...)` (what

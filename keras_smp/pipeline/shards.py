@@ -328,16 +328,18 @@ def export_from_shards(model, save_path, input_signature,
 
     return _from_shards(model, save_path, export, own_layout=False,
                         with_optimizer=False,
-                        failed=f"Exporting {save_path!r} failed")
+                        failed=f"Exporting {save_path!r} failed",
+                        call="export")
 
 
-def _from_shards(model, target, work, own_layout, with_optimizer, failed):
+def _from_shards(model, target, work, own_layout, with_optimizer, failed,
+                 call="save"):
     """Every stage writes its shard into a temporary folder beside
     `target`; rank 0 runs `work(index, folder)` while the others wait
     (`_while_telling_the_others`); the folder is removed. A collective:
     raises `RuntimeError` starting with `failed` on every process when
     anything fails."""
-    _check_one_path(model, target, "save")
+    _check_one_path(model, target, call)
     folder, name = os.path.split(target)
     rank, _ = _layout(model)
     token = comms.share(
@@ -562,16 +564,20 @@ def keep_as_backup(filepath, backup_path):
     copied over `filepath`, then loaded) loads it. The previous backup's
     shards are removed after. Call it on one process (rank 0), before the
     save. Returns False when `filepath` is not a sharded checkpoint (Keras'
-    copy of a plain file is right) and True otherwise; an unreadable
-    checkpoint at `filepath` leaves the backup as it was.
+    copy of a plain file is right), "kept" when it was kept, "unchanged"
+    when it cannot be read (a damaged checkpoint is no backup: the last
+    backup stays, and so should its training metadata).
     """
     filepath = os.path.abspath(os.fspath(filepath))
     if not os.path.isfile(filepath):
         return False
     try:
         index = read_index(filepath)
-    except (OSError, ValueError):
-        return True  # a damaged checkpoint is no backup: keep the last one
+        if index is not None:
+            _check_readable(os.path.dirname(filepath), index["weight_map"],
+                            filepath)
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unchanged" if is_pointer(filepath) else False
     if index is None:
         return False
     folder = os.path.dirname(filepath)
@@ -611,7 +617,7 @@ def keep_as_backup(filepath, backup_path):
             os.remove(os.path.join(folder, name))
         except OSError:
             pass
-    return True
+    return "kept"
 
 
 def _link_or_copy(source, target):
@@ -668,10 +674,13 @@ def is_pointer(filepath):
     """Whether `filepath` is the small HDF5 file naming a sharded
     checkpoint's index (whatever its name)."""
     filepath = os.fspath(filepath)
-    if not h5py.is_hdf5(filepath):
+    try:
+        if not h5py.is_hdf5(filepath):
+            return False
+        with h5py.File(filepath, "r") as f:
+            return POINTER_ATTR in f.attrs
+    except OSError:
         return False
-    with h5py.File(filepath, "r") as f:
-        return POINTER_ATTR in f.attrs
 
 
 def is_wrapper_layout(filepath):

@@ -278,12 +278,15 @@ def loss_output_trackers(model):
 
 
 def compile_arguments(model):
-    """The keyword arguments `model.compile` was given (its own optimizer
-    object for `optimizer`), or `None` when it is not compiled."""
+    """Keyword arguments of `compile` that compile another model as `model`
+    is compiled: its own optimizer object (a `LossScaleOptimizer` if
+    Keras wrapped it, so `auto_scale_loss=False`), or `None` when it is
+    not compiled."""
     config = getattr(model, "_compile_config", None)
     if not getattr(model, "compiled", False) or config is None:
         return None
-    return dict(config.config, optimizer=model.optimizer)
+    return dict(config.config, optimizer=model.optimizer,
+                auto_scale_loss=False)
 
 
 def compiled_metrics(model):

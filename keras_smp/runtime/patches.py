@@ -1011,15 +1011,17 @@ def _patch_files(keras):
                                     overwrite=True)
             return None
         keep = getattr(self.model, "_smp_keep_backup", None)
-        if not (self.double_checkpoint and keep is not None and keep(
-                self._weights_path, self._prev_weights_path)):
+        kept = (self.double_checkpoint and keep is not None
+                and keep(self._weights_path, self._prev_weights_path))
+        if not kept:
             return save_model(self)
         # The weights' backup is kept (a sharded checkpoint: Keras' copy
         # of its `.weights.h5` would name the next save's index); Keras'
-        # copy of the training metadata, then its save.
-        if os.path.exists(self._training_metadata_path):
-            shutil.copyfile(self._training_metadata_path,
-                            self._prev_training_metadata_path)
+        # copy of the training metadata (not over a kept backup's, when
+        # the last one was damaged), then its save.
+        if kept == "kept" and os.path.exists(self._training_metadata_path):
+            _copy_atomic(self._training_metadata_path,
+                         self._prev_training_metadata_path)
         self.double_checkpoint = False
         try:
             return save_model(self)
@@ -1028,7 +1030,8 @@ def _patch_files(keras):
 
     @functools.wraps(on_train_begin)
     def _on_train_begin(self, logs=None):
-        if _multi_worker_runtime(self.model) is None:
+        if _multi_worker_runtime(self.model) is None or (
+                keras_private.is_remote_path(str(self.backup_dir))):
             return on_train_begin(self, logs)
         try:
             self._load_model()
@@ -1041,7 +1044,8 @@ def _patch_files(keras):
             # makes it the last one (Keras' copies) for the next save.
             paths = self._weights_path, self._training_metadata_path
             scratch = None
-            if getattr(self.model, "_smp_keep_backup", None) is not None:
+            as_is = getattr(self.model, "_smp_loads_as_is", None)
+            if as_is is not None and as_is(self._prev_weights_path):
                 # (a DistributedModel loads a sharded `.bkp` as it is)
                 self._weights_path = self._prev_weights_path
             else:  # Keras reads a `.weights.h5` only by that name
@@ -1057,12 +1061,15 @@ def _patch_files(keras):
                 if scratch is not None:
                     shutil.rmtree(scratch, ignore_errors=True)
             if _non_chief_runtime(self.model) is None:
-                shutil.copyfile(self._prev_weights_path, self._weights_path)
+                # Each file replaced at once (a rank still reading the
+                # last backup sees one or the other), the metadata first:
+                # the backup's weights never pair with the last epoch.
                 if os.path.exists(self._prev_training_metadata_path):
-                    shutil.copyfile(self._prev_training_metadata_path,
-                                    self._training_metadata_path)
+                    _copy_atomic(self._prev_training_metadata_path,
+                                 self._training_metadata_path)
                 elif os.path.exists(self._training_metadata_path):
                     os.remove(self._training_metadata_path)
+                _copy_atomic(self._prev_weights_path, self._weights_path)
         return None
 
     @functools.wraps(on_train_end)
@@ -1100,6 +1107,19 @@ def _patch_files(keras):
         return csv_begin(self, logs)
 
     logger.on_train_begin = _csv_on_train_begin
+
+
+def _copy_atomic(source, target):
+    """Copies `source` over `target` through a temporary file beside it
+    and a rename: a reader sees the old file or the new one."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(target)),
+                       f".tmp-{os.getpid()}-{os.path.basename(target)}")
+    try:
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _scratch_of(callback, prefix):
