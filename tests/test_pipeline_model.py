@@ -1199,6 +1199,17 @@ def test_one_stage_per_process_resumes_from_backup(tmp_path, reference):
                              keys=("evaluate", "predict"))
 
 
+def _reference_then_run_dir(tmp_path, worker_name):
+    """`(worker path, its reference results, an empty run folder)`: the
+    worker's `--mode reference` (plain Keras, one device) run first."""
+    worker = os.path.join(WORKERS, worker_name)
+    ref_dir, run = tmp_path / "ref", tmp_path / "run"
+    ref_dir.mkdir()
+    run.mkdir()
+    run_python([worker, "--out", str(ref_dir), "--mode", "reference"])
+    return worker, load(ref_dir), run
+
+
 @pytest.mark.slow
 def test_one_stage_per_process_takes_inputs_of_unknown_length(tmp_path):
     # keras.Input((None,)), as every KerasHub backbone declares: the tensor
@@ -1209,13 +1220,8 @@ def test_one_stage_per_process_takes_inputs_of_unknown_length(tmp_path):
     # predictions = plain Keras (float32 bounds). A later batch of another
     # length is refused on both ranks (TensorFlow keeps one shape per
     # transfer), naming the shapes and the fix.
-    worker = os.path.join(WORKERS, "dynamic_length.py")
-    ref_dir, run = tmp_path / "ref", tmp_path / "run"
-    ref_dir.mkdir()
-    run.mkdir()
-    run_python([worker, "--out", str(ref_dir), "--mode", "reference"])
+    worker, ref, run = _reference_then_run_dir(tmp_path, "dynamic_length.py")
     launch(2, [worker, "--out", str(run), "--mode", "pipeline"])
-    ref = load(ref_dir)
     for r in range(2):
         got = load(run, r)
         assert_same_training(got, ref, keys=("loss", "predict"))
@@ -1234,11 +1240,7 @@ def test_one_stage_per_process_falls_back_to_the_previous_backup(tmp_path):
     # `.weights.h5` only named the sharded index the next save replaced
     # (no second state), and a damaged shard was a ValueError inside
     # Keras' loading, where its fallback expects an OSError.
-    worker = os.path.join(WORKERS, "double_backup.py")
-    ref_dir, run = tmp_path / "ref", tmp_path / "run"
-    ref_dir.mkdir()
-    run.mkdir()
-    run_python([worker, "--out", str(ref_dir), "--mode", "reference"])
+    worker, ref, run = _reference_then_run_dir(tmp_path, "double_backup.py")
     given = [worker, "--out", str(run), "--mode", "pipeline"]
     proc = launch(2, given + ["--fail-at-epoch", "2"], check=False)
     assert proc.returncode != 0 and "fails on purpose" in proc.stdout
@@ -1260,7 +1262,6 @@ def test_one_stage_per_process_falls_back_to_the_previous_backup(tmp_path):
         f.truncate(200)
     proc = launch(2, given)
     assert "Epoch 2/3" in proc.stdout and "Epoch 1/3" not in proc.stdout
-    ref = load(ref_dir)
     for r in range(2):
         assert_same_training(load(run, r), ref, keys=("predict",))
     # The re-run saved twice more: each backup's shards replaced the
