@@ -37,6 +37,7 @@ from keras_smp.pipeline import partition as partition_lib
 from keras_smp.pipeline import recompute as recompute_lib
 from keras_smp.pipeline.scope import current_partition
 from keras_smp.runtime import keras_private
+from keras_smp.runtime import patches
 
 
 def _node_name(node, seen):
@@ -506,21 +507,32 @@ class StagedGraph:
                            stage_done)
         return found
 
-    def _trace_stages(self, input_specs, stage_done):
-        """Runs the stages in order, in inference mode, into a graph that
-        is never run, on inputs of `input_specs` (`(shape, dtype)`);
-        `stage_done(stage, values)` sees `{id(graph tensor): value}` after
-        each stage."""
+    def _trace_stages(self, input_specs, stage_done, training=False,
+                      reads=None, scoped=True):
+        """Runs the stages in order, in inference mode (or `training`),
+        into a graph that is never run, on inputs of `input_specs`
+        (`(shape, dtype)`); `stage_done(stage, values)` sees
+        `{id(graph tensor): value}` after each stage. `reads`: `{id(node):
+        set}` of nodes whose calls add the ids of the weights they read
+        to their set. `scoped`: inside `trace_scope` (other stages'
+        weights as shapes)."""
         import keras
         import tensorflow as tf
+
+        reads = reads or {}
 
         def trace(*tensors):
             values = {id(t): v for t, v in zip(self.inputs, tensors)}
             for s in range(self.num_stages):
                 for node in self.stage_nodes(s):
                     args, kwargs = node.arguments.fill_in(values)
-                    outs = keras_private.operation_fn(
-                        node.operation, training=False)(*args, **kwargs)
+                    call = keras_private.operation_fn(node.operation,
+                                                      training=training)
+                    with (patches.variable_reads(stateless=True)
+                          if id(node) in reads else
+                          contextlib.nullcontext([])) as seen:
+                        outs = call(*args, **kwargs)
+                    reads.get(id(node), set()).update(id(v) for v in seen)
                     for x, y in zip(tree.flatten(node.outputs),
                                     tree.flatten(outs)):
                         values[id(x)] = y
@@ -530,8 +542,9 @@ class StagedGraph:
         specs = [tf.TensorSpec(shape, dtype) for shape, dtype in input_specs]
         # Stateless: no state changes, added losses dropped; weights this
         # process does not hold (other stages') read as placeholders.
-        with tf.init_scope(), self.trace_scope(), keras.StatelessScope(), \
-                keras_private.call_context(None, False):
+        scope = self.trace_scope if scoped else contextlib.nullcontext
+        with tf.init_scope(), scope(), keras.StatelessScope(), \
+                keras_private.call_context(None, training):
             tf.function(trace, autograph=False).get_concrete_function(*specs)
 
     def carry_shapes(self, input_shapes):
@@ -788,14 +801,66 @@ class StagedGraph:
     # -- variables and summaries ------------------------------------------
 
     def stage_weights(self, stage):
-        """Distinct weights used by the layers of `stage` (model order)."""
+        """Distinct weights used by the layers of `stage` (model order).
+
+        A layer called in several stages (keras_hub's
+        `ReversibleEmbedding`: the lookup in the first, the output
+        projection in the last) counts, for each call, the weights that
+        call reads (`_call_reads`): an untied projection's weight and the
+        lookup's then each belong to one stage, trained as on one device,
+        not as a weight two stages share.
+        """
+        reads = self._call_reads()
         out, seen = [], set()
         for node in self.stage_nodes(stage):
+            read = reads.get(id(node))
             for w in _operation_weights(node.operation):
+                if read is not None and id(w) not in read:
+                    continue
                 if id(w) not in seen:
                     seen.add(id(w))
                     out.append(w)
         return out
+
+    def _call_reads(self):
+        """`{id(node): {id(weight)}}` for the calls of layers holding a
+        weight that layers of several stages hold (a layer called in
+        several stages; one layer held by two): the layer's weights the
+        call reads, traced in training and in inference
+        (`_trace_stages`), plus those none of these calls reads (a weight
+        read only in code the traces do not reach counts for every call,
+        as its layers' weights did). Empty for models without such
+        layers and for tensor-parallel stages
+        (their collectives are traced per stage). Found once, when the
+        partition plan is set."""
+        cached = self.__dict__.get("_reads_by_call")
+        if cached is not None:
+            return cached
+        users = {}  # by the layers holding each weight
+        for node in self.nodes:
+            for w in _operation_weights(node.operation):
+                users.setdefault(id(w), set()).add(self.stage_of[id(node)])
+        calls = [n for n in self.nodes if any(
+            len(users[id(w)]) > 1 for w in _operation_weights(n.operation))]
+        if not calls or any(
+                hasattr(layer, "_smp_tp_mode") for s in range(self.num_stages)
+                for layer in self.stage_layers(s)):
+            self._reads_by_call = {}
+            return self._reads_by_call
+        reads = {id(n): set() for n in calls}
+        specs = [(t.shape, t.dtype) for t in self.inputs]
+        for training in (True, False):
+            # First asked for when the plan is set, before any weight is
+            # given storage or released: read as Keras' placeholders
+            # (not through `trace_scope`, which asks for the plan).
+            self._trace_stages(specs, lambda s, values: None,
+                               training=training, reads=reads, scoped=False)
+        read = set().union(*reads.values())
+        for n in calls:
+            reads[id(n)].update(id(w) for w in _operation_weights(n.operation)
+                                if id(w) not in read)
+        self._reads_by_call = reads
+        return reads
 
     def weight_users(self):
         """`id(weight) -> [stages using it]` (tied weights have several)."""

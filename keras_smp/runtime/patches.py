@@ -438,22 +438,27 @@ _in_progress = _CallsInProgress()
 
 class _Reads(threading.local):
     recording = None
+    stateless = False  # also inside Keras' stateless scopes
 
 
 _reads = _Reads()
 
 
 @contextlib.contextmanager
-def variable_reads():
+def variable_reads(stateless=False):
     """Records the Keras variables read in the body outside Keras'
     symbolic tracing (a model's `call` traced on symbolic inputs reads a
     weight only when it uses its value eagerly: `keras.ops.transpose(
-    layer.kernel)` outside any layer): yields the list they go into."""
-    before, _reads.recording = _reads.recording, []
+    layer.kernel)` outside any layer): yields the list they go into.
+    `stateless=True` records the reads inside stateless scopes too (a
+    layer's call traced under `keras.StatelessScope`: the weights it
+    uses). A layer building itself reads no weight here."""
+    before = _reads.recording, _reads.stateless
+    _reads.recording, _reads.stateless = [], stateless
     try:
         yield _reads.recording
     finally:
-        _reads.recording = before
+        _reads.recording, _reads.stateless = before
 
 
 def _plain(value):
@@ -1638,7 +1643,8 @@ def _patch_add_weight(keras):
     def wrap_value(value):
         def read(self):
             if _reads.recording is not None and (
-                    not keras_private.in_stateless_scope()):
+                    _reads.stateless
+                    or not keras_private.in_stateless_scope()):
                 _reads.recording.append(self)
             initial = deferred.initial_value(self)
             if initial is None:

@@ -34,7 +34,8 @@ p.add_argument("--partial", action="store_true",
                help="keep the data's last, partial batch (no drop_remainder)")
 p.add_argument("--model",
                choices=["mlp", "tied", "manual", "deep", "tokens", "wide",
-                        "nested", "subclassed"],
+                        "nested", "subclassed", "reversible",
+                        "reversible_tied"],
                default="mlp",
                help="manual: the mlp as a subclassed DistributedModel with "
                "partition scopes when pipelined (plain mlp otherwise); "
@@ -42,6 +43,9 @@ p.add_argument("--model",
                "training=False) holding a Sequential block; "
                "subclassed: the mlp as a subclassed keras.Model (its own "
                "call, no partition scopes), wrapped when pipelined; "
+               "reversible(_tied): tokens through an embedding layer "
+               "called again at the end as the output projection (its own "
+               "weight, or the embeddings transposed); "
                "wide: a 1024 x 1024 kernel (4 MB of gradients: a bucket "
                "the ring all-reduce cuts into pieces on CPU)")
 p.add_argument("--no-metrics", action="store_true",
@@ -81,7 +85,7 @@ x = rng.randn(args.samples, 8).astype("float32")
 w_true = rng.randn(8, 3).astype("float32")
 y = np.argmax(x @ w_true + 0.1 * rng.randn(args.samples, 3), axis=1)
 sw = rng.uniform(0.5, 1.5, size=args.samples).astype("float32")
-if args.model == "tokens":
+if args.model in ("tokens", "reversible", "reversible_tied"):
     # Padded token sequences of uneven lengths, a loss per token under the
     # embedding's mask: replicas hold different numbers of real tokens.
     x = rng.randint(1, 20, size=(args.samples, 8)).astype("int32")
@@ -129,6 +133,34 @@ def build():
         virtual = json.loads(args.config).get("pipeline") in (
             "interleaved_1f1b", "zb_v")
         split = None if virtual else ["d2"]
+    elif args.model.startswith("reversible"):
+        # As keras_hub's ReversibleEmbedding: a lookup in the first stage,
+        # a projection to the vocabulary in the last. Untied, each call
+        # reads one of its two weights; tied, both read the embeddings
+        # (a sparse gradient part and a dense one).
+        tie = args.model == "reversible_tied"
+
+        class Reversible(keras.layers.Layer):
+            def build(self, input_shape):
+                self.embeddings = self.add_weight(
+                    shape=(20, 8), initializer="uniform", name="embeddings")
+                if not tie:
+                    self.reverse = self.add_weight(
+                        shape=(8, 20), name="reverse_embeddings")
+
+            def call(self, inputs, reverse=False):
+                if not reverse:
+                    return keras.ops.take(self.embeddings, inputs, axis=0)
+                kernel = (keras.ops.transpose(self.embeddings) if tie
+                          else self.reverse)
+                return keras.ops.matmul(inputs, kernel)
+
+        emb = Reversible(name="emb")
+        inputs = keras.Input((8,), dtype="int32")
+        h = keras.layers.Dense(16, activation="tanh", name="d1")(emb(inputs))
+        h = keras.layers.Dense(8, activation="tanh", name="d2")(h)
+        model = keras.Model(inputs, emb(h, reverse=True))
+        split = ["d2"]
     elif args.model == "tokens":
         model = keras.Sequential([
             keras.Input((8,), dtype="int32"),
