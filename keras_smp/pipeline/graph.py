@@ -62,6 +62,36 @@ def _operation_weights(operation):
     return list(getattr(operation, "weights", None) or [])
 
 
+def _note_reads(found, seen, outputs, training):
+    """Notes in `found` (`id(weight) -> sparse?`) the weights of `seen`
+    (`(weight, value read)` pairs of one traced call), and in training
+    whether the gradient of the call's `outputs` for each is sparse
+    (`tf.IndexedSlices`: an `Embedding` lookup) in every read of it
+    (`None`: unknown, an inference read or no gradient)."""
+    import tensorflow as tf
+
+    graph = tf.compat.v1.get_default_graph()
+    # Values of this graph (placeholders for weights not held yet; a
+    # variable read as it is, in one process, is left unknown).
+    traced = [i for i, (_, value) in enumerate(seen)
+              if isinstance(value, tf.Tensor)
+              and getattr(value, "graph", None) is graph]
+    outs = [t for t in tree.flatten(outputs)
+            if tf.is_tensor(t) and t.dtype.is_floating]
+    grads = [None] * len(seen)
+    if training and outs and traced:
+        for i, grad in zip(traced, tf.gradients(
+                outs, [seen[i][1] for i in traced],
+                unconnected_gradients="none")):
+            grads[i] = grad
+    for (w, _), grad in zip(seen, grads):
+        found.setdefault(id(w), None)
+        if grad is not None:
+            sparse = isinstance(grad, tf.IndexedSlices)
+            before = found[id(w)]
+            found[id(w)] = sparse if before is None else before and sparse
+
+
 def _paired_inputs(given, inner_inputs):
     """`[(given tensor, nested model input)]` when `given` (what a call
     passed the nested model) maps onto its inputs one to one with the same
@@ -513,9 +543,10 @@ class StagedGraph:
         into a graph that is never run, on inputs of `input_specs`
         (`(shape, dtype)`); `stage_done(stage, values)` sees
         `{id(graph tensor): value}` after each stage. `reads`: `{id(node):
-        set}` of nodes whose calls add the ids of the weights they read
-        to their set. `scoped`: inside `trace_scope` (other stages'
-        weights as shapes)."""
+        dict}` of nodes whose calls note the weights they read (`id(weight)
+        -> whether its gradient there is sparse`, `_note_reads`).
+        `scoped`: inside `trace_scope` (other stages' weights as
+        shapes)."""
         import keras
         import tensorflow as tf
 
@@ -532,7 +563,8 @@ class StagedGraph:
                           if id(node) in reads else
                           contextlib.nullcontext([])) as seen:
                         outs = call(*args, **kwargs)
-                    reads.get(id(node), set()).update(id(v) for v in seen)
+                    if seen:
+                        _note_reads(reads[id(node)], seen, outs, training)
                     for x, y in zip(tree.flatten(node.outputs),
                                     tree.flatten(outs)):
                         values[id(x)] = y
@@ -822,6 +854,16 @@ class StagedGraph:
                     out.append(w)
         return out
 
+    def sparse_weights(self):
+        """Ids of the weights that layers of several stages hold whose
+        gradient is sparse (`tf.IndexedSlices`) wherever it is read in
+        training: an `Embedding` looked up in two stages (an
+        encoder-decoder's shared embedding). Keras keeps their parts'
+        rows as they come, repeated ids included; a weight with a
+        regularizer (a dense part) is not one."""
+        self._call_reads()
+        return self._sparse
+
     def _call_reads(self):
         """`{id(node): {id(weight)}}` for the calls of layers holding a
         weight that layers of several stages hold (a layer called in
@@ -842,12 +884,13 @@ class StagedGraph:
                 users.setdefault(id(w), set()).add(self.stage_of[id(node)])
         calls = [n for n in self.nodes if any(
             len(users[id(w)]) > 1 for w in _operation_weights(n.operation))]
+        self._sparse = set()
         if not calls or any(
                 hasattr(layer, "_smp_tp_mode") for s in range(self.num_stages)
                 for layer in self.stage_layers(s)):
             self._reads_by_call = {}
             return self._reads_by_call
-        reads = {id(n): set() for n in calls}
+        reads = {id(n): {} for n in calls}
         specs = [(t.shape, t.dtype) for t in self.inputs]
         for training in (True, False):
             # First asked for when the plan is set, before any weight is
@@ -855,12 +898,23 @@ class StagedGraph:
             # (not through `trace_scope`, which asks for the plan).
             self._trace_stages(specs, lambda s, values: None,
                                training=training, reads=reads, scoped=False)
-        read = set().union(*reads.values())
-        for n in calls:
-            reads[id(n)].update(id(w) for w in _operation_weights(n.operation)
-                                if id(w) not in read)
-        self._reads_by_call = reads
-        return reads
+        sparse = {}
+        for found in reads.values():
+            for w, is_sparse in found.items():
+                if is_sparse is not None:
+                    sparse[w] = sparse.get(w, True) and is_sparse
+        regularized = {id(w) for n in calls
+                       for w in _operation_weights(n.operation)
+                       if getattr(w, "regularizer", None) is not None}
+        self._sparse = {w for w, is_sparse in sparse.items() if is_sparse
+                        and len(users[w]) > 1 and w not in regularized}
+        read = {w for found in reads.values() for w in found}
+        self._reads_by_call = {
+            id(n): set(reads[id(n)]) | {
+                id(w) for w in _operation_weights(n.operation)
+                if id(w) not in read}
+            for n in calls}
+        return self._reads_by_call
 
     def weight_users(self):
         """`id(weight) -> [stages using it]` (tied weights have several)."""

@@ -678,6 +678,7 @@ def _sum_tied(model, links, stage_vars, grads, unreached=()):
     all copies take the same optimizer step.
     """
     users = links.weight_ranks(model.staged_graph)
+    sparse = model.staged_graph.sparse_weights()
     # Instance keys from each tied weight's place in the model's weight
     # order (`weight_users` is the same dict, in the same order, on every
     # rank), so every stage uses the same key for the same weight.
@@ -688,14 +689,35 @@ def _sum_tied(model, links, stage_vars, grads, unreached=()):
         ranks = users.get(id(v), [])
         if len(ranks) < 2 or id(v) in unreached:  # (the same on every rank)
             continue
+        key = links.keys.tied(links.replica, ranks)
+        if id(v) in sparse:
+            # Sparse wherever it is read (an Embedding looked up in two
+            # stages): the parts' rows are gathered, as Keras keeps them
+            # (an optimizer such as Adam squares repeated rows one by one).
+            out[i] = links.gather_rows(_as_rows(out[i], v), key, len(ranks),
+                                       position[id(v)], len(position))
+            continue
         # Every user takes part in the sum, with zeros where its stage's
         # loss does not depend on the weight.
         mine = (tf.zeros(v.shape, v.dtype) if out[i] is None
                 else dense(out[i]))
-        out[i] = links.reduce(
-            mine, links.keys.tied(links.replica, ranks),
-            len(ranks), links.INSTANCE_TIED + position[id(v)])
+        out[i] = links.reduce(mine, key, len(ranks),
+                              links.INSTANCE_TIED + position[id(v)])
     return out
+
+
+def _as_rows(grad, variable):
+    """`grad` of `variable` as `tf.IndexedSlices`: none for no gradient,
+    every row once for a dense one."""
+    shape = tf.constant(list(variable.shape), tf.int64)
+    if grad is None:
+        return tf.IndexedSlices(
+            tf.zeros([0] + list(variable.shape[1:]), variable.dtype),
+            tf.zeros([0], tf.int64), shape)
+    if isinstance(grad, tf.IndexedSlices):
+        return grad
+    return tf.IndexedSlices(grad, tf.range(variable.shape[0], dtype=tf.int64),
+                            shape)
 
 
 def _after(deps, grad):

@@ -210,6 +210,8 @@ class StageLinks:
     INSTANCE_STAGE_SUM = 600_000  # optimizer sums over stages (norms)
     INSTANCE_TIED = 700_000      # tied-weight gradient sums
     INSTANCE_INIT = 800_000      # tied weights' initial values
+    # Tied group: sparse tied gradients' rows (+ rows x slots + slot).
+    INSTANCE_TIED_ROWS = 1 << 30
     INSTANCE_TIMELINE = 900_000  # executed_timeline (+ actions per stage)
     INSTANCE_WEIGHTS = 1_000_000  # sync_weights (+ 190,000 per call)
     # Per-step collectives whose shapes follow the batch (transfers, the
@@ -305,6 +307,50 @@ class StageLinks:
             ordering_token=[], merge_op="Add", final_op="Id",
             communication_hint="auto", timeout_seconds=self.timeout),
             tensor.dtype)
+
+    def gather_rows(self, slices, group_key, group_size, position,
+                    positions):
+        """Every member's rows of a sparse gradient (`tf.IndexedSlices`),
+        concatenated in the group's order, as Keras concatenates the
+        parts of a weight read in several places (repeated ids kept).
+
+        Members may hold any number of rows (none included): their counts
+        travel first, then their indices and values, padded to the most.
+        `position` (of `positions`): the weight's place among the tied
+        weights of the model, for instance keys in the tied group: the
+        counts' is `INSTANCE_TIED + position`; the padded rows' encode
+        their number (TensorFlow keeps one shape per instance key, and it
+        changes with the batch)."""
+        indices = tf.cast(slices.indices, tf.int64)
+        values = _to_wire(slices.values)
+        count = tf.shape(indices, out_type=tf.int64)[:1]
+        counts = self._gather(count, group_key, group_size,
+                              self.INSTANCE_TIED + position)
+        most = tf.reduce_max(counts)
+        pad = most - count[0]
+        key = self.INSTANCE_TIED_ROWS + most * (2 * positions) + 2 * position
+        check = tf.debugging.assert_less(
+            key, tf.constant(2**31 - 2, tf.int64), message=(
+                "keras-smp: too many rows in the sparse gradient of a "
+                "weight used by several stage processes (an Embedding "
+                "looked up in two stages); use smaller batches."))
+        with tf.control_dependencies([check]):
+            key = tf.cast(key, tf.int32)
+        indices = self._gather(tf.pad(indices, [[0, pad]]), group_key,
+                               group_size, key)
+        values = self._gather(
+            tf.pad(values, [[0, pad]] + [[0, 0]] * (values.shape.rank - 1)),
+            group_key, group_size, key + 1)
+        keep = tf.reshape(tf.sequence_mask(counts, most), [-1])
+        return tf.IndexedSlices(
+            _from_wire(tf.boolean_mask(values, keep), slices.values.dtype),
+            tf.boolean_mask(indices, keep), slices.dense_shape)
+
+    def _gather(self, tensor, group_key, group_size, instance_key):
+        return tf.raw_ops.CollectiveGatherV2(
+            input=tensor, group_size=group_size, group_key=group_key,
+            instance_key=instance_key, ordering_token=[],
+            communication_hint="auto", timeout_seconds=self.timeout)
 
     @classmethod
     def batched_key(cls, position, rows):

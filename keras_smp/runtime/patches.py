@@ -452,7 +452,8 @@ def variable_reads(stateless=False):
     layer.kernel)` outside any layer): yields the list they go into.
     `stateless=True` records the reads inside stateless scopes too (a
     layer's call traced under `keras.StatelessScope`: the weights it
-    uses). A layer building itself reads no weight here."""
+    uses), as `(variable, value read)` pairs. A layer building itself
+    reads no weight here."""
     before = _reads.recording, _reads.stateless
     _reads.recording, _reads.stateless = [], stateless
     try:
@@ -1642,10 +1643,17 @@ def _patch_add_weight(keras):
 
     def wrap_value(value):
         def read(self):
-            if _reads.recording is not None and (
-                    _reads.stateless
-                    or not keras_private.in_stateless_scope()):
+            if _reads.recording is None:
+                return unrecorded(self)
+            if _reads.stateless:
+                out = unrecorded(self)
+                _reads.recording.append((self, out))
+                return out
+            if not keras_private.in_stateless_scope():
                 _reads.recording.append(self)
+            return unrecorded(self)
+
+        def unrecorded(self):
             initial = deferred.initial_value(self)
             if initial is None:
                 return value(self)

@@ -35,7 +35,7 @@ p.add_argument("--partial", action="store_true",
 p.add_argument("--model",
                choices=["mlp", "tied", "manual", "deep", "tokens", "wide",
                         "nested", "subclassed", "reversible",
-                        "reversible_tied"],
+                        "reversible_tied", "shared_lookup"],
                default="mlp",
                help="manual: the mlp as a subclassed DistributedModel with "
                "partition scopes when pipelined (plain mlp otherwise); "
@@ -45,7 +45,8 @@ p.add_argument("--model",
                "call, no partition scopes), wrapped when pipelined; "
                "reversible(_tied): tokens through an embedding layer "
                "called again at the end as the output projection (its own "
-               "weight, or the embeddings transposed); "
+               "weight, or the embeddings transposed); shared_lookup: "
+               "one Embedding looked up in both stages; "
                "wide: a 1024 x 1024 kernel (4 MB of gradients: a bucket "
                "the ring all-reduce cuts into pieces on CPU)")
 p.add_argument("--no-metrics", action="store_true",
@@ -85,7 +86,8 @@ x = rng.randn(args.samples, 8).astype("float32")
 w_true = rng.randn(8, 3).astype("float32")
 y = np.argmax(x @ w_true + 0.1 * rng.randn(args.samples, 3), axis=1)
 sw = rng.uniform(0.5, 1.5, size=args.samples).astype("float32")
-if args.model in ("tokens", "reversible", "reversible_tied"):
+if args.model in ("tokens", "reversible", "reversible_tied",
+                  "shared_lookup"):
     # Padded token sequences of uneven lengths, a loss per token under the
     # embedding's mask: replicas hold different numbers of real tokens.
     x = rng.randint(1, 20, size=(args.samples, 8)).astype("int32")
@@ -160,6 +162,16 @@ def build():
         h = keras.layers.Dense(16, activation="tanh", name="d1")(emb(inputs))
         h = keras.layers.Dense(8, activation="tanh", name="d2")(h)
         model = keras.Model(inputs, emb(h, reverse=True))
+        split = ["d2"]
+    elif args.model == "shared_lookup":
+        # As an encoder-decoder's shared token embedding: one Embedding
+        # looked up in both stages (two sparse gradient parts).
+        emb = keras.layers.Embedding(20, 8, name="emb")
+        inputs = keras.Input((8,), dtype="int32")
+        h = keras.layers.Dense(16, activation="tanh", name="d1")(emb(inputs))
+        h = keras.layers.Dense(8, activation="tanh", name="d2")(h)
+        h = keras.layers.Add(name="add")([h, emb(inputs)])
+        model = keras.Model(inputs, keras.layers.Dense(20, name="out")(h))
         split = ["d2"]
     elif args.model == "tokens":
         model = keras.Sequential([
