@@ -64,25 +64,27 @@ def _operation_weights(operation):
 
 def _note_reads(found, seen, outputs, training):
     """Notes in `found` (`id(weight) -> sparse?`) the weights of `seen`
-    (`(weight, value read)` pairs of one traced call), and in training
-    whether the gradient of the call's `outputs` for each is sparse
-    (`tf.IndexedSlices`: an `Embedding` lookup) in every read of it
-    (`None`: unknown, an inference read or no gradient)."""
+    (`(weight, value read)` pairs of one traced call: values of the traced
+    graph, `patches.variable_reads`), and in training whether the
+    gradient of the call's `outputs` (its added losses included) for each
+    trainable one is sparse (`tf.IndexedSlices`: an `Embedding` lookup)
+    in every read of it (`None`: an inference read, a non-trainable
+    weight, or no gradient: the read reaches no output). A gradient
+    TensorFlow cannot take here counts as dense."""
     import tensorflow as tf
 
-    graph = tf.compat.v1.get_default_graph()
-    # Values of this graph (placeholders for weights not held yet; a
-    # variable read as it is, in one process, is left unknown).
-    traced = [i for i, (_, value) in enumerate(seen)
-              if isinstance(value, tf.Tensor)
-              and getattr(value, "graph", None) is graph]
     outs = [t for t in tree.flatten(outputs)
             if tf.is_tensor(t) and t.dtype.is_floating]
+    wanted = [i for i, (w, _) in enumerate(seen)
+              if getattr(w, "trainable", False)]
     grads = [None] * len(seen)
-    if training and outs and traced:
-        for i, grad in zip(traced, tf.gradients(
-                outs, [seen[i][1] for i in traced],
-                unconnected_gradients="none")):
+    if training and outs and wanted:
+        try:
+            found_grads = tf.gradients(outs, [seen[i][1] for i in wanted],
+                                       unconnected_gradients="none")
+        except (LookupError, ValueError, TypeError):
+            found_grads = [tf.zeros([])] * len(wanted)  # (dense)
+        for i, grad in zip(wanted, found_grads):
             grads[i] = grad
     for (w, _), grad in zip(seen, grads):
         found.setdefault(id(w), None)
@@ -551,6 +553,7 @@ class StagedGraph:
         import tensorflow as tf
 
         reads = reads or {}
+        scope = keras.StatelessScope(collect_losses=bool(reads))
 
         def trace(*tensors):
             values = {id(t): v for t, v in zip(self.inputs, tensors)}
@@ -559,12 +562,15 @@ class StagedGraph:
                     args, kwargs = node.arguments.fill_in(values)
                     call = keras_private.operation_fn(node.operation,
                                                       training=training)
+                    before = len(scope.losses)
                     with (patches.variable_reads(stateless=True)
                           if id(node) in reads else
                           contextlib.nullcontext([])) as seen:
                         outs = call(*args, **kwargs)
                     if seen:
-                        _note_reads(reads[id(node)], seen, outs, training)
+                        # (the losses it added count as its outputs)
+                        _note_reads(reads[id(node)], seen,
+                                    [outs, scope.losses[before:]], training)
                     for x, y in zip(tree.flatten(node.outputs),
                                     tree.flatten(outs)):
                         values[id(x)] = y
@@ -574,8 +580,8 @@ class StagedGraph:
         specs = [tf.TensorSpec(shape, dtype) for shape, dtype in input_specs]
         # Stateless: no state changes, added losses dropped; weights this
         # process does not hold (other stages') read as placeholders.
-        scope = self.trace_scope if scoped else contextlib.nullcontext
-        with tf.init_scope(), scope(), keras.StatelessScope(), \
+        within = self.trace_scope if scoped else contextlib.nullcontext
+        with tf.init_scope(), within(), scope, \
                 keras_private.call_context(None, training):
             tf.function(trace, autograph=False).get_concrete_function(*specs)
 
@@ -855,12 +861,13 @@ class StagedGraph:
         return out
 
     def sparse_weights(self):
-        """Ids of the weights that layers of several stages hold whose
-        gradient is sparse (`tf.IndexedSlices`) wherever it is read in
-        training: an `Embedding` looked up in two stages (an
+        """Ids of the weights, among those layers of several stages hold,
+        whose gradient is sparse (`tf.IndexedSlices`) wherever they are
+        read in training: an `Embedding` looked up in two stages (an
         encoder-decoder's shared embedding). Keras keeps their parts'
         rows as they come, repeated ids included; a weight with a
-        regularizer (a dense part) is not one."""
+        regularizer (a dense part) is not one. (Only those several stage
+        processes use, `weight_users`, are exchanged.)"""
         self._call_reads()
         return self._sparse
 
@@ -892,28 +899,44 @@ class StagedGraph:
             return self._reads_by_call
         reads = {id(n): {} for n in calls}
         specs = [(t.shape, t.dtype) for t in self.inputs]
-        for training in (True, False):
-            # First asked for when the plan is set, before any weight is
-            # given storage or released: read as Keras' placeholders
-            # (not through `trace_scope`, which asks for the plan).
-            self._trace_stages(specs, lambda s, values: None,
-                               training=training, reads=reads, scoped=False)
+        try:
+            for training in (True, False):
+                # First asked for when the plan is set, before any weight
+                # is given storage or released: read as Keras' placeholders
+                # (not through `trace_scope`, which asks for the plan).
+                self._trace_stages(specs, lambda s, values: None,
+                                   training=training, reads=reads,
+                                   scoped=False)
+        except Exception as e:  # pylint: disable=broad-except
+            # (the same on every rank: the same model, traced alike)
+            warnings.warn(
+                "keras-smp could not trace which weights each call of a "
+                "layer used by several pipeline stages reads "
+                f"({type(e).__name__}: {e}); all its weights count as used "
+                "by every stage calling it (tied: their gradients are "
+                "summed densely, which optimizers such as Adam treat "
+                "otherwise than a sparse gradient).", stacklevel=4)
+            self._reads_by_call = {}
+            return self._reads_by_call
+        # Each call counts the reads of its layer's own weights; a weight
+        # no call of a layer holding it reads counts for all of them.
+        own = {id(n): {id(w) for w in _operation_weights(n.operation)}
+               for n in calls}
+        read = {w for n in calls for w in reads[id(n)] if w in own[id(n)]}
+        self._reads_by_call = {
+            id(n): {w for w in own[id(n)] if w in reads[id(n)]
+                    or w not in read}
+            for n in calls}
         sparse = {}
-        for found in reads.values():
-            for w, is_sparse in found.items():
-                if is_sparse is not None:
+        for n in calls:
+            for w, is_sparse in reads[id(n)].items():
+                if is_sparse is not None and w in own[id(n)]:
                     sparse[w] = sparse.get(w, True) and is_sparse
         regularized = {id(w) for n in calls
                        for w in _operation_weights(n.operation)
                        if getattr(w, "regularizer", None) is not None}
-        self._sparse = {w for w, is_sparse in sparse.items() if is_sparse
-                        and len(users[w]) > 1 and w not in regularized}
-        read = {w for found in reads.values() for w in found}
-        self._reads_by_call = {
-            id(n): set(reads[id(n)]) | {
-                id(w) for w in _operation_weights(n.operation)
-                if id(w) not in read}
-            for n in calls}
+        self._sparse = {w for w, is_sparse in sparse.items()
+                        if is_sparse and w not in regularized}
         return self._reads_by_call
 
     def weight_users(self):

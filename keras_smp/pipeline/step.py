@@ -675,7 +675,9 @@ def _sum_tied(model, links, stage_vars, grads, unreached=()):
 
     Every stage process using a tied weight holds a copy, computes its part
     of the gradient and receives the sum over the processes using it, so
-    all copies take the same optimizer step.
+    all copies take the same optimizer step. A weight whose gradient is
+    sparse wherever it is read (`StagedGraph.sparse_weights`) gets the
+    parts' rows gathered instead, as Keras concatenates them.
     """
     users = links.weight_ranks(model.staged_graph)
     sparse = model.staged_graph.sparse_weights()

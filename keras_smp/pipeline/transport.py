@@ -210,7 +210,9 @@ class StageLinks:
     INSTANCE_STAGE_SUM = 600_000  # optimizer sums over stages (norms)
     INSTANCE_TIED = 700_000      # tied-weight gradient sums
     INSTANCE_INIT = 800_000      # tied weights' initial values
-    # Tied group: sparse tied gradients' rows (+ rows x slots + slot).
+    # Tied group only (no batched_key collective uses it): sparse tied
+    # gradients' rows, whose shapes follow the batch (+ padded rows x
+    # slots + slot, `gather_rows`).
     INSTANCE_TIED_ROWS = 1 << 30
     INSTANCE_TIMELINE = 900_000  # executed_timeline (+ actions per stage)
     INSTANCE_WEIGHTS = 1_000_000  # sync_weights (+ 190,000 per call)
@@ -315,7 +317,8 @@ class StageLinks:
         parts of a weight read in several places (repeated ids kept).
 
         Members may hold any number of rows (none included): their counts
-        travel first, then their indices and values, padded to the most.
+        travel first, then their indices and values, padded to the most
+        with zero rows (which would change no sum), dropped on arrival.
         `position` (of `positions`): the weight's place among the tied
         weights of the model, for instance keys in the tied group: the
         counts' is `INSTANCE_TIED + position`; the padded rows' encode

@@ -1646,7 +1646,10 @@ def _patch_add_weight(keras):
             if _reads.recording is None:
                 return unrecorded(self)
             if _reads.stateless:
-                out = unrecorded(self)
+                # A value of the graph traced, whatever the variable holds
+                # (a placeholder, or its storage read), so its gradient
+                # can be taken there.
+                out = tf.identity(unrecorded(self))
                 _reads.recording.append((self, out))
                 return out
             if not keras_private.in_stateless_scope():

@@ -97,10 +97,15 @@ def seeded_random_ops(graph):
 def layer_state(layers):
     """The distinct non-trainable variables of `layers` (moving statistics,
     seed generators): what a traced function or a recomputation of them
-    must be given and must write back."""
+    must be given and must write back. Leaves out another stage
+    process's weights (`_smp_local`): a layer called in several stages
+    holds weights only the calls of another read (an untied
+    `ReversibleEmbedding`, frozen)."""
     state, seen = [], set()
     for layer in layers:
         for v in getattr(layer, "non_trainable_variables", None) or []:
+            if getattr(v, "_smp_local", False):
+                continue
             if id(v) not in seen:
                 seen.add(id(v))
                 state.append(v)

@@ -35,7 +35,8 @@ p.add_argument("--partial", action="store_true",
 p.add_argument("--model",
                choices=["mlp", "tied", "manual", "deep", "tokens", "wide",
                         "nested", "subclassed", "reversible",
-                        "reversible_tied", "shared_lookup"],
+                        "reversible_tied", "reversible_frozen",
+                        "shared_lookup"],
                default="mlp",
                help="manual: the mlp as a subclassed DistributedModel with "
                "partition scopes when pipelined (plain mlp otherwise); "
@@ -43,10 +44,11 @@ p.add_argument("--model",
                "training=False) holding a Sequential block; "
                "subclassed: the mlp as a subclassed keras.Model (its own "
                "call, no partition scopes), wrapped when pipelined; "
-               "reversible(_tied): tokens through an embedding layer "
-               "called again at the end as the output projection (its own "
-               "weight, or the embeddings transposed); shared_lookup: "
-               "one Embedding looked up in both stages; "
+               "reversible(_tied, _frozen): tokens through a "
+               "ReversibleEmbedding called again at the end as the output "
+               "projection (its own weight, the embeddings transposed, or "
+               "frozen); shared_lookup: one Embedding looked up in both "
+               "stages; "
                "wide: a 1024 x 1024 kernel (4 MB of gradients: a bucket "
                "the ring all-reduce cuts into pieces on CPU)")
 p.add_argument("--no-metrics", action="store_true",
@@ -87,9 +89,10 @@ w_true = rng.randn(8, 3).astype("float32")
 y = np.argmax(x @ w_true + 0.1 * rng.randn(args.samples, 3), axis=1)
 sw = rng.uniform(0.5, 1.5, size=args.samples).astype("float32")
 if args.model in ("tokens", "reversible", "reversible_tied",
-                  "shared_lookup"):
-    # Padded token sequences of uneven lengths, a loss per token under the
-    # embedding's mask: replicas hold different numbers of real tokens.
+                  "reversible_frozen", "shared_lookup"):
+    # Padded token sequences of uneven lengths, a loss per token (under the
+    # embedding's mask for "tokens": replicas hold different numbers of
+    # real tokens).
     x = rng.randint(1, 20, size=(args.samples, 8)).astype("int32")
     for i, n in enumerate(rng.randint(1, 9, size=args.samples)):
         x[i, n:] = 0
@@ -136,28 +139,15 @@ def build():
             "interleaved_1f1b", "zb_v")
         split = None if virtual else ["d2"]
     elif args.model.startswith("reversible"):
-        # As keras_hub's ReversibleEmbedding: a lookup in the first stage,
-        # a projection to the vocabulary in the last. Untied, each call
-        # reads one of its two weights; tied, both read the embeddings
-        # (a sparse gradient part and a dense one).
-        tie = args.model == "reversible_tied"
-
-        class Reversible(keras.layers.Layer):
-            def build(self, input_shape):
-                self.embeddings = self.add_weight(
-                    shape=(20, 8), initializer="uniform", name="embeddings")
-                if not tie:
-                    self.reverse = self.add_weight(
-                        shape=(8, 20), name="reverse_embeddings")
-
-            def call(self, inputs, reverse=False):
-                if not reverse:
-                    return keras.ops.take(self.embeddings, inputs, axis=0)
-                kernel = (keras.ops.transpose(self.embeddings) if tie
-                          else self.reverse)
-                return keras.ops.matmul(inputs, kernel)
-
-        emb = Reversible(name="emb")
+        # Keras' ReversibleEmbedding (as keras_hub's): a lookup in the first
+        # stage, the projection to the vocabulary in the last. Untied, each
+        # call reads one of its two weights; tied, both read the
+        # embeddings (a sparse gradient part and a dense one); frozen
+        # (untied), its weights are state, not trained.
+        emb = keras.layers.ReversibleEmbedding(
+            20, 8, tie_weights=args.model == "reversible_tied", name="emb")
+        if args.model == "reversible_frozen":
+            emb.trainable = False
         inputs = keras.Input((8,), dtype="int32")
         h = keras.layers.Dense(16, activation="tanh", name="d1")(emb(inputs))
         h = keras.layers.Dense(8, activation="tanh", name="d2")(h)
@@ -170,7 +160,11 @@ def build():
         inputs = keras.Input((8,), dtype="int32")
         h = keras.layers.Dense(16, activation="tanh", name="d1")(emb(inputs))
         h = keras.layers.Dense(8, activation="tanh", name="d2")(h)
-        h = keras.layers.Add(name="add")([h, emb(inputs)])
+        # The second lookup takes 5 of the 8 tokens: each stage has its
+        # own number of rows to gather.
+        first = emb(keras.ops.slice(inputs, (0, 0), (-1, 5)))
+        h = keras.layers.Add(name="add")(
+            [h, keras.ops.mean(first, axis=1, keepdims=True)])
         model = keras.Model(inputs, keras.layers.Dense(20, name="out")(h))
         split = ["d2"]
     elif args.model == "tokens":
