@@ -575,6 +575,9 @@ class StagedGraph:
                                     tree.flatten(outs)):
                         values[id(x)] = y
                 stage_done(s, values)
+            if reads:  # (the layers keep no trace of the losses collected)
+                keras_private.clear_added_losses(
+                    n.operation for n in self.nodes)
             return []
 
         specs = [tf.TensorSpec(shape, dtype) for shape, dtype in input_specs]
