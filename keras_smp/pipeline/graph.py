@@ -593,8 +593,15 @@ class StagedGraph:
         symbolic shape leaves a dimension other than the batch unknown
         (`keras.Input((None,))`), as they are for inputs of
         `input_shapes` (the step's batch: a sequence length known there).
-        Found by tracing the stages once per input shapes (cached);
-        tensors still unknown there are left out."""
+        Found by tracing the stages once per input shapes (cached).
+
+        Left out, so that they cross processes with their shapes
+        (`transport.Dynamic`): tensors the trace leaves unknown (batches
+        of several lengths, `padded_batch`), and tensors of another shape
+        than the first one found in this process (TensorFlow keeps one
+        shape per transfer's instance key for the life of the process).
+        Every rank traces the same steps for the same batch specs
+        (checked before each call), so all agree."""
         key = tuple(tuple(s) for s in input_shapes)
         cache = self.__dict__.setdefault("_carry_shapes", {})
         if key in cache:
@@ -606,8 +613,15 @@ class StagedGraph:
                 hasattr(layer, "_smp_tp_mode") for s in range(self.num_stages)
                 for layer in self.stage_layers(s)):
             # Tensor-parallel layers' collectives are traced per stage
-            # (as for `_runtime_masks`): unknown lengths stay refused.
-            unknown = []
+            # (as for `_runtime_masks`), with keys fixed by then.
+            raise ValueError(
+                f"Tensor {unknown[0].name} of shape {unknown[0].shape} "
+                "crosses a stage boundary between processes in a model "
+                "with tensor-parallel layers; there only the batch "
+                "dimension may be unknown. Declare the inputs' length "
+                "(`keras.Input((128,))` for `keras.Input((None,))`) and "
+                "pad the data to it, or run the stages in one process "
+                "(`local_devices`).")
         if unknown:
             def stage_done(s, values):
                 for t in self.carries[s]:
@@ -627,25 +641,12 @@ class StagedGraph:
                 [((None,) + tuple(shape)[1:], t.dtype)
                  for shape, t in zip(input_shapes, self.inputs)],
                 stage_done)
-        # TensorFlow keeps one shape per transfer (its collective's key)
-        # for the life of the process: a length may not change.
         first = self.__dict__.setdefault("_first_carry_shapes", {})
         for t in unknown:
             if id(t) in found:
                 first.setdefault(id(t), found[id(t)])
-            if id(t) in first and first[id(t)] != found.get(id(t)):
-                now = (f"has {found[id(t)]} now" if id(t) in found else
-                       "is of unknown length now (Keras traces a step for "
-                       "any length once batches of several lengths came)")
-                raise ValueError(
-                    f"Tensor {t.name} crossing a stage boundary between "
-                    f"processes had shape {first[id(t)]} in an earlier "
-                    f"step and {now} (inputs of shapes "
-                    f"{[tuple(s) for s in input_shapes]}): with one stage "
-                    "per process each dimension other than the batch must "
-                    "keep one size for the whole run. Pad the data to one "
-                    "length (the longest), or run the stages in one "
-                    "process (`local_devices`).")
+                if first[id(t)] != found[id(t)]:
+                    del found[id(t)]
         cache[key] = found
         return found
 

@@ -29,7 +29,9 @@ from keras_smp.pipeline.backward import dense
 from keras_smp.pipeline.runtime import Stage
 from keras_smp.pipeline.runtime import execute
 from keras_smp.pipeline.transport import CollectiveTransport
+from keras_smp.pipeline.transport import Dynamic
 from keras_smp.pipeline.transport import LocalTransport
+from keras_smp.pipeline.transport import is_dynamic
 from keras_smp.runtime import keras_private
 from keras_smp.runtime import loss_shares
 from keras_smp.runtime import tracing
@@ -235,17 +237,17 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     if links is None:
         transport = LocalTransport()
     else:
-        specs = {}
+        specs, sends = {}, {}
         for s in held:
             if s > 0 and not links.holds(s - 1):
-                specs[("F", s)] = functools.partial(
+                specs[("F", s)] = sends[("B", s)] = functools.partial(
                     _specs, graph.carries[s - 1], resolved=resolved)
             if s < p - 1 and not links.holds(s + 1):
-                specs[("B", s)] = functools.partial(
+                specs[("B", s)] = sends[("F", s)] = functools.partial(
                     _specs, graph.carries[s], resolved=resolved)
         transport = CollectiveTransport(
             links, specs, batch // m if rows is None else
-            [rows[i] for i in range(m)])
+            [rows[i] for i in range(m)], send_specs=sends)
         if not links.holds(p - 1):
             loss_fn = None  # only the last stage computes the loss
     trackers = []
@@ -556,24 +558,22 @@ def _model_inputs_constant(fn):
 def _specs(tensors, rows, split=1, resolved=None):
     """`(shape, dtype)` of tensors crossing a process boundary (`split`:
     their last axis is split in that many slices; `resolved`: the shapes
-    of those the symbolic graph leaves open, `StagedGraph.carry_shapes`)."""
+    of those the symbolic graph leaves open, `StagedGraph.carry_shapes`).
+
+    A tensor whose shape the step's trace leaves open beyond its rows (a
+    sequence length that changes from batch to batch: `padded_batch`), or
+    whose shape is not the one it first had in this process, gets a
+    `Dynamic` shape: it travels with its shape (`StageLinks.send_dynamic`).
+    Sender and receiver derive the same specs from the same graph and
+    batch specs."""
     out = []
     for t in tensors:
         rest = list((resolved or {}).get(id(t), t.shape)[1:])
-        if split > 1 and rest:
+        if split > 1 and rest and rest[-1] is not None:
             rest[-1] //= split
         if any(d is None for d in rest):
-            raise ValueError(
-                f"Tensor {t.name} of shape {t.shape} crosses a stage "
-                "boundary between processes; with one stage per process "
-                "only its batch dimension may be unknown when the step "
-                "runs (the receiving process must know the shape). Its "
-                "length follows the inputs' (`keras.Input((None,))`), "
-                "and this step's batch leaves theirs unknown too (a "
-                "tf.data dataset batched with `padded_batch` without "
-                "`padded_shapes`, or a generator of several lengths). Pad "
-                "the data to one length, or run the stages in one process "
-                "(`local_devices`).")
+            out.append((Dynamic([None] + rest), t.dtype))
+            continue
         out.append((tf.concat([[rows], tf.constant(rest, tf.int32)], axis=0),
                     t.dtype))
     return out
@@ -623,12 +623,16 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
     # One instance key per role (outputs, loss, trackers) and batch size.
     shares = links.SHARE_OUTPUTS if group is None else \
         links.SHARE_SPLIT_OUTPUTS  # (another shape: its own keys)
-    positions = ([shares + i for i in range(len(pred_specs))]
-                 + ([links.SHARE_LOSS] if has_loss else [])
-                 + [links.SHARE_TRACKED + i for i in range(len(tracked))])
+    dynamic = (links.SHARE_DYNAMIC_OUTPUTS if group is None else
+               links.SHARE_DYNAMIC_SPLIT_OUTPUTS)
+    keys = ([dynamic + i if is_dynamic(shape) else
+             links.batched_key(shares + i, rows)
+             for i, (shape, _) in enumerate(pred_specs)]
+            + [links.batched_key(k, rows) for k in
+               ([links.SHARE_LOSS] if has_loss else [])
+               + [links.SHARE_TRACKED + i for i in range(len(tracked))]])
     with tf.control_dependencies([result.done]):
-        shared = links.share_from_last(
-            mine, specs, [links.batched_key(k, rows) for k in positions])
+        shared = links.share_from_last(mine, specs, keys)
     if tracked:
         changes, shared = shared[-len(tracked):], shared[:-len(tracked)]
         if not last:

@@ -17,6 +17,13 @@ every `SEND_*` / `RECV_*` action; one transport serves each setting:
   `timeout_seconds`: a dead or hung peer becomes a `DeadlineExceededError`
   instead of a hang.
 
+A tensor whose shape the receiving process cannot know before the step
+runs (a sequence length that changes from batch to batch: `padded_batch`)
+travels as a shape header, then its values flattened and padded to a size
+bucket (`Dynamic`, `StageLinks.send_dynamic`): TensorFlow keeps one shape
+per collective instance key for the life of the process, and the bucket
+picks the key.
+
 `StageLinks` holds the collective groups of one stage process: one pair
 per boundary between model stages, its replica's pipeline group (losses,
 outputs, weights) and tied-weight groups, with keys from one
@@ -27,6 +34,45 @@ model stages (`StageLinks.held`).
 import tensorflow as tf
 
 from keras_smp.pipeline.backward import dense
+
+# The flattened sizes a tensor of unknown shape is padded to: 1, 2, 3 and
+# every n * 2**e with n in 4..7 (under 25% padding), up to 2**31 - 1 (120
+# sizes; each has its own instance key, `StageLinks._dynamic_keys`).
+_BUCKETS = sorted({n << e for e in range(31) for n in (4, 5, 6, 7)
+                   if (n << e) < 2**31} | {1, 2, 3, 2**31 - 1})
+# Header: a tensor's shape, padded to this rank.
+_MAX_RANK = 8
+
+
+class Dynamic:
+    """A `(shape, dtype)` spec's shape known only when the step runs.
+
+    Tensors of such specs cross processes as a shape header, then their
+    values flattened and zero-padded to the next of `_BUCKETS` sizes, each
+    bucket under its own instance key (`StageLinks.send_dynamic`): the
+    receiver learns the shape from the header, and no key ever carries
+    two shapes.
+
+    Args:
+        shape: the static shape the received tensor takes (`None` where
+            unknown: the rows, a sequence length), a `tf.TensorShape`.
+    """
+
+    def __init__(self, shape):
+        self.shape = tf.TensorShape(shape)
+        if self.shape.rank is None or self.shape.rank > _MAX_RANK:
+            raise ValueError(
+                f"keras-smp: a tensor of shape {self.shape} crosses "
+                "processes with a shape known only when the step runs; "
+                f"that needs a known rank of at most {_MAX_RANK}.")
+
+    def __repr__(self):
+        return f"Dynamic({self.shape})"
+
+
+def is_dynamic(spec_shape):
+    """Whether a spec's shape is a `Dynamic` one."""
+    return isinstance(spec_shape, Dynamic)
 
 
 class LocalTransport:
@@ -79,6 +125,11 @@ class CollectiveTransport:
             tensor model stage `stage` (held here) receives forward
             (`"F"`, from stage - 1) and backward (`"B"`, gradients from
             stage + 1); or a function of a microbatch's rows giving them.
+            A `Dynamic` shape: known only when the step runs.
+        send_specs: the same for what model stage `stage` sends
+            (`"F"` to stage + 1, `"B"` to stage - 1): its receiver's specs,
+            so both sides send a `Dynamic` one the same way (default:
+            none is).
         rows: the microbatch's rows (a Python int or an int32 tensor), or
             a list: each microbatch's (a batch that does not divide into
             the microbatches); transfers of different microbatch sizes use
@@ -87,9 +138,10 @@ class CollectiveTransport:
 
     chain_receives = False
 
-    def __init__(self, links, recv_specs, rows):
+    def __init__(self, links, recv_specs, rows, send_specs=None):
         self.links = links
         self.recv_specs = recv_specs
+        self.send_specs = send_specs or {}
         if isinstance(rows, (list, tuple)):
             self._per_microbatch = [links.checked_rows(r) for r in rows]
             self.rows = self._per_microbatch[0]
@@ -118,10 +170,15 @@ class CollectiveTransport:
     def send(self, action, tensors):
         if self._is_local(action):
             return self._local.send(action, tensors)
-        return self.links.send_to(action.stage, action.peer,
-                                  action.kind[-1], action.microbatch,
-                                  [dense(t) for t in tensors],
-                                  self.rows_of(action.microbatch))
+        rows = self.rows_of(action.microbatch)
+        specs = self.send_specs.get((action.kind[-1], action.stage))
+        if callable(specs):
+            specs = specs(rows)
+        return self.links.send_to(
+            action.stage, action.peer, action.kind[-1], action.microbatch,
+            [dense(t) for t in tensors], rows,
+            dynamic=None if specs is None else
+            [is_dynamic(shape) for shape, _ in specs])
 
     def receive(self, action):
         if self._is_local(action):
@@ -235,6 +292,18 @@ class StageLinks:
     # sample weights, inputs for output masks): + the batch's rows modulo
     # the microbatches x 100 + the tensor's index (`share_from_first`).
     SHARE_DATA = 62_000
+    # Tensors of `Dynamic` specs (`send_dynamic`): per position, a header's
+    # key, then one key per size bucket.
+    # - pair groups (transfers only): below BATCHED_BASE, from
+    #   DYNAMIC_PAIR_BASE + the transfer's position x DYNAMIC_STRIDE;
+    # - the replica group: `batched_key(position, 0)` for the header and
+    #   `batched_key(position, 1 + bucket)` for the values, at positions
+    #   no other share uses (+ data slot, + output index).
+    DYNAMIC_STRIDE = 128
+    DYNAMIC_PAIR_BASE = 2_000_000
+    SHARE_DYNAMIC_DATA = 92_000
+    SHARE_DYNAMIC_OUTPUTS = 92_100
+    SHARE_DYNAMIC_SPLIT_OUTPUTS = 92_600
 
     def __init__(self, num_ranks, rank, replica, keys, timeout_seconds=0,
                  placement=None):
@@ -300,6 +369,41 @@ class StageLinks:
             instance_key=instance_key, shape=shape,
             T=_WIRE.get(dtype, dtype), communication_hint="auto",
             timeout_seconds=self.timeout), dtype)
+
+    def send_dynamic(self, tensor, group_key, group_size, keys):
+        """Sends `tensor` to a receiver that learns its shape from it
+        (`recv_dynamic`): its shape first (padded to `_MAX_RANK` with
+        ones), then its values flattened and zero-padded to the next
+        `_BUCKETS` size. `keys`: `i -> instance key`, `keys(0)` the
+        header's, `keys(1 + bucket)` the values' (a tensor)."""
+        tensor = _to_wire(tensor)
+        header = tf.pad(tf.shape(tensor, out_type=tf.int32),
+                        [[0, _MAX_RANK - tensor.shape.rank]],
+                        constant_values=1)
+        flat = tf.reshape(tensor, [-1])
+        bucket, padded = _bucket(tf.size(flat, out_type=tf.int32))
+        flat = tf.pad(flat, [[0, padded - tf.size(flat, out_type=tf.int32)]])
+        return [self.send(header, group_key, group_size, keys(0)),
+                self.send(flat, group_key, group_size, keys(1 + bucket))]
+
+    def recv_dynamic(self, spec_shape, dtype, group_key, group_size, keys):
+        """Receives a tensor sent with `send_dynamic` (`spec_shape`: its
+        `Dynamic` shape)."""
+        dtype = tf.as_dtype(dtype)
+        wire = _WIRE.get(dtype, dtype)
+        rank = spec_shape.shape.rank
+        header = self.recv([_MAX_RANK], tf.int32, group_key, group_size,
+                           keys(0))
+        shape = header[:rank]
+        size = tf.reduce_prod(shape)
+        bucket, padded = _bucket(size)
+        flat = tf.raw_ops.CollectiveBcastRecvV2(
+            group_size=group_size, group_key=group_key,
+            instance_key=keys(1 + bucket), shape=tf.reshape(padded, [1]),
+            T=wire, communication_hint="auto", timeout_seconds=self.timeout)
+        out = _from_wire(tf.reshape(flat[:size], shape), dtype)
+        out.set_shape(spec_shape.shape)
+        return out
 
     def reduce(self, tensor, group_key, group_size, instance_key):
         """Sum over a group (tied-weight gradients)."""
@@ -395,21 +499,49 @@ class StageLinks:
                 "model stages, from the rank running them.")
         return self.keys.pair(self.replica, min(stage, peer))
 
-    def send_to(self, stage, peer, direction, microbatch, tensors, rows):
+    def send_to(self, stage, peer, direction, microbatch, tensors, rows,
+                dynamic=None):
         """Sends `tensors` of `microbatch` from model stage `stage` (held
-        here) to its neighbour `peer` (`rows`: from `checked_rows`)."""
+        here) to its neighbour `peer` (`rows`: from `checked_rows`;
+        `dynamic`: per tensor, whether the receiver's spec is `Dynamic`,
+        default none)."""
         key = self._pair_key(stage, peer)
-        return [self.send(t, key, 2, self.batched_key(
-                    self._position(direction, microbatch, i), rows))
-                for i, t in enumerate(tensors)]
+        dynamic = dynamic or [False] * len(tensors)
+        out = []
+        for i, (t, dyn) in enumerate(zip(tensors, dynamic, strict=True)):
+            position = self._position(direction, microbatch, i)
+            if dyn:
+                out += self.send_dynamic(t, key, 2,
+                                         self._pair_dynamic_keys(position))
+            else:
+                out.append(self.send(t, key, 2,
+                                     self.batched_key(position, rows)))
+        return out
 
     def receive_from(self, stage, peer, direction, microbatch, specs, rows):
         """Receives into model stage `stage` (held here) tensors of `specs`
-        `(shape, dtype)` from its neighbour `peer`."""
+        `(shape, dtype)` from its neighbour `peer` (a `Dynamic` shape:
+        sent with its shape, `send_dynamic`)."""
         key = self._pair_key(stage, peer)
-        return [self.recv(shape, dtype, key, 2, self.batched_key(
-                    self._position(direction, microbatch, i), rows))
-                for i, (shape, dtype) in enumerate(specs)]
+        out = []
+        for i, (shape, dtype) in enumerate(specs):
+            position = self._position(direction, microbatch, i)
+            if is_dynamic(shape):
+                out.append(self.recv_dynamic(
+                    shape, dtype, key, 2, self._pair_dynamic_keys(position)))
+            else:
+                out.append(self.recv(shape, dtype, key, 2,
+                                     self.batched_key(position, rows)))
+        return out
+
+    @classmethod
+    def _pair_dynamic_keys(cls, position):
+        base = cls.DYNAMIC_PAIR_BASE + position * cls.DYNAMIC_STRIDE
+        return lambda i: base + i
+
+    @classmethod
+    def _shared_dynamic_keys(cls, position):
+        return lambda i: cls.batched_key(position, i)
 
     def barrier(self, world_size, instance_key):
         """Waits (eagerly) until every worker of the job has arrived.
@@ -464,8 +596,21 @@ class StageLinks:
         out = {role: list(ts) for role, ts in tensors.items()}
         done = []
         for role, i, t in flat:
-            k = self.batched_key(position + self._data_slot(role, i, t),
-                                 first)
+            slot = self._data_slot(role, i, t)
+            if t.shape.rank is not None and not t.shape[1:].is_fully_defined():
+                # A length that may change from batch to batch (and from
+                # rank to rank: each rank's batch is its own).
+                keys = self._shared_dynamic_keys(
+                    self.SHARE_DYNAMIC_DATA + slot)
+                if sender:
+                    done += self.send_dynamic(t, group, p, keys)
+                    continue
+                r = self.recv_dynamic(Dynamic(t.shape), t.dtype, group, p,
+                                      keys)
+                out[role][i] = r
+                done.append(r)
+                continue
+            k = self.batched_key(position + slot, first)
             if sender:
                 done.append(self.send(t, group, p, k))
                 continue
@@ -501,18 +646,29 @@ class StageLinks:
 
         On the last stage's rank returns `tensors` (after sending); elsewhere
         receives tensors of `specs` (shape, dtype). `instance_keys`: one
-        per tensor.
+        per tensor; for a `Dynamic` shape, a position of `batched_key`
+        (`SHARE_DYNAMIC_OUTPUTS` + index) instead, every spec the same on
+        every rank.
         """
         p = self.num_ranks
         if p == 1:
             return list(tensors)
         key = self.keys.replica(self.replica)
         if self.rank == self.last_rank:
-            sends = [self.send(t, key, p, k)
-                     for t, k in zip(tensors, instance_keys, strict=True)]
+            sends = []
+            for t, (shape, _), k in zip(tensors, specs, instance_keys,
+                                        strict=True):
+                if is_dynamic(shape):
+                    sends += self.send_dynamic(
+                        t, key, p, self._shared_dynamic_keys(k))
+                else:
+                    sends.append(self.send(t, key, p, k))
             with tf.control_dependencies(sends):
                 return [tf.identity(t) for t in tensors]
-        return [self.recv(shape, dtype, key, p, k)
+        return [self.recv_dynamic(shape, dtype, key, p,
+                                  self._shared_dynamic_keys(k))
+                if is_dynamic(shape) else
+                self.recv(shape, dtype, key, p, k)
                 for (shape, dtype), k in zip(specs, instance_keys,
                                              strict=True)]
 
@@ -533,3 +689,12 @@ def _to_wire(tensor):
 
 def _from_wire(tensor, dtype):
     return tensor if tensor.dtype == dtype else tf.cast(tensor, dtype)
+
+
+def _bucket(size):
+    """`(index, padded size)`: the smallest of `_BUCKETS` holding `size`
+    elements (an int32 tensor), and its index."""
+    index = tf.searchsorted(tf.constant(_BUCKETS, tf.int32),
+                            tf.reshape(size, [1]), side="left",
+                            out_type=tf.int32)[0]
+    return index, tf.gather(tf.constant(_BUCKETS, tf.int32), index)

@@ -6,10 +6,18 @@ Usage: dynamic_length.py --out DIR --mode reference|pipeline
 
 reference: plain Keras on one device. pipeline: 2 stages, one per process
 (`keras-smp launch -n 2`); the boundary carries a (batch, None, 16)
-tensor and its Keras mask (padded token ids, `mask_zero=True`). Both fit
-2 epochs on sequences of 12 tokens and predict them; the pipeline then
-predicts sequences of 10 (refused: one length per run). Writes
-DIR/rank{R}.npz: the trained weights, losses, predictions and the error.
+tensor and its Keras mask (padded token ids, `mask_zero=True`). Both:
+
+1. fit 2 epochs on arrays of sequences of 12 tokens and predict them;
+2. predict sequences of 10 tokens (another length than the first);
+3. fit 2 epochs on a `padded_batch` dataset whose batches have 9, 14 and
+   6 tokens (16, 16 and 8 rows), per-token targets; evaluate it and
+   `predict_on_batch` two batches of different lengths. Rank 1 reads the
+   same sequences in another order (batches of other lengths), which
+   must not matter: the first stage's rank's batches train.
+
+Writes DIR/rank{R}.npz: the weights after each fit (`w*`, `x*`), losses,
+evaluations and predictions.
 """
 
 import argparse
@@ -18,15 +26,22 @@ import os
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--mode", choices=["reference", "pipeline"], required=True)
+p.add_argument("--jit", action="store_true", help="compile(jit_compile=True)")
+p.add_argument("--config", default="{}",
+               help="JSON: more SMPStrategy arguments (pipeline, ...)")
+p.add_argument("--split", default="d2", help="split points, comma-separated")
 args = p.parse_args()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 strategy = None
 if args.mode == "pipeline":
+    import json
+
     import keras_smp
 
-    strategy = keras_smp.SMPStrategy(partitions=2, microbatches=2,
-                                     collective_timeout_seconds=120)
+    strategy = keras_smp.SMPStrategy(**{
+        "partitions": 2, "microbatches": 2, "collective_timeout_seconds": 120,
+        **json.loads(args.config)})
 
 import contextlib  # noqa: E402
 
@@ -48,21 +63,42 @@ with strategy.scope() if strategy else contextlib.nullcontext():
     outputs = keras.layers.Dense(5, name="head")(h)
     model = keras.Model(inputs, outputs)
     if strategy:
-        model = keras_smp.DistributedModel(model, split_points=["d2"])
+        model = keras_smp.DistributedModel(model, split_points=args.split.split(","))
     model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
                   loss=keras.losses.SparseCategoricalCrossentropy(
-                      from_logits=True))
+                      from_logits=True), jit_compile=args.jit)
 history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
 result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
 result["loss"] = np.array(history.history["loss"])
 result["predict"] = model.predict(x, batch_size=16, verbose=0)
-rank = 0
-if strategy:
-    rank = strategy.topology.rank
-    try:
-        model.predict(x[:, :10], batch_size=16, verbose=0)
-        result["error"] = np.array("")
-    except ValueError as e:
-        result["error"] = np.array(str(e))
+result["predict10"] = model.predict(x[:, :10], batch_size=16, verbose=0)
+
+# Batches of several lengths: the receiving process learns each batch's.
+import tensorflow as tf  # noqa: E402
+
+lengths = np.concatenate([rng.randint(2, 10, size=15), [9],
+                          rng.randint(2, 15, size=15), [14],
+                          rng.randint(2, 7, size=7), [6]])
+seqs = [rng.randint(1, 20, size=n).astype("int32") for n in lengths]
+tags = [rng.randint(0, 5, size=n).astype("int32") for n in lengths]
+first_seqs = seqs
+rank = strategy.topology.rank if strategy else 0
+if strategy and strategy.topology.pp_rank > 0:
+    # Another rank's batches (other rows, other lengths) are not used:
+    # every rank trains on the first stage's rank's.
+    order = np.random.RandomState(rank).permutation(len(seqs))
+    seqs, tags = [seqs[i] for i in order], [tags[i] for i in order]
+ds = tf.data.Dataset.from_generator(
+    lambda: zip(seqs, tags), output_signature=(
+        tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int32)))
+ds = ds.apply(tf.data.experimental.assert_cardinality(40))
+ds = ds.padded_batch(16)  # lengths 9, 14, 6; rows 16, 16, 8
+history = model.fit(ds, epochs=2, verbose=0)
+result["ds_loss"] = np.array(history.history["loss"])
+result.update({f"x{i}": w for i, w in enumerate(model.get_weights())})
+result["ds_evaluate"] = np.array(model.evaluate(ds, verbose=0))
+long = keras.utils.pad_sequences(first_seqs[16:32], padding="post")
+result["pob_long"] = model.predict_on_batch(long)
+result["pob_short"] = model.predict_on_batch(long[:8, :6])
 np.savez(os.path.join(args.out, f"rank{rank}.npz"), **result)
 print(f"rank {rank} done", flush=True)
