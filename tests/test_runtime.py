@@ -127,3 +127,40 @@ def test_a_stage_traced_once_equals_the_stage_built_inline():
     assert rows["seeded_tf_random"]["runs"] == 4, rows
     assert rows["assigns_a_weight"]["runs"] == 4, rows
     assert rows["assigns_a_weight"]["counted"] == [3.0], rows
+
+
+def test_tensors_of_unknown_shape_use_keys_no_other_transfer_uses():
+    # A tensor whose length changes from batch to batch crosses processes
+    # as a shape header, then its values padded to a size bucket, each
+    # bucket under its own instance key (TensorFlow keeps one shape per
+    # key). Those keys must meet no other collective's in the same group,
+    # and fit in int32.
+    import numpy as np
+    import tensorflow as tf
+
+    from keras_smp.pipeline import transport
+    from keras_smp.pipeline.transport import StageLinks as L
+
+    buckets = transport._BUCKETS
+    assert L.DYNAMIC_STRIDE >= 1 + len(buckets)  # header + one per bucket
+    # The smallest bucket holding each size, padding under 25%.
+    sizes = [0, 1, 3, 4, 5, 9, 17, 33, 1000, 123_457, 2**30 + 1, 2**31 - 2]
+    got = [[int(v) for v in transport._bucket(tf.constant(n, tf.int32))]
+           for n in sizes]
+    for n, (index, size) in zip(sizes, got):
+        assert size == buckets[index] >= n, (n, index, size)
+        assert index == 0 or buckets[index - 1] < n, (n, index, size)
+        assert size <= max(1, 1.25 * n), (n, size)
+    # Pair groups (transfers only): below the batched keys, one range per
+    # transfer position.
+    top = L._position("B", 298, 99)
+    assert L._pair_dynamic_keys(top)(len(buckets)) < L.BATCHED_BASE
+    assert L._pair_dynamic_keys(1)(0) >= L.DYNAMIC_PAIR_BASE
+    # The replica group: positions above every static share's.
+    static = [L.SHARE_DATA + 298 * 100 + 99, L.SHARE_TRACKED + 999]
+    assert min(L.SHARE_DYNAMIC_DATA, L.SHARE_DYNAMIC_OUTPUTS) > max(static)
+    assert L.SHARE_DYNAMIC_DATA + 100 <= L.SHARE_DYNAMIC_OUTPUTS
+    assert L.SHARE_DYNAMIC_OUTPUTS + 500 <= L.SHARE_DYNAMIC_SPLIT_OUTPUTS
+    assert L.SHARE_DYNAMIC_SPLIT_OUTPUTS + 500 <= L.ROWS_STRIDE
+    assert L._shared_dynamic_keys(L.ROWS_STRIDE - 1)(
+        len(buckets)) < np.iinfo(np.int32).max
