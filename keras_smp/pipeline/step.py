@@ -96,6 +96,9 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         A `StepRun`.
     """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    # This rank's own batch, which the receives wait for
+    # (`CollectiveTransport`'s `after`).
+    local = [t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)]
     m = model.num_microbatches
     links = model._smp_links() if model._smp_multi_process() else None
     from_first = []
@@ -247,7 +250,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                     _specs, graph.carries[s], resolved=resolved)
         transport = CollectiveTransport(
             links, specs, batch // m if rows is None else
-            [rows[i] for i in range(m)], send_specs=sends)
+            [rows[i] for i in range(m)], send_specs=sends, after=local)
         if not links.holds(p - 1):
             loss_fn = None  # only the last stage computes the loss
     trackers = []

@@ -130,6 +130,12 @@ class CollectiveTransport:
             (`"F"` to stage + 1, `"B"` to stage - 1): its receiver's specs,
             so both sides send a `Dynamic` one the same way (default:
             none is).
+        after: what every receive waits for: this rank's batch. At the
+            end of data of unknown length the step fails getting it, and
+            a receive posted before (one whose shape and key do not
+            depend on the batch) would stay registered with its sender,
+            to meet the next step's receive under the same key ("Second
+            consumer arrived for key").
         rows: the microbatch's rows (a Python int or an int32 tensor), or
             a list: each microbatch's (a batch that does not divide into
             the microbatches); transfers of different microbatch sizes use
@@ -138,10 +144,11 @@ class CollectiveTransport:
 
     chain_receives = False
 
-    def __init__(self, links, recv_specs, rows, send_specs=None):
+    def __init__(self, links, recv_specs, rows, send_specs=None, after=()):
         self.links = links
         self.recv_specs = recv_specs
         self.send_specs = send_specs or {}
+        self.after = list(after)
         if isinstance(rows, (list, tuple)):
             self._per_microbatch = [links.checked_rows(r) for r in rows]
             self.rows = self._per_microbatch[0]
@@ -186,9 +193,10 @@ class CollectiveTransport:
         direction = action.kind[-1]
         rows = self.rows_of(action.microbatch)
         specs = self.recv_specs[(direction, action.stage)]
-        return self.links.receive_from(
-            action.stage, action.peer, direction, action.microbatch,
-            specs(rows) if callable(specs) else specs, rows)
+        with tf.control_dependencies(self.after):
+            return self.links.receive_from(
+                action.stage, action.peer, direction, action.microbatch,
+                specs(rows) if callable(specs) else specs, rows)
 
 
 class PipelineKeys:
@@ -597,24 +605,33 @@ class StageLinks:
         done = []
         for role, i, t in flat:
             slot = self._data_slot(role, i, t)
-            if t.shape.rank is not None and not t.shape[1:].is_fully_defined():
-                # A length that may change from batch to batch (and from
-                # rank to rank: each rank's batch is its own).
-                keys = self._shared_dynamic_keys(
-                    self.SHARE_DYNAMIC_DATA + slot)
-                if sender:
-                    done += self.send_dynamic(t, group, p, keys)
-                    continue
-                r = self.recv_dynamic(Dynamic(t.shape), t.dtype, group, p,
-                                      keys)
-                out[role][i] = r
-                done.append(r)
-                continue
-            k = self.batched_key(position + slot, first)
+            dynamic = (t.shape.rank is not None
+                       and not t.shape[1:].is_fully_defined())
             if sender:
-                done.append(self.send(t, group, p, k))
+                done += (self.send_dynamic(t, group, p,
+                                           self._shared_dynamic_keys(
+                                               self.SHARE_DYNAMIC_DATA + slot))
+                         if dynamic else
+                         [self.send(t, group, p,
+                                    self.batched_key(position + slot, first))])
                 continue
-            r = self.recv(tf.shape(t), t.dtype, group, p, k)
+            # A receive waits for this rank's own batch: at the end of data
+            # of unknown length the step fails in `get_next`, and a receive
+            # posted before that would stay registered with the sender,
+            # meeting the next step's under the same key.
+            with tf.control_dependencies([t]):
+                if dynamic:
+                    # A length that may change from batch to batch (and
+                    # from rank to rank: each rank's batch is its own).
+                    r = self.recv_dynamic(
+                        Dynamic(t.shape), t.dtype, group, p,
+                        self._shared_dynamic_keys(
+                            self.SHARE_DYNAMIC_DATA + slot))
+                    out[role][i] = r
+                    done.append(r)
+                    continue
+                k = self.batched_key(position + slot, first)
+                r = self.recv(tf.shape(t), t.dtype, group, p, k)
             r.set_shape(t.shape)
             out[role][i] = r
             done.append(r)
