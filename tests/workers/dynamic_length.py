@@ -12,7 +12,7 @@ tensor and its Keras mask (padded token ids, `mask_zero=True`). Both:
 2. predict sequences of 10 tokens (another length than the first);
 3. fit 2 epochs on a `padded_batch` dataset whose batches have 9, 14 and
    6 tokens (16, 16 and 8 rows; a generator: of unknown length), per-token
-   targets; evaluate it and
+   targets and sample weights; evaluate it and
    `predict_on_batch` two batches of different lengths. Rank 1 reads the
    same sequences in another order (batches of other lengths), which
    must not matter: the first stage's rank's batches train.
@@ -82,16 +82,19 @@ lengths = np.concatenate([rng.randint(2, 10, size=15), [9],
                           rng.randint(2, 7, size=7), [6]])
 seqs = [rng.randint(1, 20, size=n).astype("int32") for n in lengths]
 tags = [rng.randint(0, 5, size=n).astype("int32") for n in lengths]
+weights = [rng.uniform(0.5, 2.0, size=n).astype("float32") for n in lengths]
 first_seqs = seqs
 rank = strategy.topology.rank if strategy else 0
 if strategy and strategy.topology.pp_rank > 0:
     # Another rank's batches (other rows, other lengths) are not used:
     # every rank trains on the first stage's rank's.
     order = np.random.RandomState(rank).permutation(len(seqs))
-    seqs, tags = [seqs[i] for i in order], [tags[i] for i in order]
+    seqs, tags, weights = ([a[i] for i in order]
+                           for a in (seqs, tags, weights))
 ds = tf.data.Dataset.from_generator(
-    lambda: zip(seqs, tags), output_signature=(
-        tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int32)))
+    lambda: zip(seqs, tags, weights), output_signature=(
+        tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int32),
+        tf.TensorSpec([None], tf.float32)))
 # (of unknown length: each epoch ends in a step that finds no batch)
 ds = ds.padded_batch(16)  # lengths 9, 14, 6; rows 16, 16, 8
 history = model.fit(ds, epochs=2, verbose=0)
