@@ -675,6 +675,38 @@ def test_no_weight_reaching_a_loss_fails_on_every_stage_process():
 
 
 @pytest.mark.slow
+def test_state_a_layer_updates_on_two_stage_processes_is_refused():
+    # A BatchNormalization called in two stages on two processes: each
+    # process would update only its own copy of the moving statistics (on
+    # one device both calls update one copy in turn); it trained silently,
+    # moving variances 0.057 and predictions 0.08 from plain Keras, the two
+    # ranks' get_weights disagreeing. Now fit fails on every rank before a
+    # step, naming the layer, its weights and the fixes; predict (no
+    # update) runs. Frozen (no update) or with both calls on one rank, it
+    # trains as plain Keras in the same process (float32 bounds: 1e-6 x
+    # magnitude; observed 0).
+    proc = launch(2, [os.path.join(WORKERS, "shared_state.py")], timeout=240)
+    rows = {(r["case"], r["rank"]): r for r in (
+        json.loads(l.split("ROW ", 1)[1]) for l in proc.stdout.splitlines()
+        if "ROW {" in l)}
+    assert sorted(rows) == [(c, r) for c in ("across", "frozen", "one_stage")
+                            for r in (0, 1)], proc.stdout[-3000:]
+    for r in (0, 1):
+        row = rows[("across", r)]
+        assert row["type"] == "ValueError", row
+        for words in ("Layer 'bn' is called on pipeline ranks [0, 1]",
+                      "bn/moving_mean", "bn/moving_variance",
+                      "Put its calls in one stage", "local_devices"):
+            assert words in row["message"], row
+        assert row["iterations"] == 0, row
+        assert row["diff"] <= 1e-6 * max(1.0, row["scale"]), row
+        for case in ("frozen", "one_stage"):
+            row = rows[(case, r)]
+            assert row["type"] is None and row["iterations"] == 8, row
+            assert row["diff"] <= 1e-6 * max(1.0, row["scale"]), row
+
+
+@pytest.mark.slow
 def test_two_workers_each_running_a_pipeline_match_single_device(
         tmp_path, reference):
     # 2 worker processes x (1 replica x 2 stages on 2 logical CPUs): the

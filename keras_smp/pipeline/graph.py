@@ -540,13 +540,15 @@ class StagedGraph:
         return found
 
     def _trace_stages(self, input_specs, stage_done, training=False,
-                      reads=None, scoped=True):
+                      reads=None, scoped=True, updates=None):
         """Runs the stages in order, in inference mode (or `training`),
         into a graph that is never run, on inputs of `input_specs`
         (`(shape, dtype)`); `stage_done(stage, values)` sees
         `{id(graph tensor): value}` after each stage. `reads`: `{id(node):
         dict}` of nodes whose calls note the weights they read (`id(weight)
-        -> whether its gradient there is sparse`, `_note_reads`).
+        -> whether its gradient there is sparse`, `_note_reads`);
+        `updates`: a dict taking, for those calls, `id(node) -> {id(weight)
+        the call assigns}` (in training: moving statistics).
         `scoped`: inside `trace_scope` (other stages' weights as
         shapes)."""
         import keras
@@ -563,10 +565,15 @@ class StagedGraph:
                     call = keras_private.operation_fn(node.operation,
                                                       training=training)
                     before = len(scope.losses)
+                    state = dict(scope.state_mapping)
                     with (patches.variable_reads(stateless=True)
                           if id(node) in reads else
                           contextlib.nullcontext([])) as seen:
                         outs = call(*args, **kwargs)
+                    if updates is not None and id(node) in reads:
+                        updates.setdefault(id(node), set()).update(
+                            w for w, v in scope.state_mapping.items()
+                            if state.get(w) is not v)
                     if seen:
                         # (the losses it added count as its outputs)
                         _note_reads(reads[id(node)], seen,
@@ -875,6 +882,15 @@ class StagedGraph:
         self._call_reads()
         return self._sparse
 
+    def updated_weights(self):
+        """`{id(weight): layer name}` of the weights, among those layers of
+        several stages hold, that a call assigns in training (a shared
+        `BatchNormalization`'s moving statistics): on one device the
+        calls update one copy in turn, which copies in several stage
+        processes cannot do (`step.run_step` refuses to train them)."""
+        self._call_reads()
+        return self._updated
+
     def _call_reads(self):
         """`{id(node): {id(weight)}}` for the calls of layers holding a
         weight that layers of several stages hold (a layer called in
@@ -895,13 +911,14 @@ class StagedGraph:
                 users.setdefault(id(w), set()).add(self.stage_of[id(node)])
         calls = [n for n in self.nodes if any(
             len(users[id(w)]) > 1 for w in _operation_weights(n.operation))]
-        self._sparse = set()
+        self._sparse, self._updated = set(), {}
         if not calls or any(
                 hasattr(layer, "_smp_tp_mode") for s in range(self.num_stages)
                 for layer in self.stage_layers(s)):
             self._reads_by_call = {}
             return self._reads_by_call
         reads = {id(n): {} for n in calls}
+        updates = {}
         specs = [(t.shape, t.dtype) for t in self.inputs]
         try:
             for training in (True, False):
@@ -910,7 +927,7 @@ class StagedGraph:
                 # (not through `trace_scope`, which asks for the plan).
                 self._trace_stages(specs, lambda s, values: None,
                                    training=training, reads=reads,
-                                   scoped=False)
+                                   scoped=False, updates=updates)
         except Exception as e:  # pylint: disable=broad-except
             # (the same on every rank: the same model, traced alike)
             warnings.warn(
@@ -941,6 +958,9 @@ class StagedGraph:
                        if getattr(w, "regularizer", None) is not None}
         self._sparse = {w for w, is_sparse in sparse.items()
                         if is_sparse and w not in regularized}
+        self._updated = {w: n.operation.name for n in calls
+                         for w in updates.get(id(n), ()) if w in own[id(n)]
+                         and len(users[w]) > 1}
         return self._reads_by_call
 
     def weight_users(self):
