@@ -9,21 +9,22 @@ processes (`keras-smp launch -n 2`, 1 intra-op and 1 inter-op thread
 each), 4 microbatches, 1F1B. Measured side by side in one run, each the
 median ms per step:
 
-- `fixed`: arrays of 128 tokens (`Dataset.batch`): the length is known
-  when the step is traced, every transfer is one collective;
+- `declared`: the model declared on `keras.Input((128,))`, arrays of 128
+  tokens: every transfer is one collective of a known shape;
+- `fixed`: the model on `keras.Input((None,))`, the same arrays: every
+  tensor crossing processes goes as a shape header, then its values padded
+  to a size bucket (`transport.Dynamic`), whatever the batch; the ratio
+  to `declared` is what that costs (the same compute);
 - `padded`: the same sequences through `padded_batch` (every batch again
-  128 tokens, but the trace leaves the length unknown): every tensor
-  crossing processes goes as a shape header, then its values padded to a
-  size bucket (`transport.Dynamic`); the ratio to `fixed` is what that
-  costs (the compute is the same);
+  128 tokens, but the step's trace leaves the length unknown too);
 - `varying`: sequences of 16 to 128 tokens through `padded_batch`
   (informative: each batch is padded to its longest, about 126 tokens,
   so about the same compute).
 
-The same three in plain Keras, in 1 serial process, for comparison (the
+The same four in plain Keras, in 1 serial process, for comparison (the
 unknown length costs plain Keras too). The CPU's name is printed: figures
 hold for that CPU only. Last run: benchmarks/results_sequence_lengths.txt
-(about 3 minutes on 2 cores).
+(about 4 minutes on 2 cores).
 """
 
 import argparse
@@ -63,7 +64,7 @@ def worker(mode, pipelined, steps):
                else rng.randint(16, LENGTH + 1, size=rows))
     seqs = [rng.randint(1, VOCAB, size=n).astype("int32") for n in lengths]
     tags = [rng.randint(0, TAGS, size=n).astype("int32") for n in lengths]
-    if mode == "fixed":
+    if mode in ("declared", "fixed"):
         ds = tf.data.Dataset.from_tensor_slices(
             (np.stack(seqs), np.stack(tags))).batch(BATCH)
     else:
@@ -75,7 +76,8 @@ def worker(mode, pipelined, steps):
 
     keras.utils.set_random_seed(0)
     with strategy.scope() if strategy else contextlib.nullcontext():
-        inputs = keras.Input((None,), dtype="int32")
+        inputs = keras.Input((LENGTH if mode == "declared" else None,),
+                             dtype="int32")
         h = keras.layers.Embedding(VOCAB, 128, mask_zero=True)(inputs)
         for i in range(4):
             h = keras.layers.Dense(512, activation="relu", name=f"d{i}")(h)
@@ -123,15 +125,17 @@ def main():
     lines = [f"CPU: {cpu_model()}; 1 intra-op + 1 inter-op thread per "
              f"process; batch {BATCH}, {LENGTH} tokens (varying: 16-128), "
              f"median of {args.steps} steps",
-             f"{'run':<42}{'fixed':>10}{'padded':>10}{'varying':>10}"
-             f"{'padded/fixed':>14}"]
+             f"{'run':<36}{'declared':>10}{'fixed':>10}{'padded':>10}"
+             f"{'varying':>10}{'fixed/decl.':>13}{'padded/decl.':>14}"]
     for pipelined, label in ((False, "plain Keras, 1 process"),
-                             (True, "keras-smp, 2 stage processes, m=4")):
+                             (True, "keras-smp, 2 stage procs, m=4")):
         ms = {mode: run(mode, pipelined, args.steps)
-              for mode in ("fixed", "padded", "varying")}
-        lines.append(f"{label:<42}{ms['fixed']:>8.1f}ms{ms['padded']:>8.1f}ms"
-                     f"{ms['varying']:>8.1f}ms"
-                     f"{ms['padded'] / ms['fixed']:>13.2f}x")
+              for mode in ("declared", "fixed", "padded", "varying")}
+        lines.append(f"{label:<36}" + "".join(
+            f"{ms[k]:>8.1f}ms" for k in ("declared", "fixed", "padded",
+                                         "varying"))
+            + f"{ms['fixed'] / ms['declared']:>12.2f}x"
+            + f"{ms['padded'] / ms['declared']:>13.2f}x")
         print(lines[-1], flush=True)
     text = "\n".join(lines)
     print(text)

@@ -689,17 +689,20 @@ def test_state_a_layer_updates_on_two_stage_processes_is_refused():
     rows = {(r["case"], r["rank"]): r for r in (
         json.loads(l.split("ROW ", 1)[1]) for l in proc.stdout.splitlines()
         if "ROW {" in l)}
-    assert sorted(rows) == [(c, r) for c in ("across", "frozen", "one_stage")
-                            for r in (0, 1)], proc.stdout[-3000:]
+    cases = ("across", "frozen", "one_stage", "unfrozen")
+    assert sorted(rows) == [(c, r) for c in sorted(cases) for r in (0, 1)], \
+        proc.stdout[-3000:]
     for r in (0, 1):
-        row = rows[("across", r)]
-        assert row["type"] == "ValueError", row
-        for words in ("Layer 'bn' is called on pipeline ranks [0, 1]",
-                      "bn/moving_mean", "bn/moving_variance",
-                      "Put its calls in one stage", "local_devices"):
-            assert words in row["message"], row
-        assert row["iterations"] == 0, row
-        assert row["diff"] <= 1e-6 * max(1.0, row["scale"]), row
+        # (unfrozen: frozen when the plan was set, unfrozen before fit)
+        for row in (rows[("across", r)], rows[("unfrozen", r)]):
+            assert row["type"] == "ValueError", row
+            for words in ("Layer 'bn' is called on pipeline ranks [0, 1]",
+                          "bn/moving_mean", "bn/moving_variance",
+                          "Put its calls in one stage", "local_devices"):
+                assert words in row["message"], row
+            assert row["iterations"] == 0, row
+            assert row["diff"] <= 1e-6 * max(1.0, row["scale"]), row
+            assert 0 < row["evaluate"] < 10, row  # (runs: a loss)
         for case in ("frozen", "one_stage"):
             row = rows[(case, r)]
             assert row["type"] is None and row["iterations"] == 8, row
@@ -1254,7 +1257,8 @@ def test_one_stage_per_process_takes_inputs_of_unknown_length(tmp_path):
     # such tensors travel with their shapes (`transport.Dynamic`). Rank 1
     # reads the dataset in another order (other lengths): its batches must
     # not be used, nor their shapes (the targets, per token, come from
-    # rank 0). Weights after each fit, losses, evaluate and predictions =
+    # rank 0; `predict` traces each rank's own first batch, so whether a
+    # tensor travels with its shape is decided from the model alone). Weights after each fit, losses, evaluate and predictions =
     # plain Keras (float32 bounds: rtol 1e-5, atol 1e-6 x magnitude).
     worker, ref, run = _reference_then_run_dir(tmp_path, "dynamic_length.py")
     launch(2, [worker, "--out", str(run), "--mode", "pipeline"])
@@ -1263,6 +1267,7 @@ def test_one_stage_per_process_takes_inputs_of_unknown_length(tmp_path):
         got = load(run, r)
         assert_same_training(got, ref, keys=(
             "loss", "predict", "predict10", "ds_loss", "ds_evaluate",
+            "ds_predict",
             "pob_long", "pob_short") + tuple(f"x{i}" for i in range(7)))
 
 

@@ -520,8 +520,7 @@ class StagedGraph:
                      for n in self.nodes)
         if not symbolic and not nested:
             return [{} for _ in plain]
-        if any(hasattr(layer, "_smp_tp_mode") for s in range(self.num_stages)
-               for layer in self.stage_layers(s)):
+        if self.has_tensor_parallel_layers():
             return [{id(t): (keras_private.keras_mask(t).shape, "bool")
                      for t in carry
                      if keras_private.keras_mask(t) is not None}
@@ -595,67 +594,18 @@ class StagedGraph:
                 keras_private.call_context(None, training):
             tf.function(trace, autograph=False).get_concrete_function(*specs)
 
-    def carry_shapes(self, input_shapes):
-        """`{id(carry): shape}` of the carried tensors (and masks) whose
-        symbolic shape leaves a dimension other than the batch unknown
-        (`keras.Input((None,))`), as they are for inputs of
-        `input_shapes` (the step's batch: a sequence length known there).
-        Found by tracing the stages once per input shapes (cached).
+    def has_unknown_lengths(self):
+        """Whether an input leaves a dimension other than the batch
+        unknown (`keras.Input((None,))`): batches may come in several
+        lengths."""
+        return any(d is None for t in self.inputs
+                   for d in tuple(t.shape)[1:])
 
-        Left out, so that they cross processes with their shapes
-        (`transport.Dynamic`): tensors the trace leaves unknown (batches
-        of several lengths, `padded_batch`), and tensors of another shape
-        than the first one found in this process (TensorFlow keeps one
-        shape per transfer's instance key for the life of the process).
-        Every rank traces the same steps for the same batch specs
-        (checked before each call), so all agree."""
-        key = tuple(tuple(s) for s in input_shapes)
-        cache = self.__dict__.setdefault("_carry_shapes", {})
-        if key in cache:
-            return cache[key]
-        unknown = [t for carry in self.carries for t in carry
-                   if any(d is None for d in tuple(t.shape)[1:])]
-        found = {}
-        if unknown and any(
-                hasattr(layer, "_smp_tp_mode") for s in range(self.num_stages)
-                for layer in self.stage_layers(s)):
-            # Tensor-parallel layers' collectives are traced per stage
-            # (as for `_runtime_masks`), with keys fixed by then.
-            raise ValueError(
-                f"Tensor {unknown[0].name} of shape {unknown[0].shape} "
-                "crosses a stage boundary between processes in a model "
-                "with tensor-parallel layers; there only the batch "
-                "dimension may be unknown. Declare the inputs' length "
-                "(`keras.Input((128,))` for `keras.Input((None,))`) and "
-                "pad the data to it, or run the stages in one process "
-                "(`local_devices`).")
-        if unknown:
-            def stage_done(s, values):
-                for t in self.carries[s]:
-                    if not any(d is None for d in tuple(t.shape)[1:]):
-                        continue
-                    value = values.get(
-                        t.owner_id if isinstance(t, MaskOf) else id(t))
-                    if isinstance(t, MaskOf) and value is not None:
-                        value = keras_private.keras_mask(value)
-                    if value is None:
-                        continue
-                    shape = tuple(value.shape)
-                    if all(d is not None for d in shape[1:]):
-                        found[id(t)] = (None,) + shape[1:]
-
-            self._trace_stages(
-                [((None,) + tuple(shape)[1:], t.dtype)
-                 for shape, t in zip(input_shapes, self.inputs)],
-                stage_done)
-        first = self.__dict__.setdefault("_first_carry_shapes", {})
-        for t in unknown:
-            if id(t) in found:
-                first.setdefault(id(t), found[id(t)])
-                if first[id(t)] != found[id(t)]:
-                    del found[id(t)]
-        cache[key] = found
-        return found
+    def has_tensor_parallel_layers(self):
+        """Whether a stage holds a tensor-parallel layer."""
+        return any(hasattr(layer, "_smp_tp_mode")
+                   for s in range(self.num_stages)
+                   for layer in self.stage_layers(s))
 
     def output_masks(self):
         """Whether each flattened model output holds a Keras mask when the
@@ -887,9 +837,47 @@ class StagedGraph:
         several stages hold, that a call assigns in training (a shared
         `BatchNormalization`'s moving statistics): on one device the
         calls update one copy in turn, which copies in several stage
-        processes cannot do (`step.run_step` refuses to train them)."""
+        processes cannot do (`step.run_step` refuses to train them).
+
+        Traced again when a layer of those calls has changed `trainable`
+        since (a `BatchNormalization` frozen or unfrozen after the plan
+        was set: a frozen one updates nothing)."""
         self._call_reads()
+        calls = self.__dict__.get("_shared_calls") or []
+        key = self._trainable_key(calls)
+        if calls and key != self._updated_key:
+            updates = {}
+            try:
+                self._trace_stages(
+                    [(t.shape, t.dtype) for t in self.inputs],
+                    lambda s, values: None, training=True,
+                    reads={id(n): {} for n in calls}, updates=updates)
+            except Exception as e:  # pylint: disable=broad-except
+                warnings.warn(
+                    "keras-smp could not trace which weights the calls of "
+                    "a layer used by several pipeline stages update "
+                    f"({type(e).__name__}: {e}); a layer updating its "
+                    "state on several stage processes is not refused.",
+                    stacklevel=3)
+                updates = {}
+            self._updated = self._assigned(calls, updates)
+            self._updated_key = key
         return self._updated
+
+    @staticmethod
+    def _trainable_key(calls):
+        return tuple(bool(layer.trainable) for n in calls
+                     for layer in keras_private.flatten_layers(n.operation)
+                     if hasattr(n.operation, "_flatten_layers"))
+
+    def _assigned(self, calls, updates):
+        """`{id(weight): layer name}` of `calls`' own weights that layers
+        of several stages hold and the traced calls assign (`updates`)."""
+        users = self._shared_users
+        return {w: n.operation.name for n in calls
+                for w in updates.get(id(n), ())
+                if w in {id(v) for v in _operation_weights(n.operation)}
+                and len(users.get(w, ())) > 1}
 
     def _call_reads(self):
         """`{id(node): {id(weight)}}` for the calls of layers holding a
@@ -912,9 +900,8 @@ class StagedGraph:
         calls = [n for n in self.nodes if any(
             len(users[id(w)]) > 1 for w in _operation_weights(n.operation))]
         self._sparse, self._updated = set(), {}
-        if not calls or any(
-                hasattr(layer, "_smp_tp_mode") for s in range(self.num_stages)
-                for layer in self.stage_layers(s)):
+        self._shared_calls, self._updated_key = [], ()
+        if not calls or self.has_tensor_parallel_layers():
             self._reads_by_call = {}
             return self._reads_by_call
         reads = {id(n): {} for n in calls}
@@ -936,7 +923,9 @@ class StagedGraph:
                 f"({type(e).__name__}: {e}); all its weights count as used "
                 "by every stage calling it (tied: their gradients are "
                 "summed densely, which optimizers such as Adam treat "
-                "otherwise than a sparse gradient).", stacklevel=4)
+                "otherwise than a sparse gradient), and such a layer "
+                "updating its state (a BatchNormalization) on several "
+                "stage processes is not refused.", stacklevel=4)
             self._reads_by_call = {}
             return self._reads_by_call
         # Each call counts the reads of its layer's own weights; a weight
@@ -958,9 +947,9 @@ class StagedGraph:
                        if getattr(w, "regularizer", None) is not None}
         self._sparse = {w for w, is_sparse in sparse.items()
                         if is_sparse and w not in regularized}
-        self._updated = {w: n.operation.name for n in calls
-                         for w in updates.get(id(n), ()) if w in own[id(n)]
-                         and len(users[w]) > 1}
+        self._shared_calls, self._shared_users = calls, users
+        self._updated = self._assigned(calls, updates)
+        self._updated_key = self._trainable_key(calls)
         return self._reads_by_call
 
     def weight_users(self):

@@ -235,10 +235,9 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         if whole:
             stages[s].snapshot, stages[s].replay = _replay(
                 model, graph, s, m, batch_rows)
-    # Shapes the receiving process must know that the symbolic graph
-    # leaves open (a sequence of unknown length): as for this batch.
-    resolved = (graph.carry_shapes([t.shape for t in flat_x])
-                if links is not None else {})
+    # (Models with tensor-parallel layers: their collectives' keys are
+    # fixed when traced, so a length unknown there is refused.)
+    tp = links is not None and graph.has_tensor_parallel_layers()
     if links is None:
         transport = LocalTransport()
     else:
@@ -246,10 +245,10 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         for s in held:
             if s > 0 and not links.holds(s - 1):
                 specs[("F", s)] = sends[("B", s)] = functools.partial(
-                    _specs, graph.carries[s - 1], resolved=resolved)
+                    _specs, graph.carries[s - 1], tp=tp)
             if s < p - 1 and not links.holds(s + 1):
                 specs[("B", s)] = sends[("F", s)] = functools.partial(
-                    _specs, graph.carries[s], resolved=resolved)
+                    _specs, graph.carries[s], tp=tp)
         transport = CollectiveTransport(
             links, specs, batch // m if rows is None else
             [rows[i] for i in range(m)], send_specs=sends, after=local)
@@ -327,7 +326,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                  training,
                  variables, [grads.get(id(v)) for v in variables],
                  trackers, loss_fn, true_batch, unreached, context, static,
-                 _rows_share(true_batch, share_batch), resolved)
+                 _rows_share(true_batch, share_batch), tp)
     run.rows_share = _rows_share(true_batch, share_batch)
     if added and not model._smp_adds_losses():
         raise NotImplementedError(
@@ -373,7 +372,8 @@ def _refuse_state_updated_on_several_ranks(model, links):
             "calls in one stage (`split_points`, or `partition(i)` "
             "scopes), use a layer of its own for each call, or run the "
             "stages in one process (`local_devices`)."
-            + (f" Also: {sorted(bad)[1:]}." if len(bad) > 1 else ""))
+            + (f" So are: {[n for n in sorted(bad) if n != layer]}."
+               if len(bad) > 1 else ""))
 
 
 def _from_first_rank(model, links, x, y, sample_weight):
@@ -403,7 +403,9 @@ def _from_first_rank(model, links, x, y, sample_weight):
     flat = {role: tf.nest.flatten(part) for role, part in parts.items()}
     sent = {role: [t for t in leaves if sharable(t)]
             for role, leaves in flat.items()}
-    got, done = links.share_from_first(sent, model.num_microbatches)
+    got, done = links.share_from_first(
+        sent, model.num_microbatches,
+        lengths=model.staged_graph.has_unknown_lengths())
     for role, leaves in flat.items():
         received = iter(got[role])
         parts[role] = tf.nest.pack_sequence_as(parts[role], [
@@ -588,23 +590,32 @@ def _model_inputs_constant(fn):
     return run
 
 
-def _specs(tensors, rows, split=1, resolved=None):
+def _specs(tensors, rows, split=1, tp=False):
     """`(shape, dtype)` of tensors crossing a process boundary (`split`:
-    their last axis is split in that many slices; `resolved`: the shapes
-    of those the symbolic graph leaves open, `StagedGraph.carry_shapes`).
+    their last axis is split in that many slices).
 
-    A tensor whose shape the step's trace leaves open beyond its rows (a
-    sequence length that changes from batch to batch: `padded_batch`), or
-    whose shape is not the one it first had in this process, gets a
-    `Dynamic` shape: it travels with its shape (`StageLinks.send_dynamic`).
-    Sender and receiver derive the same specs from the same graph and
-    batch specs."""
+    A tensor whose symbolic shape leaves a dimension other than the rows
+    unknown (a sequence length: `keras.Input((None,))`) gets a `Dynamic`
+    shape: it travels with its shape (`StageLinks.send_dynamic`), whatever
+    the length of this step's batch, so sender and receiver decide alike
+    from the graph they both hold (each rank's batch may differ). `tp`:
+    the model has tensor-parallel layers, whose collectives need every
+    size known: such a tensor is refused."""
     out = []
     for t in tensors:
-        rest = list((resolved or {}).get(id(t), t.shape)[1:])
+        rest = list(t.shape[1:])
         if split > 1 and rest and rest[-1] is not None:
             rest[-1] //= split
         if any(d is None for d in rest):
+            if tp:
+                raise ValueError(
+                    f"Tensor {t.name} of shape {t.shape} crosses a stage "
+                    "boundary between processes in a model with "
+                    "tensor-parallel layers; there only the batch "
+                    "dimension may be unknown. Declare the inputs' length "
+                    "(`keras.Input((128,))` for `keras.Input((None,))`) "
+                    "and pad the data to it, or run the stages in one "
+                    "process (`local_devices`).")
             out.append((Dynamic([None] + rest), t.dtype))
             continue
         out.append((tf.concat([[rows], tf.constant(rest, tf.int32)], axis=0),
@@ -615,7 +626,7 @@ def _specs(tensors, rows, split=1, resolved=None):
 def _share(model, links, result, x, y, sample_weight, batch, rows,
            has_loss, need_outputs, training, variables, grads, trackers,
            loss_fn, true_batch, unreached, context=None, static=None,
-           rows_share=None, resolved=None):
+           rows_share=None, tp=False):
     """One stage per process: the last stage's outputs and loss to all.
 
     The last stage shares the merged outputs, the loss and the step's
@@ -632,9 +643,9 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
     # (with their Keras masks, which are not split)
     pred_specs = (_specs(graph.outputs, batch,
                          split=group.size if group is not None else 1,
-                         resolved=resolved)
+                         tp=tp)
                   + _specs(graph.carries[-1][graph.num_outputs:], batch,
-                           resolved=resolved)
+                           tp=tp)
                   if need_outputs else [])
     tracked = ([v for m in keras_private.loss_output_trackers(model)
                 for v in m.variables] if has_loss else [])
@@ -658,14 +669,12 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
         links.SHARE_SPLIT_OUTPUTS  # (another shape: its own keys)
     dynamic = (links.SHARE_DYNAMIC_OUTPUTS if group is None else
                links.SHARE_DYNAMIC_SPLIT_OUTPUTS)
-    keys = ([dynamic + i if is_dynamic(shape) else
-             links.batched_key(shares + i, rows)
-             for i, (shape, _) in enumerate(pred_specs)]
-            + [links.batched_key(k, rows) for k in
-               ([links.SHARE_LOSS] if has_loss else [])
-               + [links.SHARE_TRACKED + i for i in range(len(tracked))]])
+    positions = ([(dynamic if is_dynamic(shape) else shares) + i
+                  for i, (shape, _) in enumerate(pred_specs)]
+                 + ([links.SHARE_LOSS] if has_loss else [])
+                 + [links.SHARE_TRACKED + i for i in range(len(tracked))])
     with tf.control_dependencies([result.done]):
-        shared = links.share_from_last(mine, specs, keys)
+        shared = links.share_from_last(mine, specs, positions, rows)
     if tracked:
         changes, shared = shared[-len(tracked):], shared[:-len(tracked)]
         if not last:

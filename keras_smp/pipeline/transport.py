@@ -384,10 +384,10 @@ class StageLinks:
         ones), then its values flattened and zero-padded to the next
         `_BUCKETS` size. `keys`: `i -> instance key`, `keys(0)` the
         header's, `keys(1 + bucket)` the values' (a tensor)."""
+        rank = Dynamic(tensor.shape).shape.rank  # (checked as received)
         tensor = _to_wire(tensor)
         header = tf.pad(tf.shape(tensor, out_type=tf.int32),
-                        [[0, _MAX_RANK - tensor.shape.rank]],
-                        constant_values=1)
+                        [[0, _MAX_RANK - rank]], constant_values=1)
         flat = tf.reshape(tensor, [-1])
         bucket, padded = _bucket(tf.size(flat, out_type=tf.int32))
         flat = tf.pad(flat, [[0, padded - tf.size(flat, out_type=tf.int32)]])
@@ -561,7 +561,7 @@ class StageLinks:
         return self.reduce(tf.zeros([1]), self.keys.world(), world_size,
                            instance_key)
 
-    def share_from_first(self, tensors, microbatches):
+    def share_from_first(self, tensors, microbatches, lengths=False):
         """Broadcasts the first stage's rank's batch `tensors` (targets,
         sample weights) to every rank of the replica.
 
@@ -579,6 +579,12 @@ class StageLinks:
             microbatches: the step's microbatches `m` (keys tell batches of
                 different rows apart by their first microbatch's rows and
                 the rows modulo `m`).
+            lengths: the model's inputs leave a dimension other than the
+                rows unknown (`keras.Input((None,))`): every tensor of
+                rank 2 or more travels with its shape (`send_dynamic`), as
+                each rank's batch may have another length. (Decided from
+                the model, not from this rank's batch, so that every rank
+                decides alike.)
 
         Returns:
             `(tensors, done)`: `tensors` as given on the first stage's
@@ -604,9 +610,8 @@ class StageLinks:
         out = {role: list(ts) for role, ts in tensors.items()}
         done = []
         for role, i, t in flat:
-            slot = self._data_slot(role, i, t)
-            dynamic = (t.shape.rank is not None
-                       and not t.shape[1:].is_fully_defined())
+            dynamic = lengths and (t.shape.rank or 0) >= 2
+            slot = self._data_slot(role, i, t, dynamic)
             if sender:
                 done += (self.send_dynamic(t, group, p,
                                            self._shared_dynamic_keys(
@@ -637,7 +642,7 @@ class StageLinks:
             done.append(r)
         return out, done
 
-    def _data_slot(self, role, index, tensor):
+    def _data_slot(self, role, index, tensor, dynamic=False):
         """The position (< 100) of the batch's `index`-th tensor of `role`
         among `share_from_first`'s: one per role, index, dtype and shape
         beyond the batch, the same on every rank (they trace the same
@@ -646,6 +651,9 @@ class StageLinks:
         predict's inputs, say, where fit's targets went."""
         slots = self.keys.data_slots  # (its groups' keys: per model)
         which = (role, index, tensor.dtype.name,
+                 # (a tensor sent with its shape: its rank alone, as each
+                 # rank's batch may have another length)
+                 ("dynamic", tensor.shape.rank) if dynamic else
                  tuple(tensor.shape.as_list()[1:]) if tensor.shape.rank
                  is not None else None)
         if which not in slots:
@@ -658,14 +666,15 @@ class StageLinks:
             slots[which] = len(slots)
         return slots[which]
 
-    def share_from_last(self, tensors, specs, instance_keys):
+    def share_from_last(self, tensors, specs, positions, rows):
         """Broadcasts the last stage's `tensors` to every rank of the replica.
 
         On the last stage's rank returns `tensors` (after sending); elsewhere
-        receives tensors of `specs` (shape, dtype). `instance_keys`: one
-        per tensor; for a `Dynamic` shape, a position of `batched_key`
-        (`SHARE_DYNAMIC_OUTPUTS` + index) instead, every spec the same on
-        every rank.
+        receives tensors of `specs` (shape, dtype). `positions`: one per
+        tensor, of `batched_key` in a step whose microbatches have `rows`
+        rows; a `Dynamic` shape's travels with its shape
+        (`send_dynamic`), its keys from its position alone (every rank
+        derives the same specs from the model).
         """
         p = self.num_ranks
         if p == 1:
@@ -673,21 +682,21 @@ class StageLinks:
         key = self.keys.replica(self.replica)
         if self.rank == self.last_rank:
             sends = []
-            for t, (shape, _), k in zip(tensors, specs, instance_keys,
+            for t, (shape, _), k in zip(tensors, specs, positions,
                                         strict=True):
                 if is_dynamic(shape):
                     sends += self.send_dynamic(
                         t, key, p, self._shared_dynamic_keys(k))
                 else:
-                    sends.append(self.send(t, key, p, k))
+                    sends.append(self.send(t, key, p,
+                                           self.batched_key(k, rows)))
             with tf.control_dependencies(sends):
                 return [tf.identity(t) for t in tensors]
         return [self.recv_dynamic(shape, dtype, key, p,
                                   self._shared_dynamic_keys(k))
                 if is_dynamic(shape) else
-                self.recv(shape, dtype, key, p, k)
-                for (shape, dtype), k in zip(specs, instance_keys,
-                                             strict=True)]
+                self.recv(shape, dtype, key, p, self.batched_key(k, rows))
+                for (shape, dtype), k in zip(specs, positions, strict=True)]
 
 
 # TensorFlow's collective kernels have no bfloat16 (mixed_bfloat16 models'

@@ -12,7 +12,7 @@ tensor and its Keras mask (padded token ids, `mask_zero=True`). Both:
 2. predict sequences of 10 tokens (another length than the first);
 3. fit 2 epochs on a `padded_batch` dataset whose batches have 9, 14 and
    6 tokens (16, 16 and 8 rows; a generator: of unknown length), per-token
-   targets and sample weights; evaluate it and
+   targets and sample weights; evaluate it, predict its first batch and
    `predict_on_batch` two batches of different lengths. Rank 1 reads the
    same sequences in another order (batches of other lengths), which
    must not matter: the first stage's rank's batches train.
@@ -101,6 +101,9 @@ history = model.fit(ds, epochs=2, verbose=0)
 result["ds_loss"] = np.array(history.history["loss"])
 result.update({f"x{i}": w for i, w in enumerate(model.get_weights())})
 result["ds_evaluate"] = np.array(model.evaluate(ds, verbose=0))
+# (predict traces each rank's own first batch: 9 tokens on rank 0, other
+# lengths on rank 1; the predictions are of rank 0's)
+result["ds_predict"] = model.predict(ds.take(1), verbose=0)
 long = keras.utils.pad_sequences(first_seqs[16:32], padding="post")
 result["pob_long"] = model.predict_on_batch(long)
 result["pob_short"] = model.predict_on_batch(long[:8, :6])

@@ -15,7 +15,12 @@ largest value compared):
   trains; `diff`: the largest difference of the weights and predictions
   from plain Keras trained in this process;
 - `one_stage`: split at d3, both calls on rank 0: fit trains; `diff` as
-  for `frozen`.
+  for `frozen`;
+- `unfrozen`: as `across`, bn frozen when the model is built (the plan
+  set) and unfrozen before `compile`: fit must fail as for `across`.
+
+A refused fit's row also holds "evaluate" (the loss `evaluate` returns
+afterwards).
 """
 
 import json
@@ -57,9 +62,13 @@ def largest(a, b):
 strategy = keras_smp.SMPStrategy(partitions=2, microbatches=1,
                                  collective_timeout_seconds=120)
 for case, frozen, split in (("across", False, "d2"), ("frozen", True, "d2"),
-                            ("one_stage", False, "d3")):
+                            ("one_stage", False, "d3"),
+                            ("unfrozen", True, "d2")):
     with strategy.scope():
         model = keras_smp.DistributedModel(build(frozen), split_points=[split])
+        if case == "unfrozen":  # frozen when the plan was set
+            model.build((None, 8))
+            model.get_layer("bn").trainable, frozen = True, False
     row = {"case": case, "rank": strategy.topology.rank, "type": None,
            "message": ""}
     try:
@@ -67,6 +76,7 @@ for case, frozen, split in (("across", False, "d2"), ("frozen", True, "d2"),
     except Exception as e:  # noqa: BLE001 - reported to the test
         row.update(type=type(e).__name__, message=str(e))
         weights, pred = None, model.predict(X, verbose=0)
+        row["evaluate"] = float(model.evaluate(X, Y, verbose=0))
     row["iterations"] = int(model.optimizer.iterations.numpy())
     plain = build(frozen)
     if weights is None:  # the same (initial) weights, predict only
