@@ -50,7 +50,7 @@ LAYERS = {
         "keras_smp.runtime.xla", "keras_smp.runtime.tracing",
         "keras_smp.runtime.shutdown", "keras_smp.runtime.agreement",
         "keras_smp.runtime.loss_shares", "keras_smp.runtime.data_end",
-        "keras_smp.runtime.data_order",
+        "keras_smp.runtime.data_order", "keras_smp.runtime.sparse",
     ],
     2: [
         "keras_smp.distribute", "keras_smp.distribute.allreduce",

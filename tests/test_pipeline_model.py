@@ -1234,19 +1234,31 @@ def test_one_stage_per_process_resumes_from_backup(tmp_path, reference):
                              keys=("evaluate", "predict"))
 
 
-def _reference_then_run_dir(tmp_path, worker_name):
+def _reference_then_run_dir(tmp_path, worker_name, *flags):
     """`(worker path, its reference results, an empty run folder)`: the
-    worker's `--mode reference` (plain Keras, one device) run first."""
+    worker's `--mode reference` (plain Keras, one device) run first, with
+    `flags`."""
     worker = os.path.join(WORKERS, worker_name)
     ref_dir, run = tmp_path / "ref", tmp_path / "run"
     ref_dir.mkdir()
     run.mkdir()
-    run_python([worker, "--out", str(ref_dir), "--mode", "reference"])
+    run_python([worker, "--out", str(ref_dir), "--mode", "reference",
+                *flags])
     return worker, load(ref_dir), run
 
 
 @pytest.mark.slow
-def test_one_stage_per_process_takes_inputs_of_unknown_length(tmp_path):
+@pytest.mark.parametrize("variant", [
+    "1f1b",
+    # ZB-H1: each backward split into input gradients (I, sent to the
+    # previous stage with their shapes) and weight gradients (W) later.
+    "zb_h1",
+    # 4 model stages on the 2 processes (stages 0 and 2 on rank 0): each
+    # of the 3 boundaries crosses between them, the first with a mask;
+    # XLA compiles each stage (the reference's step too).
+    "interleaved-xla"])
+def test_one_stage_per_process_takes_inputs_of_unknown_length(tmp_path,
+                                                              variant):
     # keras.Input((None,)), as every KerasHub backbone declares: the tensor
     # crossing the stage boundary is (batch, None, 16), with its Keras
     # mask. The receiving process needs its shape: it was refused ("only
@@ -1260,8 +1272,16 @@ def test_one_stage_per_process_takes_inputs_of_unknown_length(tmp_path):
     # rank 0; `predict` traces each rank's own first batch, so whether a
     # tensor travels with its shape is decided from the model alone). Weights after each fit, losses, evaluate and predictions =
     # plain Keras (float32 bounds: rtol 1e-5, atol 1e-6 x magnitude).
-    worker, ref, run = _reference_then_run_dir(tmp_path, "dynamic_length.py")
-    launch(2, [worker, "--out", str(run), "--mode", "pipeline"])
+    jit = ["--jit"] if variant.endswith("xla") else []
+    flags = {"1f1b": [],
+             "zb_h1": ["--config", '{"pipeline": "zb_h1"}'],
+             "interleaved-xla": ["--config", '{"pipeline": "interleaved_1f1b", '
+                             '"virtual_stages": 2}',
+                             "--split", "d1,d2,head"]}[variant]
+    worker, ref, run = _reference_then_run_dir(tmp_path, "dynamic_length.py",
+                                               *jit)
+    launch(2, [worker, "--out", str(run), "--mode", "pipeline", *jit,
+               *flags])
     assert ref["pob_long"].shape == (16, 14, 5), ref["pob_long"].shape
     for r in range(2):
         got = load(run, r)
@@ -1391,6 +1411,37 @@ def test_layer_called_in_two_stage_processes_trains_as_on_one_device(
     full = int(got[0]["full_elements"])
     twice = 3 * 20 * 8 if model in ("reversible_tied", "shared_lookup") else 0
     assert full + twice <= held <= full + twice + 16, (held, full)
+
+
+@pytest.mark.parametrize("where", ["in_process", "multi_process"])
+def test_position_embedding_trains_as_on_one_device(tmp_path, reference,
+                                                    where):
+    # keras.io's TokenAndPositionEmbedding: a position embedding looked up
+    # at ops.arange(length) and added to every row. One device's gradient
+    # holds each position once, its rows summed over the batch; each
+    # microbatch gave its own rows for the same positions, concatenated,
+    # and Adam (which adds each row's square to its second moment) then
+    # stepped otherwise: weights 1e-3 from plain Keras after one step on
+    # a seq2seq Transformer (docs/what-works.md). The microbatches' rows
+    # of such a lookup (its ids do not come from the data) are now summed
+    # id by id; the token lookup's stay concatenated, as one device gives
+    # them. Adam, 4 microbatches, a last batch of 26 rows (unequal
+    # microbatches), per-token weights under the tokens' mask. Suite
+    # bounds (float32 rounding, rtol 1e-5).
+    config = json.dumps({"partitions": 2, "microbatches": 4,
+                         "collective_timeout_seconds": 120})
+    flags = ["--model", "positions", "--optimizer", "adam", "--partial",
+             "--samples", "250"]
+    run = fit_model(tmp_path, *flags, "--pipelined", "--config", config)
+    if where == "in_process":
+        run_python(run + ["--local-devices", "2"])
+        ranks = [0]
+    else:
+        launch(2, run)
+        ranks = [0, 1]
+    ref = reference(*flags)
+    for r in ranks:
+        assert_same_training(load(tmp_path, r), ref)
 
 
 def test_xla_with_batchnorm_and_dropout_in_every_mode(tmp_path):

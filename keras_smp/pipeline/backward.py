@@ -24,6 +24,8 @@ exactly what `stage_backward` computes.
 
 import tensorflow as tf
 
+from keras_smp.runtime.sparse import merge_rows
+
 
 def stage_backward(outputs, inputs, variables, output_grads=None):
     """Gradients of one stage's microbatch w.r.t. its inputs and variables.
@@ -327,11 +329,14 @@ def _replica_variable(v):
     return value
 
 
-def accumulate(total, grad):
+def accumulate(total, grad, merge=False):
     """`total + grad` for dense or sparse (`tf.IndexedSlices`) gradients.
 
-    Sparse plus sparse stays sparse (the slices are concatenated; the
-    optimizer sums duplicate rows); sparse plus dense becomes dense.
+    Sparse plus sparse stays sparse: the slices are concatenated (the
+    rows of a lookup of the data, as one lookup of the whole batch gives
+    them), or with `merge` summed id by id (`sparse.merge_rows`: a lookup
+    whose ids do not come from the data, which gives each id once for the
+    whole batch). Sparse plus dense becomes dense.
 
     Example:
 
@@ -350,6 +355,8 @@ def accumulate(total, grad):
         return total
     sparse = (isinstance(total, tf.IndexedSlices),
               isinstance(grad, tf.IndexedSlices))
+    if all(sparse) and merge:
+        return merge_rows([total, grad])
     if all(sparse):
         return tf.IndexedSlices(
             tf.concat([total.values, grad.values], axis=0),

@@ -62,7 +62,7 @@ def _operation_weights(operation):
     return list(getattr(operation, "weights", None) or [])
 
 
-def _note_reads(found, seen, outputs, training):
+def _note_reads(found, seen, outputs, training, free=None, sources=()):
     """Notes in `found` (`id(weight) -> sparse?`) the weights of `seen`
     (`(weight, value read)` pairs of one traced call: values of the traced
     graph, `patches.variable_reads`), and in training whether the
@@ -70,8 +70,13 @@ def _note_reads(found, seen, outputs, training):
     trainable one is sparse (`tf.IndexedSlices`: an `Embedding` lookup)
     in every read of it (`None`: an inference read, a non-trainable
     weight, or no gradient: the read reaches no output). A gradient
-    TensorFlow cannot take here counts as dense."""
+    TensorFlow cannot take here counts as dense. `free`: a dict taking
+    `id(weight) -> whether every sparse gradient of it has ids computed
+    without the values of `sources` (the model's inputs in the trace:
+    `sparse.follows_data`)."""
     import tensorflow as tf
+
+    from keras_smp.runtime.sparse import follows_data
 
     outs = [t for t in tree.flatten(outputs)
             if tf.is_tensor(t) and t.dtype.is_floating]
@@ -92,6 +97,9 @@ def _note_reads(found, seen, outputs, training):
             sparse = isinstance(grad, tf.IndexedSlices)
             before = found[id(w)]
             found[id(w)] = sparse if before is None else before and sparse
+            if free is not None:
+                own = sparse and not follows_data(grad.indices, sources)
+                free[id(w)] = free.get(id(w), True) and own
 
 
 def _paired_inputs(given, inner_inputs):
@@ -539,7 +547,7 @@ class StagedGraph:
         return found
 
     def _trace_stages(self, input_specs, stage_done, training=False,
-                      reads=None, scoped=True, updates=None):
+                      reads=None, scoped=True, updates=None, free=None):
         """Runs the stages in order, in inference mode (or `training`),
         into a graph that is never run, on inputs of `input_specs`
         (`(shape, dtype)`); `stage_done(stage, values)` sees
@@ -547,7 +555,10 @@ class StagedGraph:
         dict}` of nodes whose calls note the weights they read (`id(weight)
         -> whether its gradient there is sparse`, `_note_reads`);
         `updates`: a dict taking, for those calls, `id(node) -> {id(weight)
-        the call assigns}` (in training: moving statistics).
+        the call assigns}` (in training: moving statistics). `free`: a
+        dict taking, for the weights those calls read, whether their
+        sparse gradients' ids are computed without the inputs' values
+        (`_note_reads`).
         `scoped`: inside `trace_scope` (other stages' weights as
         shapes)."""
         import keras
@@ -576,7 +587,8 @@ class StagedGraph:
                     if seen:
                         # (the losses it added count as its outputs)
                         _note_reads(reads[id(node)], seen,
-                                    [outs, scope.losses[before:]], training)
+                                    [outs, scope.losses[before:]], training,
+                                    free, tensors)
                     for x, y in zip(tree.flatten(node.outputs),
                                     tree.flatten(outs)):
                         values[id(x)] = y
@@ -593,6 +605,52 @@ class StagedGraph:
         with tf.init_scope(), within(), scope, \
                 keras_private.call_context(None, training):
             tf.function(trace, autograph=False).get_concrete_function(*specs)
+
+    def batch_free_sparse(self):
+        """Ids of the trainable weights whose gradient is sparse wherever
+        they are read in training, with ids not computed from the model
+        inputs' values: a position embedding (`Embedding(maxlen)` looked
+        up at `ops.arange(length)` and added to every row). One device
+        gives each id once for the whole batch, its rows summed; the
+        microbatches' parts are therefore summed id by id
+        (`keras_smp.runtime.sparse`), where a lookup of the data
+        concatenates them.
+
+        Traced once (training, into a graph never run) for the calls of
+        layers holding an `Embedding`; a weight a gather of another layer
+        reads sparsely keeps concatenating. When the trace fails, none
+        (with a warning).
+        """
+        cached = self.__dict__.get("_batch_free")
+        if cached is not None:
+            return cached
+        import keras
+
+        calls = [n for n in self.nodes
+                 if any(w.trainable for w in _operation_weights(n.operation))
+                 and any(isinstance(layer, keras.layers.Embedding)
+                         for layer in keras_private.flatten_layers(
+                             n.operation)
+                         if hasattr(n.operation, "_flatten_layers"))]
+        free = {}
+        if calls and not self.has_tensor_parallel_layers():
+            try:
+                self._trace_stages(
+                    [(t.shape, t.dtype) for t in self.inputs],
+                    lambda s, values: None, training=True,
+                    reads={id(n): {} for n in calls}, free=free)
+            except Exception as e:  # pylint: disable=broad-except
+                # (the same on every rank: the same model, traced alike)
+                warnings.warn(
+                    "keras-smp could not trace which embedding lookups of "
+                    f"the model use ids that do not come from the data "
+                    f"({type(e).__name__}: {e}); their microbatches' "
+                    "sparse gradients are concatenated, which optimizers "
+                    "such as Adam apply otherwise than one device's "
+                    "(a position embedding's).", stacklevel=3)
+                free = {}
+        self._batch_free = {w for w, ok in free.items() if ok}
+        return self._batch_free
 
     def has_unknown_lengths(self):
         """Whether an input leaves a dimension other than the batch

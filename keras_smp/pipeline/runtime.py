@@ -72,6 +72,10 @@ class Stage:
             activity regularizers; weighted for the step), or `None`. Its
             gradient joins the stage's backward: its weights' gradients,
             and its inputs' (to the previous stage).
+        merge_rows: indices into `variables` of those whose sparse
+            gradients' microbatch parts are summed id by id, not
+            concatenated (`keras_smp.runtime.sparse`: a lookup whose ids
+            do not come from the data, as a position embedding's).
     """
 
     index: int
@@ -81,6 +85,7 @@ class Stage:
     replay: object = None
     snapshot: object = None
     adds_loss: bool = False
+    merge_rows: frozenset = frozenset()
 
 
 @dataclasses.dataclass
@@ -488,8 +493,9 @@ class _Builder:
         not all kept until the end of the step (m times the weights'
         size, with one inter-op thread)."""
         total, summed = self.grads[s], []
+        merge = self.stages[s].merge_rows
         for i, g in enumerate(var_grads):
-            total[i] = accumulate(total[i], g)
+            total[i] = accumulate(total[i], g, merge=i in merge)
             if g is not None:
                 summed.append(total[i])
         return summed

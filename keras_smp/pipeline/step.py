@@ -192,6 +192,11 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     if unreached:
         _check_some_weight_trains(model, unreached)
     stages = {}
+    # Sparse gradients whose ids do not come from the data (a position
+    # embedding's): the microbatches' rows are summed id by id, as one
+    # device's lookup for the whole batch gives them.
+    batch_free = (graph.batch_free_sparse() if training and m > 1
+                  else set())
     added = []  # the forwards' added losses, as logged
     # Between processes sends block until the peer posts the receive:
     # receives are moved to their posting points.
@@ -231,7 +236,10 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         stages[s] = Stage(s, _adding_losses(model, graph, s, fn, training,
                                             m, added, batch_rows),
                           stage_vars[s] if training else [],
-                          devices[s], adds_loss=True)
+                          devices[s], adds_loss=True,
+                          merge_rows=frozenset(
+                              i for i, v in enumerate(stage_vars[s])
+                              if id(v) in batch_free))
         if whole:
             stages[s].snapshot, stages[s].replay = _replay(
                 model, graph, s, m, batch_rows)

@@ -36,7 +36,7 @@ p.add_argument("--model",
                choices=["mlp", "tied", "manual", "deep", "tokens", "wide",
                         "nested", "subclassed", "reversible",
                         "reversible_tied", "reversible_frozen",
-                        "shared_lookup"],
+                        "shared_lookup", "positions"],
                default="mlp",
                help="manual: the mlp as a subclassed DistributedModel with "
                "partition scopes when pipelined (plain mlp otherwise); "
@@ -48,7 +48,9 @@ p.add_argument("--model",
                "ReversibleEmbedding called again at the end as the output "
                "projection (its own weight, the embeddings transposed, or "
                "frozen); shared_lookup: one Embedding looked up in both "
-               "stages; "
+               "stages; positions: tokens plus a position embedding "
+               "looked up at ops.arange(length) (keras.io's "
+               "TokenAndPositionEmbedding); "
                "wide: a 1024 x 1024 kernel (4 MB of gradients: a bucket "
                "the ring all-reduce cuts into pieces on CPU)")
 p.add_argument("--no-metrics", action="store_true",
@@ -89,7 +91,7 @@ w_true = rng.randn(8, 3).astype("float32")
 y = np.argmax(x @ w_true + 0.1 * rng.randn(args.samples, 3), axis=1)
 sw = rng.uniform(0.5, 1.5, size=args.samples).astype("float32")
 if args.model in ("tokens", "reversible", "reversible_tied",
-                  "reversible_frozen", "shared_lookup"):
+                  "reversible_frozen", "shared_lookup", "positions"):
     # Padded token sequences of uneven lengths, a loss per token (under the
     # embedding's mask for "tokens": replicas hold different numbers of
     # real tokens).
@@ -118,6 +120,25 @@ if args.pipelined:
                 h = self.d1(x)
             with keras_smp.partition(1):
                 return self.d3(self.d2(h))
+
+
+class TokenAndPosition(keras.layers.Layer):
+    """keras.io's TokenAndPositionEmbedding: token ids looked up, plus a
+    position embedding looked up at `ops.arange(length)` (ids that do not
+    come from the data: one device's gradient holds each position once,
+    its rows summed over the batch)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens = keras.layers.Embedding(20, 8, mask_zero=True)
+        self.positions = keras.layers.Embedding(8, 8)
+
+    def call(self, x):
+        positions = keras.ops.arange(0, keras.ops.shape(x)[-1])
+        return self.tokens(x) + self.positions(positions)
+
+    def compute_mask(self, x, mask=None):
+        return keras.ops.not_equal(x, 0)
 
 
 def build():
@@ -173,6 +194,13 @@ def build():
             keras.layers.Embedding(20, 8, mask_zero=True),
             keras.layers.Dense(16, activation="tanh"),
             keras.layers.Dense(3),
+        ])
+    elif args.model == "positions":
+        model = keras.Sequential([
+            keras.Input((8,), dtype="int32"),
+            TokenAndPosition(name="tok_pos"),
+            keras.layers.Dense(16, activation="tanh", name="d1"),
+            keras.layers.Dense(3, name="out"),
         ])
     elif args.model == "wide":
         model = keras.Sequential([
