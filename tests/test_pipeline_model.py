@@ -1423,9 +1423,12 @@ def test_position_embedding_trains_as_on_one_device(tmp_path, reference,
     # and Adam (which adds each row's square to its second moment) then
     # stepped otherwise: weights 1e-3 from plain Keras after one step on
     # a seq2seq Transformer (docs/what-works.md). The microbatches' rows
-    # of such a lookup (its ids do not come from the data) are now summed
-    # id by id; the token lookup's stay concatenated, as one device gives
-    # them. Adam, 4 microbatches, a last batch of 26 rows (unequal
+    # of such a lookup (ids neither from the data nor growing with the
+    # batch) are now added position by position. Beside it, in the same
+    # layer: a table looked up at arange(length) // 2 (each id twice: the
+    # repeats must stay) and one at the positions broadcast over the batch
+    # (a row per sample, as token ids: concatenated, as are the tokens').
+    # Adam, 4 microbatches, a last batch of 26 rows (unequal
     # microbatches), per-token weights under the tokens' mask. Suite
     # bounds (float32 rounding, rtol 1e-5).
     config = json.dumps({"partitions": 2, "microbatches": 4,

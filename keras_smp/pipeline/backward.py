@@ -24,7 +24,7 @@ exactly what `stage_backward` computes.
 
 import tensorflow as tf
 
-from keras_smp.runtime.sparse import merge_rows
+from keras_smp.runtime.sparse import add_rows
 
 
 def stage_backward(outputs, inputs, variables, output_grads=None):
@@ -329,14 +329,16 @@ def _replica_variable(v):
     return value
 
 
-def accumulate(total, grad, merge=False):
+def accumulate(total, grad, merge=False, what="a sparse gradient"):
     """`total + grad` for dense or sparse (`tf.IndexedSlices`) gradients.
 
-    Sparse plus sparse stays sparse: the slices are concatenated (the
-    rows of a lookup of the data, as one lookup of the whole batch gives
-    them), or with `merge` summed id by id (`sparse.merge_rows`: a lookup
-    whose ids do not come from the data, which gives each id once for the
-    whole batch). Sparse plus dense becomes dense.
+    Sparse plus sparse stays sparse: the slices are concatenated (a
+    lookup with a row per sample: one lookup of the whole batch gives
+    their rows one after the other), or with `merge` added position by
+    position (`sparse.add_rows`: a lookup whose ids do not depend on the
+    batch, which gives the same ids for any batch, each row summed over
+    it; `what` names the gradient in the error when the ids differ).
+    Sparse plus dense becomes dense.
 
     Example:
 
@@ -356,7 +358,7 @@ def accumulate(total, grad, merge=False):
     sparse = (isinstance(total, tf.IndexedSlices),
               isinstance(grad, tf.IndexedSlices))
     if all(sparse) and merge:
-        return merge_rows([total, grad])
+        return add_rows(total, grad, what)
     if all(sparse):
         return tf.IndexedSlices(
             tf.concat([total.values, grad.values], axis=0),

@@ -71,9 +71,9 @@ def _note_reads(found, seen, outputs, training, free=None, sources=()):
     in every read of it (`None`: an inference read, a non-trainable
     weight, or no gradient: the read reaches no output). A gradient
     TensorFlow cannot take here counts as dense. `free`: a dict taking
-    `id(weight) -> whether every sparse gradient of it has ids computed
-    without the values of `sources` (the model's inputs in the trace:
-    `sparse.follows_data`)."""
+    `id(weight) -> [per read: the static shape of its sparse gradient's
+    ids when they are computed without the values of `sources` (the
+    model's inputs in the trace: `sparse.follows_data`), else None]`."""
     import tensorflow as tf
 
     from keras_smp.runtime.sparse import follows_data
@@ -98,8 +98,10 @@ def _note_reads(found, seen, outputs, training, free=None, sources=()):
             before = found[id(w)]
             found[id(w)] = sparse if before is None else before and sparse
             if free is not None:
-                own = sparse and not follows_data(grad.indices, sources)
-                free[id(w)] = free.get(id(w), True) and own
+                free.setdefault(id(w), []).append(
+                    tuple(grad.indices.shape)
+                    if sparse and not follows_data(grad.indices, sources)
+                    else None)
 
 
 def _paired_inputs(given, inner_inputs):
@@ -556,9 +558,9 @@ class StagedGraph:
         -> whether its gradient there is sparse`, `_note_reads`);
         `updates`: a dict taking, for those calls, `id(node) -> {id(weight)
         the call assigns}` (in training: moving statistics). `free`: a
-        dict taking, for the weights those calls read, whether their
-        sparse gradients' ids are computed without the inputs' values
-        (`_note_reads`).
+        dict taking, for the weights those calls read, their sparse
+        gradients' ids' shapes where they are computed without the inputs'
+        values (`_note_reads`).
         `scoped`: inside `trace_scope` (other stages' weights as
         shapes)."""
         import keras
@@ -606,51 +608,70 @@ class StagedGraph:
                 keras_private.call_context(None, training):
             tf.function(trace, autograph=False).get_concrete_function(*specs)
 
-    def batch_free_sparse(self):
-        """Ids of the trainable weights whose gradient is sparse wherever
-        they are read in training, with ids not computed from the model
-        inputs' values: a position embedding (`Embedding(maxlen)` looked
-        up at `ops.arange(length)` and added to every row). One device
-        gives each id once for the whole batch, its rows summed; the
-        microbatches' parts are therefore summed id by id
-        (`keras_smp.runtime.sparse`), where a lookup of the data
-        concatenates them.
+    def batch_free_sparse(self, stages=None):
+        """Ids of the trainable weights, read in `stages` (default: all),
+        whose gradient is sparse wherever they are read in training, with
+        ids that neither come from the model inputs' values nor change
+        with the batch size: a position embedding (`Embedding(maxlen)`
+        looked up at `ops.arange(length)` and added to every row). One
+        device's gradient then holds the same ids for any batch, each row
+        summed over it, so the microbatches' rows are added position by
+        position (`keras_smp.runtime.sparse`); other sparse gradients
+        (token ids, position ids broadcast over the batch) concatenate.
 
-        Traced once (training, into a graph never run) for the calls of
-        layers holding an `Embedding`; a weight a gather of another layer
-        reads sparsely keeps concatenating. When the trace fails, none
-        (with a warning).
+        Traced in training (into graphs never run) for the calls of layers
+        holding an `Embedding`, at batch sizes 2 and 3 (other unknown
+        dimensions 8): a weight qualifies when every read's ids have the
+        same fully known shape at both. A gather of a layer holding no
+        `Embedding` keeps concatenating. Traced again when such a layer's
+        `trainable` changed. When the trace fails, none (with a warning).
         """
-        cached = self.__dict__.get("_batch_free")
-        if cached is not None:
-            return cached
         import keras
 
-        calls = [n for n in self.nodes
-                 if any(w.trainable for w in _operation_weights(n.operation))
-                 and any(isinstance(layer, keras.layers.Embedding)
-                         for layer in keras_private.flatten_layers(
-                             n.operation)
-                         if hasattr(n.operation, "_flatten_layers"))]
-        free = {}
+        def holds_embedding(node):
+            op = node.operation
+            return hasattr(op, "_flatten_layers") and any(
+                isinstance(layer, keras.layers.Embedding)
+                for layer in keras_private.flatten_layers(op))
+
+        wanted = set(range(self.num_stages) if stages is None else stages)
+        calls = [n for n in self.nodes if holds_embedding(n)
+                 and self.stage_of[id(n)] in wanted]
+        key = (tuple(sorted(wanted)), self._trainable_key(calls))
+        cached = self.__dict__.get("_batch_free")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        calls = [n for n in calls if any(
+            w.trainable for w in _operation_weights(n.operation))]
+        found = None
         if calls and not self.has_tensor_parallel_layers():
+            traces = []
             try:
-                self._trace_stages(
-                    [(t.shape, t.dtype) for t in self.inputs],
-                    lambda s, values: None, training=True,
-                    reads={id(n): {} for n in calls}, free=free)
+                for rows in (2, 3):
+                    free = {}
+                    self._trace_stages(
+                        [((rows,) + tuple(8 if d is None else d
+                                          for d in tuple(t.shape)[1:]),
+                          t.dtype) for t in self.inputs],
+                        lambda s, values: None, training=True,
+                        reads={id(n): {} for n in calls}, free=free)
+                    traces.append(free)
             except Exception as e:  # pylint: disable=broad-except
                 # (the same on every rank: the same model, traced alike)
                 warnings.warn(
                     "keras-smp could not trace which embedding lookups of "
-                    f"the model use ids that do not come from the data "
+                    "the model use ids that do not depend on the batch "
                     f"({type(e).__name__}: {e}); their microbatches' "
                     "sparse gradients are concatenated, which optimizers "
                     "such as Adam apply otherwise than one device's "
                     "(a position embedding's).", stacklevel=3)
-                free = {}
-        self._batch_free = {w for w, ok in free.items() if ok}
-        return self._batch_free
+            else:
+                found = {w for w, shapes in traces[0].items()
+                         if shapes == traces[1].get(w) and all(
+                             shape is not None and None not in shape
+                             for shape in shapes)}
+        self._batch_free = (key, found or set())
+        return self._batch_free[1]
 
     def has_unknown_lengths(self):
         """Whether an input leaves a dimension other than the batch

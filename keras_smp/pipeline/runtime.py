@@ -245,6 +245,10 @@ def execute(actions, stages, transport, num_stages, inputs, loss_fn=None,
     return run.result(lists)
 
 
+def _name(variable):
+    return getattr(variable, "path", None) or getattr(variable, "name", "?")
+
+
 class _Builder:
     """Builds the ops of actions, one at a time, keeping per-stage state."""
 
@@ -493,9 +497,11 @@ class _Builder:
         not all kept until the end of the step (m times the weights'
         size, with one inter-op thread)."""
         total, summed = self.grads[s], []
-        merge = self.stages[s].merge_rows
+        stage = self.stages[s]
         for i, g in enumerate(var_grads):
-            total[i] = accumulate(total[i], g, merge=i in merge)
+            total[i] = accumulate(
+                total[i], g, merge=i in stage.merge_rows,
+                what=f"the gradient of {_name(stage.variables[i])}")
             if g is not None:
                 summed.append(total[i])
         return summed

@@ -195,7 +195,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     # Sparse gradients whose ids do not come from the data (a position
     # embedding's): the microbatches' rows are summed id by id, as one
     # device's lookup for the whole batch gives them.
-    batch_free = (graph.batch_free_sparse() if training and m > 1
+    batch_free = (graph.batch_free_sparse(held) if training and m > 1
                   else set())
     added = []  # the forwards' added losses, as logged
     # Between processes sends block until the peer posts the receive:

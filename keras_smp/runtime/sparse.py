@@ -1,33 +1,37 @@
-"""Sparse gradients (`tf.IndexedSlices`) split over microbatches or replicas.
+"""Sparse gradients (`tf.IndexedSlices`) split over microbatches.
 
 Keras optimizers apply a sparse gradient row by row as it comes: Adam adds
-each row's square to its second moment, so a row repeated in the slices
+each row's square to its second moment, so an id repeated in the slices
 updates it otherwise than the rows summed first (`v += (1-b2)(g1^2 - v) +
-(1-b2)(g2^2 - v)`, not `(1-b2)((g1+g2)^2 - v)`). Training split into parts
-is then single-device training only when the parts' slices, put together,
-are the slices the whole batch gives:
+(1-b2)(g2^2 - v)`, not `(1-b2)((g1+g2)^2 - v)`). Training split into
+microbatches is then single-device training only when the microbatches'
+slices, put together, hold the rows the whole batch gives:
 
-- a lookup of the data (an `Embedding` of token ids) gives a row per
-  looked-up id: the whole batch's slices are the parts' slices one after
-  the other (`tf.concat`), repeated ids included;
-- a lookup whose ids do not come from the data (a position embedding,
-  `Embedding(maxlen)(ops.arange(length))`, added to every row) gives one
-  row per id whatever the batch: the whole batch's rows are the parts'
-  rows summed id by id (`merge_rows`).
+- a lookup of ids with a row per sample (an `Embedding` of token ids, or
+  position ids broadcast over the batch) gives a row per id looked up:
+  the whole batch's rows are the microbatches' rows one after the other
+  (`tf.concat`), repeated ids included;
+- a lookup whose ids neither come from the data nor grow with the batch
+  (a position embedding looked up at `ops.arange(length)` and added to
+  every row) gives the same rows for any batch, each the sum over the
+  batch: the whole batch's rows are the microbatches' rows added position
+  by position (`add_rows`).
 
-`follows_data` tells the two apart in a traced graph.
+`follows_data` is half of telling them apart in a traced graph; the other
+half is whether the ids' shape changes with the batch size
+(`StagedGraph.batch_free_sparse` traces at two sizes).
 
 Example:
 
 ```python
 import tensorflow as tf
-from keras_smp.runtime.sparse import merge_rows
-a = tf.IndexedSlices(tf.ones([2, 3]), tf.constant([0, 1]), tf.constant([4, 3]))
-b = tf.IndexedSlices(2 * tf.ones([2, 3]), tf.constant([0, 1]),
+from keras_smp.runtime.sparse import add_rows
+a = tf.IndexedSlices(tf.ones([2, 3]), tf.constant([0, 0]), tf.constant([4, 3]))
+b = tf.IndexedSlices(2 * tf.ones([2, 3]), tf.constant([0, 0]),
                      tf.constant([4, 3]))
-merged = merge_rows([a, b])
-assert merged.indices.numpy().tolist() == [0, 1]
-assert merged.values.numpy().tolist() == [[3.0] * 3] * 2
+summed = add_rows(a, b)
+assert summed.indices.numpy().tolist() == [0, 0]  # repeats kept
+assert summed.values.numpy().tolist() == [[3.0] * 3] * 2
 ```
 """
 
@@ -41,6 +45,8 @@ _SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank",
 def follows_data(tensor, sources):
     """Whether `tensor` is computed from the values of `sources` (tensors of
     the same graph), not only from their shapes, constants and variables.
+    (Ids computed from the shapes alone may still grow with the batch:
+    `ops.zeros(ops.shape(x))`; that is told by tracing at two sizes.)
 
     Walks `tensor`'s inputs back through the graph (not into functions it
     calls: a function call's outputs follow all its inputs).
@@ -60,13 +66,23 @@ def follows_data(tensor, sources):
     return False
 
 
-def merge_rows(parts):
-    """One `tf.IndexedSlices` holding each id of `parts` once, its rows
-    summed, in the order the ids first come (the first part's order when
-    every part has the same ids: what one lookup of those ids gives for
-    the whole batch)."""
-    values = tf.concat([p.values for p in parts], axis=0)
-    ids = tf.concat([p.indices for p in parts], axis=0)
-    unique, where = tf.unique(ids)
-    summed = tf.math.unsorted_segment_sum(values, where, tf.size(unique))
-    return tf.IndexedSlices(summed, unique, parts[0].dense_shape)
+def add_rows(total, part, what="a sparse gradient"):
+    """`total` and `part` (`tf.IndexedSlices` of the same ids in the same
+    order) as one: their rows added position by position, the ids (and
+    their repeats) kept. Fails when the ids differ (`what` names the
+    gradient): they were expected not to depend on the batch."""
+    a, b = total.indices, part.indices
+    same_size = tf.equal(tf.size(a), tf.size(b))
+    same = tf.cond(
+        same_size,
+        lambda: tf.reduce_all(tf.equal(a, tf.reshape(b, tf.shape(a)))),
+        lambda: tf.constant(False))
+    check = tf.debugging.Assert(same, [
+        f"keras-smp: the ids of {what} differ between microbatches, where "
+        "the model's trace found them independent of the batch (computed "
+        "from shapes and constants, their number the same at any batch "
+        "size). Use microbatches=1, or report the model.", a, b],
+        summarize=8)
+    with tf.control_dependencies([check]):
+        return tf.IndexedSlices(total.values + part.values, total.indices,
+                                total.dense_shape)

@@ -124,18 +124,25 @@ if args.pipelined:
 
 class TokenAndPosition(keras.layers.Layer):
     """keras.io's TokenAndPositionEmbedding: token ids looked up, plus a
-    position embedding looked up at `ops.arange(length)` (ids that do not
-    come from the data: one device's gradient holds each position once,
-    its rows summed over the batch)."""
+    position embedding looked up at `ops.arange(length)` (ids that neither
+    come from the data nor grow with the batch: one device's gradient
+    holds each position once, its rows summed over the batch); also a
+    table looked up at `arange(length) // 2` (each id twice, still the
+    same ids for any batch) and one at the positions broadcast over the
+    batch (a row per sample and position, as token ids give)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.tokens = keras.layers.Embedding(20, 8, mask_zero=True)
         self.positions = keras.layers.Embedding(8, 8)
+        self.pairs = keras.layers.Embedding(4, 8)
+        self.slots = keras.layers.Embedding(8, 8)
 
     def call(self, x):
         positions = keras.ops.arange(0, keras.ops.shape(x)[-1])
-        return self.tokens(x) + self.positions(positions)
+        slots = keras.ops.broadcast_to(positions[None, :], keras.ops.shape(x))
+        return (self.tokens(x) + self.positions(positions)
+                + self.pairs(positions // 2) + self.slots(slots))
 
     def compute_mask(self, x, mask=None):
         return keras.ops.not_equal(x, 0)
