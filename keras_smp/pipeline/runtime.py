@@ -73,9 +73,9 @@ class Stage:
             gradient joins the stage's backward: its weights' gradients,
             and its inputs' (to the previous stage).
         merge_rows: indices into `variables` of those whose sparse
-            gradients' microbatch parts are summed id by id, not
-            concatenated (`keras_smp.runtime.sparse`: a lookup whose ids
-            do not come from the data, as a position embedding's).
+            gradients' microbatch parts are added position by position,
+            not concatenated (`keras_smp.runtime.sparse`: a lookup whose
+            ids do not depend on the batch, as a position embedding's).
     """
 
     index: int

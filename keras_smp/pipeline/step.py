@@ -192,9 +192,9 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     if unreached:
         _check_some_weight_trains(model, unreached)
     stages = {}
-    # Sparse gradients whose ids do not come from the data (a position
-    # embedding's): the microbatches' rows are summed id by id, as one
-    # device's lookup for the whole batch gives them.
+    # Sparse gradients whose ids do not depend on the batch (a position
+    # embedding's): the microbatches' rows are added position by position,
+    # as one device's lookup for the whole batch gives them.
     batch_free = (graph.batch_free_sparse(held) if training and m > 1
                   else set())
     added = []  # the forwards' added losses, as logged
