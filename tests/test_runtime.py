@@ -164,3 +164,28 @@ def test_tensors_of_unknown_shape_use_keys_no_other_transfer_uses():
     assert L.SHARE_DYNAMIC_SPLIT_OUTPUTS + 500 <= L.ROWS_STRIDE
     assert L._shared_dynamic_keys(L.ROWS_STRIDE - 1)(
         len(buckets)) < np.iinfo(np.int32).max
+
+
+def test_position_lookups_are_told_from_lookups_with_a_row_per_sample():
+    # tests/workers/sparse_ids.py: a model (inputs of unknown length)
+    # looking tables up at ids of every kind. Only ids computed from
+    # constants and shapes, as many at any batch size, are added position
+    # by position over microbatches (one device's gradient holds them
+    # once, rows summed over the batch): arange(length), arange // 2 (its
+    # repeats kept), a constant arange(3). Not: token ids, positions
+    # broadcast over the batch, zeros of the batch's shape, random ids (a
+    # seed generator's: new in every microbatch, which add_rows' check
+    # would stop), a position table read with ops.take in a layer holding
+    # no Embedding (not traced).
+    proc = run_python([os.path.join(WORKERS, "sparse_ids.py")], timeout=300)
+    rows = [json.loads(line.split("ROW ", 1)[1])
+            for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+    assert len(rows) == 1, proc.stdout
+    row = rows[0]
+    assert row["batch_free"] == ["constant", "pairs", "positions"], row
+    assert row["cached"], row
+    # Ids that differ between microbatches are an error naming the
+    # gradient, not a silent sum.
+    assert row["error"] and "the ids of the gradient of t differ" in \
+        row["error"], row
+    assert row["examples"] == 1, row

@@ -62,7 +62,7 @@ def _operation_weights(operation):
     return list(getattr(operation, "weights", None) or [])
 
 
-def _note_reads(found, seen, outputs, training, free=None, sources=()):
+def _note_reads(found, seen, outputs, training, free=None):
     """Notes in `found` (`id(weight) -> sparse?`) the weights of `seen`
     (`(weight, value read)` pairs of one traced call: values of the traced
     graph, `patches.variable_reads`), and in training whether the
@@ -72,11 +72,11 @@ def _note_reads(found, seen, outputs, training, free=None, sources=()):
     weight, or no gradient: the read reaches no output). A gradient
     TensorFlow cannot take here counts as dense. `free`: a dict taking
     `id(weight) -> [per read: the static shape of its sparse gradient's
-    ids when they are computed without the values of `sources` (the
-    model's inputs in the trace: `sparse.follows_data`), else None]`."""
+    ids when they are computed from constants and shapes alone
+    (`sparse.from_shapes`), else None]`."""
     import tensorflow as tf
 
-    from keras_smp.runtime.sparse import follows_data
+    from keras_smp.runtime.sparse import from_shapes
 
     outs = [t for t in tree.flatten(outputs)
             if tf.is_tensor(t) and t.dtype.is_floating]
@@ -100,8 +100,7 @@ def _note_reads(found, seen, outputs, training, free=None, sources=()):
             if free is not None:
                 free.setdefault(id(w), []).append(
                     tuple(grad.indices.shape)
-                    if sparse and not follows_data(grad.indices, sources)
-                    else None)
+                    if sparse and from_shapes(grad.indices) else None)
 
 
 def _paired_inputs(given, inner_inputs):
@@ -549,7 +548,8 @@ class StagedGraph:
         return found
 
     def _trace_stages(self, input_specs, stage_done, training=False,
-                      reads=None, scoped=True, updates=None, free=None):
+                      reads=None, scoped=True, updates=None, free=None,
+                      until=None):
         """Runs the stages in order, in inference mode (or `training`),
         into a graph that is never run, on inputs of `input_specs`
         (`(shape, dtype)`); `stage_done(stage, values)` sees
@@ -559,8 +559,9 @@ class StagedGraph:
         `updates`: a dict taking, for those calls, `id(node) -> {id(weight)
         the call assigns}` (in training: moving statistics). `free`: a
         dict taking, for the weights those calls read, their sparse
-        gradients' ids' shapes where they are computed without the inputs'
-        values (`_note_reads`).
+        gradients' ids' shapes where they are computed from constants and
+        shapes alone (`_note_reads`). `until`: ids of nodes after whose
+        calls the trace may stop.
         `scoped`: inside `trace_scope` (other stages' weights as
         shapes)."""
         import keras
@@ -569,10 +570,18 @@ class StagedGraph:
         reads = reads or {}
         scope = keras.StatelessScope(collect_losses=bool(reads))
 
+        left = None if until is None else set(until)
+
         def trace(*tensors):
             values = {id(t): v for t, v in zip(self.inputs, tensors)}
             for s in range(self.num_stages):
+                if left is not None and not left:
+                    break
                 for node in self.stage_nodes(s):
+                    if left is not None:
+                        if not left:
+                            break
+                        left.discard(id(node))
                     args, kwargs = node.arguments.fill_in(values)
                     call = keras_private.operation_fn(node.operation,
                                                       training=training)
@@ -590,7 +599,7 @@ class StagedGraph:
                         # (the losses it added count as its outputs)
                         _note_reads(reads[id(node)], seen,
                                     [outs, scope.losses[before:]], training,
-                                    free, tensors)
+                                    free)
                     for x, y in zip(tree.flatten(node.outputs),
                                     tree.flatten(outs)):
                         values[id(x)] = y
@@ -619,12 +628,15 @@ class StagedGraph:
         position (`keras_smp.runtime.sparse`); other sparse gradients
         (token ids, position ids broadcast over the batch) concatenate.
 
-        Traced in training (into graphs never run) for the calls of layers
-        holding an `Embedding`, at batch sizes 2 and 3 (other unknown
-        dimensions 8): a weight qualifies when every read's ids have the
-        same fully known shape at both. A gather of a layer holding no
-        `Embedding` keeps concatenating. Traced again when such a layer's
-        `trainable` changed. When the trace fails, none (with a warning).
+        Traced in training (into graphs never run, up to the last such
+        call) for the calls of layers holding an `Embedding`, at batch
+        sizes 2 and 3 (other unknown dimensions 8): a weight qualifies
+        when every read's ids are computed from constants and shapes
+        alone (`sparse.from_shapes`: not from values, variables or random
+        draws) and have the same fully known shape at both. A gather of a
+        layer holding no `Embedding` keeps concatenating. Traced again
+        when such a layer's `trainable` changed. When the trace fails,
+        none (with a warning).
         """
         import keras
 
@@ -654,17 +666,22 @@ class StagedGraph:
                                           for d in tuple(t.shape)[1:]),
                           t.dtype) for t in self.inputs],
                         lambda s, values: None, training=True,
-                        reads={id(n): {} for n in calls}, free=free)
+                        reads={id(n): {} for n in calls}, free=free,
+                        until={id(n) for n in calls})
                     traces.append(free)
             except Exception as e:  # pylint: disable=broad-except
                 # (the same on every rank: the same model, traced alike)
                 warnings.warn(
-                    "keras-smp could not trace which embedding lookups of "
-                    "the model use ids that do not depend on the batch "
-                    f"({type(e).__name__}: {e}); their microbatches' "
-                    "sparse gradients are concatenated, which optimizers "
-                    "such as Adam apply otherwise than one device's "
-                    "(a position embedding's).", stacklevel=3)
+                    "keras-smp traced the model at batch sizes 2 and 3 "
+                    "(unknown lengths as 8) to find embedding lookups whose "
+                    "ids do not depend on the batch (a position "
+                    "embedding's), and the trace failed "
+                    f"({type(e).__name__}: {e}). Each such lookup's "
+                    "gradient is concatenated over the microbatches, which "
+                    "Adam-like optimizers apply otherwise than one device "
+                    "(token lookups are exact either way). Declaring the "
+                    "inputs' lengths (keras.Input((128,))) may let the "
+                    "trace run.", stacklevel=3)
             else:
                 found = {w for w, shapes in traces[0].items()
                          if shapes == traces[1].get(w) and all(

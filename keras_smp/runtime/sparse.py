@@ -17,7 +17,7 @@ slices, put together, hold the rows the whole batch gives:
   batch: the whole batch's rows are the microbatches' rows added position
   by position (`add_rows`).
 
-`follows_data` is half of telling them apart in a traced graph; the other
+`from_shapes` is half of telling them apart in a traced graph; the other
 half is whether the ids' shape changes with the batch size
 (`StagedGraph.batch_free_sparse` traces at two sizes).
 
@@ -42,28 +42,28 @@ _SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank",
                         "VariableShape", "TensorListLength"})
 
 
-def follows_data(tensor, sources):
-    """Whether `tensor` is computed from the values of `sources` (tensors of
-    the same graph), not only from their shapes, constants and variables.
-    (Ids computed from the shapes alone may still grow with the batch:
-    `ops.zeros(ops.shape(x))`; that is told by tracing at two sizes.)
+def from_shapes(tensor):
+    """Whether `tensor` is computed from constants and tensors' shapes alone:
+    from no tensor's values (the model's inputs, variables, function
+    arguments) and by no stateful op (a random draw). Such ids are the
+    same in every microbatch of a batch. (They may still grow with the
+    batch, `ops.zeros(ops.shape(x))`: told by tracing at two sizes.)
 
-    Walks `tensor`'s inputs back through the graph (not into functions it
-    calls: a function call's outputs follow all its inputs).
+    Walks `tensor`'s inputs back through the graph, not into the inputs
+    of shape ops nor into functions it calls (a call is stateful).
     """
-    targets = {s.op.name for s in sources}
     seen, stack = set(), [tensor.op]
     while stack:
         op = stack.pop()
         if op.name in seen:
             continue
         seen.add(op.name)
-        if op.name in targets:
-            return True
-        if op.type in _SHAPE_OPS:
+        if op.type in _SHAPE_OPS or op.type == "Const":
             continue
+        if not op.inputs or op.op_def.is_stateful:
+            return False  # a placeholder, a variable, a draw, a call
         stack.extend(t.op for t in op.inputs)
-    return False
+    return True
 
 
 def add_rows(total, part, what="a sparse gradient"):
@@ -81,7 +81,8 @@ def add_rows(total, part, what="a sparse gradient"):
         f"keras-smp: the ids of {what} differ between microbatches, where "
         "the model's trace found them independent of the batch (computed "
         "from shapes and constants, their number the same at any batch "
-        "size). Use microbatches=1, or report the model.", a, b],
+        "size). Use microbatches=1, or report the model to keras-smp.",
+        a, b],
         summarize=8)
     with tf.control_dependencies([check]):
         return tf.IndexedSlices(total.values + part.values, total.indices,
