@@ -50,7 +50,8 @@ def from_shapes(tensor):
     batch, `ops.zeros(ops.shape(x))`: told by tracing at two sizes.)
 
     Walks `tensor`'s inputs back through the graph, not into the inputs
-    of shape ops nor into functions it calls (a call is stateful).
+    of shape ops; a function call counts by its inputs when it is
+    stateless (its body is then pure) and as data when it is stateful.
     """
     seen, stack = set(), [tensor.op]
     while stack:
