@@ -300,6 +300,33 @@ def test_ranks_started_with_different_settings_all_fail_at_once_naming_them():
     assert "lost" not in out.lower(), out[-3000:]
 
 
+def test_replicas_with_different_position_counts_fail_naming_the_embedding():
+    # tests/workers/uneven_positions.py: each worker pads its own
+    # sequences (5 and 6 positions, unknown when traced) into a position
+    # embedding trained with Adam. The replicas' rows of such a lookup are
+    # added position by position (one device's gradient); with different
+    # positions that sum has no meaning (and a collective of different
+    # shapes fails or waits), so both ranks fail at the first step with
+    # the fix, well before collective_timeout_seconds (60 s).
+    start = time.monotonic()
+    proc = launch(2, [os.path.join(WORKERS, "uneven_positions.py")],
+                  timeout=200, check=False)
+    elapsed = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "NO ERROR" not in out, out[-3000:]
+    assert elapsed < 100, f"took {elapsed:.0f} s"
+    for rank in (0, 1):
+        raised = [line for line in out.splitlines()
+                  if line.startswith(f"[{rank}] RAISED")]
+        assert raised, out[-3000:]
+        assert ("the data-parallel replicas hold different numbers of ids "
+                "in the sparse gradient of token_and_position/positions/"
+                "embeddings") in raised[0], raised[0]
+        assert "padded_batch" in raised[0], raised[0]
+        assert f"[Ids on this replica:] [{5 + rank}] [mean over the " \
+            "replicas:] [5.5]" in raised[0], raised[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dp", "pp"])
 def test_ranks_making_different_calls_fail_at_the_call_naming_it(mode,

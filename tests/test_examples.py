@@ -69,7 +69,8 @@ def test_smp_hybrid_horovod_example_trains(workers):
 @pytest.mark.parametrize("name", ["keras_smp.smp.custom_loop",
                                   "keras_smp.smp.comms",
                                   "keras_smp.smp.checkpoint",
-                                  "keras_smp.pipeline.shards", "save_model",
+                                  "keras_smp.pipeline.shards",
+                                  "keras_smp.runtime.sparse", "save_model",
                                   "save_weights", "save(", "export(",
                                   "compile", "get_layer",
                                   "set_activation_checkpointing"])

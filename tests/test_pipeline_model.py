@@ -1413,7 +1413,9 @@ def test_layer_called_in_two_stage_processes_trains_as_on_one_device(
     assert full + twice <= held <= full + twice + 16, (held, full)
 
 
-@pytest.mark.parametrize("where", ["in_process", "multi_process"])
+@pytest.mark.parametrize("where", ["in_process", "multi_process",
+                                   "data_parallel", "local_replicas",
+                                   "pipeline_replicas"])
 def test_position_embedding_trains_as_on_one_device(tmp_path, reference,
                                                     where):
     # keras.io's TokenAndPositionEmbedding: a position embedding looked up
@@ -1429,22 +1431,46 @@ def test_position_embedding_trains_as_on_one_device(tmp_path, reference,
     # repeats must stay) and one at the positions broadcast over the batch
     # (a row per sample, as token ids: concatenated, as are the tokens').
     # Adam, 4 microbatches, a last batch of 26 rows (unequal
-    # microbatches), per-token weights under the tokens' mask. Suite
-    # bounds (float32 rounding, rtol 1e-5).
-    config = json.dumps({"partitions": 2, "microbatches": 4,
-                         "collective_timeout_seconds": 120})
+    # microbatches), per-token weights under the tokens' mask.
+    # Data-parallel replicas (plain Keras in 2 worker processes, or 2
+    # replicas of one process; 2 pipeline replicas of 2 stage processes):
+    # TensorFlow gathered the replicas' rows of such a lookup (weights 0.009
+    # from plain Keras after 3 epochs), and where the gathered rows were at
+    # least the table's rows with static shapes (2 local replicas: the
+    # token table too) summed them densely, merging repeated ids' rows
+    # (0.59): the replicas' rows are now added position by position, and
+    # summed densely only for SGD. Suite bounds (float32 rounding, rtol
+    # 1e-5).
+    config = {"partitions": 2, "microbatches": 4,
+              "collective_timeout_seconds": 120}
     flags = ["--model", "positions", "--optimizer", "adam", "--partial",
              "--samples", "250"]
-    run = fit_model(tmp_path, *flags, "--pipelined", "--config", config)
+    pipelined = ["--pipelined", "--config", json.dumps(config)]
     if where == "in_process":
-        run_python(run + ["--local-devices", "2"])
+        run_python(fit_model(tmp_path, *flags, *pipelined,
+                             "--local-devices", "2"))
         ranks = [0]
-    else:
-        launch(2, run)
+    elif where == "local_replicas":
+        # Whole batches (static shapes: the dense sum's condition).
+        flags.remove("--partial")
+        run_python(fit_model(tmp_path, *flags, "--local-devices", "2"))
+        ranks = [0]
+    elif where == "data_parallel":
+        # With norm clipping (the replicas' gradients summed before it).
+        flags[flags.index("adam")] = "adam_clipnorm"
+        launch(2, fit_model(tmp_path, *flags))
         ranks = [0, 1]
+    else:
+        workers = 4 if where == "pipeline_replicas" else 2
+        launch(workers, fit_model(tmp_path, *flags, *pipelined))
+        ranks = list(range(workers))
     ref = reference(*flags)
     for r in ranks:
-        assert_same_training(load(tmp_path, r), ref)
+        got = load(tmp_path, r)
+        if where in ("data_parallel", "local_replicas",
+                     "pipeline_replicas"):
+            assert int(got["replicas"]) == 2
+        assert_same_training(got, ref)
 
 
 def test_xla_with_batchnorm_and_dropout_in_every_mode(tmp_path):

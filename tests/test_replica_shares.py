@@ -89,20 +89,27 @@ def test_pipeline_replicas_divide_by_all_sample_weights(cases):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,workers,microbatches,reduction", [
-    ("tokens", 2, None, None), ("mlp", 2, None, None),
-    ("tokens", 4, 2, None), ("mlp", 4, 2, None),
+@pytest.mark.parametrize("model,workers,partitions,microbatches,reduction", [
+    ("tokens", 2, None, None, None), ("mlp", 2, None, None, None),
+    ("tokens", 4, 2, 2, None), ("mlp", 4, 2, 2, None),
     # One microbatch: the shares come from the outputs' masks as the
     # model makes them (none computed ahead).
-    ("tokens", 4, 1, None),
+    ("tokens", 4, 2, 1, None),
     # Divided by the step's per-token weights under the mask, summed
     # ahead by every stage process (microbatches 8+8 and 6+5).
-    ("tokens", 4, 2, "mean_with_sample_weight")])
+    ("tokens", 4, 2, 2, "mean_with_sample_weight"),
+    # A DistributedModel of one partition (each process a whole-model
+    # replica, microbatched): its evaluate failed ("destinations can not
+    # be empty": the loss shares' all-reduce ran outside the replica's
+    # device).
+    ("tokens", 2, 1, 2, None)])
 def test_replicas_of_unequal_shares_match_single_device(
-        tmp_path, reference, workers, model, microbatches, reduction):
+        tmp_path, reference, workers, model, partitions, microbatches,
+        reduction):
     # Worker processes as data-parallel replicas: 2 plain Keras replicas,
     # or 4 = 2 replicas x 2 pipeline stages, one per process (each
-    # stage's data-parallel peers sum among themselves). 91 samples in
+    # stage's data-parallel peers sum among themselves), or 2 replicas of
+    # a DistributedModel of one partition. 91 samples in
     # batches of 32: the last, 27, is split 16/11 over the replicas (tf.data
     # rebatches each batch to 16 rows per worker);
     # "tokens": a masked loss per token, the replicas' real tokens
@@ -112,9 +119,9 @@ def test_replicas_of_unequal_shares_match_single_device(
     flags = ["--model", model, "--partial", "--samples", "91"]
     if reduction:
         flags += ["--reduction", reduction]
-    if workers == 4:
+    if partitions:
         flags += ["--pipelined", "--config", json.dumps(
-            {"partitions": 2, "microbatches": microbatches,
+            {"partitions": partitions, "microbatches": microbatches,
              "collective_timeout_seconds": 120})]
     launch(workers, fit_model(tmp_path, *flags))
     ref = reference("--model", model, "--partial", "--samples", "91",

@@ -38,6 +38,7 @@ from keras_smp.pipeline import recompute as recompute_lib
 from keras_smp.pipeline.scope import current_partition
 from keras_smp.runtime import keras_private
 from keras_smp.runtime import patches
+from keras_smp.runtime import sparse
 
 
 def _node_name(node, seen):
@@ -60,47 +61,6 @@ def _flops(node, params):
 
 def _operation_weights(operation):
     return list(getattr(operation, "weights", None) or [])
-
-
-def _note_reads(found, seen, outputs, training, free=None):
-    """Notes in `found` (`id(weight) -> sparse?`) the weights of `seen`
-    (`(weight, value read)` pairs of one traced call: values of the traced
-    graph, `patches.variable_reads`), and in training whether the
-    gradient of the call's `outputs` (its added losses included) for each
-    trainable one is sparse (`tf.IndexedSlices`: an `Embedding` lookup)
-    in every read of it (`None`: an inference read, a non-trainable
-    weight, or no gradient: the read reaches no output). A gradient
-    TensorFlow cannot take here counts as dense. `free`: a dict taking
-    `id(weight) -> [per read: the static shape of its sparse gradient's
-    ids when they are computed from constants and shapes alone
-    (`sparse.from_shapes`), else None]`."""
-    import tensorflow as tf
-
-    from keras_smp.runtime.sparse import from_shapes
-
-    outs = [t for t in tree.flatten(outputs)
-            if tf.is_tensor(t) and t.dtype.is_floating]
-    wanted = [i for i, (w, _) in enumerate(seen)
-              if getattr(w, "trainable", False)]
-    grads = [None] * len(seen)
-    if training and outs and wanted:
-        try:
-            found_grads = tf.gradients(outs, [seen[i][1] for i in wanted],
-                                       unconnected_gradients="none")
-        except (LookupError, ValueError, TypeError):
-            found_grads = [tf.zeros([])] * len(wanted)  # (dense)
-        for i, grad in zip(wanted, found_grads):
-            grads[i] = grad
-    for (w, _), grad in zip(seen, grads):
-        found.setdefault(id(w), None)
-        if grad is not None:
-            sparse = isinstance(grad, tf.IndexedSlices)
-            before = found[id(w)]
-            found[id(w)] = sparse if before is None else before and sparse
-            if free is not None:
-                free.setdefault(id(w), []).append(
-                    tuple(grad.indices.shape)
-                    if sparse and from_shapes(grad.indices) else None)
 
 
 def _paired_inputs(given, inner_inputs):
@@ -555,13 +515,13 @@ class StagedGraph:
         (`(shape, dtype)`); `stage_done(stage, values)` sees
         `{id(graph tensor): value}` after each stage. `reads`: `{id(node):
         dict}` of nodes whose calls note the weights they read (`id(weight)
-        -> whether its gradient there is sparse`, `_note_reads`);
+        -> whether its gradient there is sparse`, `sparse.note_reads`);
         `updates`: a dict taking, for those calls, `id(node) -> {id(weight)
         the call assigns}` (in training: moving statistics). `free`: a
         dict taking, for the weights those calls read, their sparse
         gradients' ids' shapes where they are computed from constants and
-        shapes alone (`_note_reads`). `until`: ids of nodes after whose
-        calls the trace may stop.
+        shapes alone (`sparse.note_reads`). `until`: ids of nodes after
+        whose calls the trace may stop.
         `scoped`: inside `trace_scope` (other stages' weights as
         shapes)."""
         import keras
@@ -597,7 +557,7 @@ class StagedGraph:
                             if state.get(w) is not v)
                     if seen:
                         # (the losses it added count as its outputs)
-                        _note_reads(reads[id(node)], seen,
+                        sparse.note_reads(reads[id(node)], seen,
                                     [outs, scope.losses[before:]], training,
                                     free)
                     for x, y in zip(tree.flatten(node.outputs),
@@ -683,10 +643,7 @@ class StagedGraph:
                     "inputs' lengths (keras.Input((128,))) may let the "
                     "trace run.", stacklevel=3)
             else:
-                found = {w for w, shapes in traces[0].items()
-                         if shapes == traces[1].get(w) and all(
-                             shape is not None and None not in shape
-                             for shape in shapes)}
+                found = sparse.batch_free(*traces)
         self._batch_free = (key, found or set())
         return self._batch_free[1]
 
@@ -1033,15 +990,15 @@ class StagedGraph:
             id(n): {w for w in own[id(n)] if w in reads[id(n)]
                     or w not in read}
             for n in calls}
-        sparse = {}
+        sparse_reads = {}
         for n in calls:
             for w, is_sparse in reads[id(n)].items():
                 if is_sparse is not None and w in own[id(n)]:
-                    sparse[w] = sparse.get(w, True) and is_sparse
+                    sparse_reads[w] = sparse_reads.get(w, True) and is_sparse
         regularized = {id(w) for n in calls
                        for w in _operation_weights(n.operation)
                        if getattr(w, "regularizer", None) is not None}
-        self._sparse = {w for w, is_sparse in sparse.items()
+        self._sparse = {w for w, is_sparse in sparse_reads.items()
                         if is_sparse and w not in regularized}
         self._shared_calls, self._shared_users = calls, users
         self._updated = self._assigned(calls, updates)

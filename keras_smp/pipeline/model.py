@@ -36,6 +36,7 @@ from keras_smp.pipeline.profiling import executed_timeline
 from keras_smp.pipeline.residency import StageResidency
 from keras_smp.pipeline.residency import own_averages
 from keras_smp.pipeline.residency import track_slots
+from keras_smp.pipeline.runtime import on_device
 from keras_smp.pipeline.schedule import get_schedule
 from keras_smp.pipeline.step import run_step
 from keras_smp.pipeline.transport import PipelineKeys
@@ -45,6 +46,7 @@ from keras_smp.runtime import keras_private
 from keras_smp.runtime import loss_shares
 from keras_smp.runtime import patches
 from keras_smp.runtime import placement
+from keras_smp.runtime import sparse
 from keras_smp.runtime import tf_private
 from keras_smp.runtime import xla
 from keras_smp.smp import comms
@@ -558,7 +560,7 @@ class DistributedModel(keras.Model):
             for s in range(graph.num_stages):  # model stages
                 # Tensor-parallel collectives: the group of the stage's
                 # device.
-                with tf.device(devices[s]), tf.name_scope(f"stage{s}"), \
+                with on_device(devices[s]), tf.name_scope(f"stage{s}"), \
                         tensor.stage(rank_of(s)):
                     tensors = graph.stage_fn(s, training=training)(tensors)
         return graph.pack_outputs(tensors)
@@ -1325,7 +1327,7 @@ class DistributedModel(keras.Model):
                 grads[id(v)] = accumulate(grads.get(id(v)), g)
         self._smp_track_loss(run, extra)
         with self._smp_across_stages(reduce_sum), own_averages(
-                self.optimizer):
+                self.optimizer), sparse.summed_by_position(run.by_position):
             # A weight the loss does not depend on has no gradient
             # (`None`): the optimizer leaves it alone, as Keras does (and
             # raises "No gradients provided" when no weight has one).

@@ -113,6 +113,14 @@ class StepResult:
     split_fallbacks: list = dataclasses.field(default_factory=list)
 
 
+def on_device(device):
+    """`tf.device(device)`, or no change without a device (`None` or ""):
+    the enclosing device stays, a replica's under `strategy.run`
+    (`tf.device(None)` would clear it, and the strategy's all-reduce of
+    a tensor without a device fails: "destinations can not be empty")."""
+    return tf.device(device) if device else contextlib.nullcontext()
+
+
 def _on_this_device(grad):
     """`grad` (dense or sparse) re-made on the current device."""
     if grad is None:
@@ -312,11 +320,7 @@ class _Builder:
     def build(self, a):
         s, mb = a.stage, a.microbatch
         stage = self.stages[s]
-        # No device: keep the enclosing one (a replica's, under
-        # `strategy.run`); `tf.device(None)` would clear it.
-        device = (tf.device(stage.device) if stage.device
-                  else contextlib.nullcontext())
-        with device, tf.name_scope(_scope(a)):
+        with on_device(stage.device), tf.name_scope(_scope(a)):
             if a.kind in ("RECV_F", "RECV_B"):
                 self._receive(a)
             elif a.kind in ("SEND_F", "SEND_B"):

@@ -28,6 +28,7 @@ from keras_smp.pipeline.backward import accumulate
 from keras_smp.pipeline.backward import dense
 from keras_smp.pipeline.runtime import Stage
 from keras_smp.pipeline.runtime import execute
+from keras_smp.pipeline.runtime import on_device
 from keras_smp.pipeline.transport import CollectiveTransport
 from keras_smp.pipeline.transport import Dynamic
 from keras_smp.pipeline.transport import LocalTransport
@@ -66,6 +67,9 @@ class StepRun:
             this replica's rows over the average replica's (the logged
             loss is divided by it, see `runtime.loss_shares.logged_value`),
             else `None`.
+        by_position: with several replicas, the variables whose sparse
+            gradients they sum position by position (a position
+            embedding's, `runtime.sparse.summed_by_position`).
     """
 
     x: object
@@ -77,6 +81,7 @@ class StepRun:
     variables: list
     added: object = None
     rows_share: object = None
+    by_position: tuple = ()
 
 
 def run_step(model, data, training, need_loss=True, need_outputs=True,
@@ -192,11 +197,17 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     if unreached:
         _check_some_weight_trains(model, unreached)
     stages = {}
+
+    def by_position(variables):
+        return tuple(v for v in variables
+                     if id(v) in batch_free) if replicas > 1 else ()
+
     # Sparse gradients whose ids do not depend on the batch (a position
-    # embedding's): the microbatches' rows are added position by position,
-    # as one device's lookup for the whole batch gives them.
-    batch_free = (graph.batch_free_sparse(held) if training and m > 1
-                  else set())
+    # embedding's): the microbatches' rows (and the replicas') are added
+    # position by position, as one device's lookup for the whole batch
+    # gives them.
+    batch_free = (graph.batch_free_sparse(held)
+                  if training and (m > 1 or replicas > 1) else set())
     added = []  # the forwards' added losses, as logged
     # Between processes sends block until the peer posts the receive:
     # receives are moved to their posting points.
@@ -239,7 +250,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                           devices[s], adds_loss=True,
                           merge_rows=frozenset(
                               i for i, v in enumerate(stage_vars[s])
-                              if id(v) in batch_free))
+                              if id(v) in batch_free and m > 1))
         if whole:
             stages[s].snapshot, stages[s].replay = _replay(
                 model, graph, s, m, batch_rows)
@@ -305,7 +316,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                     g = None  # as Keras: no gradient (XLA computes zeros)
                 grads[id(v)] = accumulate(grads.get(id(v)), g)
     if links is None:
-        with tf.device(devices[-1]):
+        with on_device(devices[-1]):
             y_pred = graph.pack_outputs(
                 [t[:true_batch] for t in _merged(graph, result)])
             losses = (_logged(loss_fn, result.losses) if training else
@@ -325,7 +336,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                     "a batch size that divides into the microbatches.")),
                 total)
         return StepRun(x, y, sample_weight, y_pred, losses, grads, variables,
-                       total, _rows_share(true_batch, share_batch))
+                       total, _rows_share(true_batch, share_batch),
+                       by_position(variables))
     # What the last stage shares has the shape of a batch of m equal
     # microbatches (`transport.rows` each: the first, the largest): a
     # partial batch's is padded, so that its keys fit one shape.
@@ -336,6 +348,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                  trackers, loss_fn, true_batch, unreached, context, static,
                  _rows_share(true_batch, share_batch), tp)
     run.rows_share = _rows_share(true_batch, share_batch)
+    run.by_position = by_position(variables)
     if added and not model._smp_adds_losses():
         raise NotImplementedError(
             "A layer added a loss (add_loss()) from code outside its "

@@ -373,9 +373,16 @@ def _patch_keras_steps(trainer):
             if (_runtime_of(getattr(self, "_distribute_strategy", None))
                     is not None and not is_pipelined(self)):
                 user = step_function
+                training = (getattr(step_function, "__name__", None)
+                            == "train_step")
 
                 def step_function(*args, **kwargs):
-                    with _raised(_in_step_function):
+                    from keras_smp.runtime import sparse
+
+                    free = (_position_summed(self, args[0])
+                            if training and args else [])
+                    with _raised(_in_step_function), \
+                            sparse.summed_by_position(free):
                         return user(*args, **kwargs)
             return original_make(self, step_function)
 
@@ -393,6 +400,84 @@ def _patch_keras_steps(trainer):
 
         step._smp_patched = True
         setattr(trainer, name, step)
+
+
+def _position_summed(model, data):
+    """The trainable weights of `model` whose sparse gradients are
+    summed across data-parallel replicas position by position
+    (`sparse.summed_by_position`): those of its `Embedding`s looked up at
+    ids that neither come from the data nor change with the batch (a
+    position embedding). Found by tracing `model(x, training=True)` (into
+    graphs never run) for `data`'s inputs at batch sizes 2 and 3 (other
+    unknown dimensions 8), once per input shapes and trainable weights;
+    none when the model has no trainable `Embedding` or a single replica,
+    or when the trace fails (with a warning, unless the model has its own
+    `train_step`, which may not call the model on `x`: a GAN's)."""
+    import keras
+    import tensorflow as tf
+
+    from keras_smp.runtime import keras_private
+    from keras_smp.runtime import sparse
+
+    layers = keras_private.flatten_layers(model)
+    if (model.distribute_strategy.num_replicas_in_sync <= 1
+            or not any(isinstance(layer, keras.layers.Embedding)
+                       and layer.trainable_weights for layer in layers)):
+        return []
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    flat = tf.nest.flatten(x)
+    if not flat or not all(tf.is_tensor(t) and t.shape.rank
+                           for t in flat):
+        return []
+    key = (tuple((tuple(t.shape), t.dtype) for t in flat),
+           tuple(id(w) for w in model.trainable_weights))
+    cached = model.__dict__.get("_smp_position_summed")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    traces = []
+    try:
+        def tracer(free, scope):
+            def trace(*tensors):
+                with variable_reads(stateless=True) as seen:
+                    out = model(tf.nest.pack_sequence_as(x, list(tensors)),
+                                training=True)
+                sparse.note_reads({}, seen, [out, scope.losses], True, free)
+                return []
+            return trace
+
+        for rows in (2, 3):
+            free = {}
+            scope = keras.StatelessScope(collect_losses=True)
+            trace = tracer(free, scope)
+            specs = [tf.TensorSpec((rows,) + tuple(
+                8 if d is None else d for d in t.shape[1:]), t.dtype)
+                for t in flat]
+            with tf.init_scope(), scope:
+                tf.function(trace, autograph=False).get_concrete_function(
+                    *specs)
+            traces.append(free)
+    except Exception as e:  # pylint: disable=broad-except
+        found = []
+        # (the same on every rank: the same model, traced alike). A model
+        # with its own `train_step` may not call itself on `x` (a GAN).
+        if getattr(type(model).train_step, "_smp_patched", False):
+            import warnings
+            warnings.warn(
+                f"keras-smp traced model '{model.name}' at batch sizes 2 "
+                "and 3 (unknown lengths as 8) to find embedding lookups "
+                "whose ids do not depend on the batch (a position "
+                "embedding's), and the trace failed "
+                f"({type(e).__name__}: {e}). Each such lookup's gradient "
+                "is gathered over the data-parallel replicas, which "
+                "Adam-like optimizers apply otherwise than one device "
+                "(token lookups are exact either way).", stacklevel=2)
+    else:
+        ids = sparse.batch_free(*traces)
+        found = [w for w in model.trainable_weights if id(w) in ids]
+    finally:
+        keras_private.clear_added_losses(layers)
+    object.__setattr__(model, "_smp_position_summed", (key, found))
+    return found
 
 
 def _symbolic_batch(epoch_iterator):
@@ -1361,6 +1446,20 @@ def _tensor_group(optimizer):
     return group if group is not None and group.size > 1 else None
 
 
+def rows_sum_linearly(optimizer):
+    """Whether `optimizer` applies a sparse gradient (`tf.IndexedSlices`)
+    as it applies the dense sum of its rows, so that the replicas' rows
+    may be summed densely: Keras' `SGD` (momentum and Nesterov included:
+    its update is linear in the gradient). Adam, Adagrad, RMSprop and
+    the others square (or take the sign of) each row as it comes, so a
+    repeated id's rows summed first step otherwise."""
+    import keras
+
+    inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+    return (getattr(type(inner), "update_step", None)
+            is keras.optimizers.SGD.update_step)
+
+
 def _smp_optimizer(optimizer):
     from keras_smp.runtime import keras_private
 
@@ -1372,6 +1471,7 @@ def _patch_optimizer(keras):
     import tensorflow as tf
 
     from keras_smp.runtime import keras_private
+    from keras_smp.runtime import sparse
 
     if keras_private.optimizer_step_wrapped():
         return
@@ -1432,9 +1532,12 @@ def _patch_optimizer(keras):
                 # device would), and skip the all-reduce of the update.
                 present = [i for i, g in enumerate(grads) if g is not None]
                 with runtime_package.sparse_gradients_as_is():
-                    summed = context.all_reduce(
-                        tf.distribute.ReduceOp.SUM,
-                        [grads[i] for i in present])
+                    summed = sparse.all_reduce(
+                        functools.partial(context.all_reduce,
+                                          tf.distribute.ReduceOp.SUM),
+                        [grads[i] for i in present],
+                        [list(trainable_variables)[i] for i in present],
+                        context)
                 for i, g in zip(present, summed):
                     grads[i] = g
                 _set_step(self, "synced", True)
@@ -1458,7 +1561,22 @@ def _patch_optimizer(keras):
         def all_reduce_sum_gradients(self, grads_and_vars):
             if _step(self, "synced", False):
                 return list(grads_and_vars)  # summed before clipping
-            return all_reduce(self, grads_and_vars)
+            # A sparse gradient summed densely merges its repeated ids'
+            # rows, which only an optimizer linear in the gradient (SGD)
+            # applies as it applies them one by one.
+            with (contextlib.nullcontext() if rows_sum_linearly(self)
+                  else runtime_package.sparse_gradients_as_is()):
+                context = tf.distribute.get_replica_context()
+                if context is None or not sparse.active():
+                    return all_reduce(self, grads_and_vars)
+                # Position embeddings' rows added position by position.
+                pairs = list(grads_and_vars)
+                variables = [v for _, v in pairs]
+                grads = sparse.all_reduce(
+                    lambda gs: [g for g, _ in all_reduce(
+                        self, list(zip(gs, variables)))],
+                    [g for g, _ in pairs], variables, context)
+                return list(zip(grads, variables))
 
         return all_reduce_sum_gradients
 

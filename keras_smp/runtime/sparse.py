@@ -18,8 +18,18 @@ slices, put together, hold the rows the whole batch gives:
   by position (`add_rows`).
 
 `from_shapes` is half of telling them apart in a traced graph; the other
-half is whether the ids' shape changes with the batch size
-(`StagedGraph.batch_free_sparse` traces at two sizes).
+half is whether the ids' shape changes with the batch size: the model is
+traced at two batch sizes (`note_reads` notes each trace's ids, `batch_free`
+compares them; `StagedGraph.batch_free_sparse` for a pipeline's stages,
+`runtime.patches` for a plain model's step).
+
+The same holds across data-parallel replicas: TensorFlow sums a sparse
+gradient over the replicas by gathering their rows, one after the other,
+which is one device's layout for token lookups but not for a position
+embedding's. Within `summed_by_position(ids)` (set by the step),
+`all_reduce` sums those variables' rows position by position instead (the
+rows' values all-reduced as a dense tensor, fused with the dense
+gradients; the ids kept).
 
 Example:
 
@@ -32,8 +42,16 @@ b = tf.IndexedSlices(2 * tf.ones([2, 3]), tf.constant([0, 0]),
 summed = add_rows(a, b)
 assert summed.indices.numpy().tolist() == [0, 0]  # repeats kept
 assert summed.values.numpy().tolist() == [[3.0] * 3] * 2
+
+# Ids' shapes per read of weights 1 and 2 traced at batch sizes 2 and 3:
+# weight 1's do not change with the batch.
+from keras_smp.runtime.sparse import batch_free
+assert batch_free({1: [(8,)], 2: [(16,)]}, {1: [(8,)], 2: [(24,)]}) == {1}
 ```
 """
+
+import contextlib
+import threading
 
 import tensorflow as tf
 
@@ -88,3 +106,145 @@ def add_rows(total, part, what="a sparse gradient"):
     with tf.control_dependencies([check]):
         return tf.IndexedSlices(total.values + part.values, total.indices,
                                 total.dense_shape)
+
+
+def note_reads(found, seen, outputs, training, free=None):
+    """Notes in `found` (`id(weight) -> sparse?`) the weights of `seen`
+    (`(weight, value read)` pairs of one traced call: values of the traced
+    graph, `patches.variable_reads`), and in training whether the
+    gradient of the call's `outputs` (its added losses included) for each
+    trainable one is sparse (`tf.IndexedSlices`: an `Embedding` lookup)
+    in every read of it (`None`: an inference read, a non-trainable
+    weight, or no gradient: the read reaches no output). A gradient
+    TensorFlow cannot take here counts as dense. `free`: a dict taking
+    `id(weight) -> [per read: the static shape of its sparse gradient's
+    ids when they are computed from constants and shapes alone
+    (`from_shapes`), else None]`."""
+    outs = [t for t in tf.nest.flatten(outputs)
+            if tf.is_tensor(t) and t.dtype.is_floating]
+    wanted = [i for i, (w, _) in enumerate(seen)
+              if getattr(w, "trainable", False)]
+    grads = [None] * len(seen)
+    if training and outs and wanted:
+        try:
+            found_grads = tf.gradients(outs, [seen[i][1] for i in wanted],
+                                       unconnected_gradients="none")
+        except (LookupError, ValueError, TypeError):
+            found_grads = [tf.zeros([])] * len(wanted)  # (dense)
+        for i, grad in zip(wanted, found_grads):
+            grads[i] = grad
+    for (w, _), grad in zip(seen, grads):
+        found.setdefault(id(w), None)
+        if grad is not None:
+            sparse = isinstance(grad, tf.IndexedSlices)
+            before = found[id(w)]
+            found[id(w)] = sparse if before is None else before and sparse
+            if free is not None:
+                free.setdefault(id(w), []).append(
+                    tuple(grad.indices.shape)
+                    if sparse and from_shapes(grad.indices) else None)
+
+
+def batch_free(first, second):
+    """The weights (ids) whose sparse gradients' ids are computed from
+    constants and shapes alone in every read and have the same fully known
+    shape in two traces at different batch sizes (`note_reads`' `free`
+    dicts): their rows are the same for any batch (position embeddings).
+
+    >>> sorted(batch_free({1: [(8,)], 2: [(16,)], 3: [None]},
+    ...                   {1: [(8,)], 2: [(24,)], 3: [None]}))
+    [1]
+    """
+    return {w for w, shapes in first.items()
+            if shapes == second.get(w) and all(
+                shape is not None and None not in shape for shape in shapes)}
+
+
+class _ByPosition(threading.local):
+    ids = frozenset()
+    names = {}
+
+
+_by_position = _ByPosition()
+
+
+@contextlib.contextmanager
+def summed_by_position(variables):
+    """Within (this thread: a replica's step), `all_reduce` sums the
+    sparse gradients of `variables` (Keras or TensorFlow variables: those
+    `batch_free` finds) position by position across the replicas."""
+    from keras_smp.runtime import keras_private
+
+    names = {}
+    for v in variables:
+        for x in (v, keras_private.backing_variable(v)):
+            names[id(x)] = getattr(v, "path", None) or v.name
+    before = _by_position.ids, _by_position.names
+    _by_position.ids, _by_position.names = frozenset(names), names
+    try:
+        yield
+    finally:
+        _by_position.ids, _by_position.names = before
+
+
+def active():
+    """Whether this thread's step sums some sparse gradients by position."""
+    return bool(_by_position.ids)
+
+
+def all_reduce(reduce, grads, variables, context):
+    """`reduce(grads) -> grads` (the sum of `grads`, `None`s kept, over the
+    replicas of the replica context `context`), with the sparse gradient of each
+    variable `summed_by_position` summed as one device computes it for
+    the replicas' batches put together: the ids kept, the rows added
+    position by position (their values all-reduced as one dense tensor).
+    Other gradients go as they are (a sparse one's rows gathered, one
+    replica's after another's, which is one device's layout for ids with
+    a row per sample). Where the number of ids is not known when traced
+    (a sequence length left unknown), the replicas first check they hold
+    the same number (a small all-reduce), and fail naming the variable
+    rather than sum rows of different positions."""
+    ids = _by_position.ids
+    marked = [i for i, (g, v) in enumerate(zip(grads, variables))
+              if isinstance(g, tf.IndexedSlices) and id(v) in ids]
+    replicas = context.num_replicas_in_sync
+    if not marked or replicas <= 1:
+        return reduce(list(grads))
+    grads = list(grads)
+    unknown = [i for i in marked
+               if grads[i].values.shape[:1].num_elements() is None]
+    checks = []
+    if unknown:
+        with tf.device(grads[unknown[0]].values.device):  # (its stage's)
+            counts = tf.stack([tf.cast(tf.shape(grads[i].indices)[0],
+                                       tf.float64) for i in unknown])
+            summed = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                        tf.concat([counts, counts * counts],
+                                                  0))
+        n = len(unknown)
+        # The same count on every replica iff replicas x sum of squares
+        # is the square of the sum (exact in float64 below 2^26 ids).
+        same = tf.equal(summed[n:] * replicas, summed[:n] * summed[:n])
+        for k, i in enumerate(unknown):
+            checks.append(tf.debugging.Assert(same[k], [
+                f"keras-smp: the data-parallel replicas hold different "
+                f"numbers of ids in the sparse gradient of "
+                f"{_by_position.names[id(variables[i])]} (a position "
+                "embedding: ids that do not depend on the batch, whose rows "
+                "one device adds position by position). Give every "
+                "replica the same length of batch (pad the global batch "
+                "before it is distributed: `padded_batch`, then `fit` or "
+                "`strategy.experimental_distribute_dataset`).",
+                "Ids on this replica:", tf.shape(grads[i].indices)[0],
+                "mean over the replicas:", summed[k] / replicas]))
+    with tf.control_dependencies(checks):
+        values = [tf.identity(grads[i].values) if checks
+                  else grads[i].values for i in marked]
+    sent = list(grads)
+    for i, v in zip(marked, values):
+        sent[i] = v
+    out = list(reduce(sent))
+    for i in marked:
+        out[i] = tf.IndexedSlices(out[i], grads[i].indices,
+                                  grads[i].dense_shape)
+    return out

@@ -264,6 +264,8 @@ def build():
         model = keras_smp.DistributedModel(model, split_points=split)
     if args.optimizer == "sgd":
         opt = keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+    elif args.optimizer == "adam_clipnorm":  # each gradient's norm at most 1
+        opt = keras.optimizers.Adam(learning_rate=1e-2, clipnorm=1.0)
     else:
         opt = keras.optimizers.Adam(learning_rate=1e-2)
     model.compile(
