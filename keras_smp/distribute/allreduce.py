@@ -301,7 +301,9 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
     def _maybe_dense(self, value):
         """A sparse gradient summed densely when that moves less
-        (`fusion.sum_sparse_as_dense`); other values unchanged."""
+        (`fusion.sum_sparse_as_dense`) and the optimizer allows it (not
+        within `runtime.sparse_gradients_as_is`); other values
+        unchanged."""
         if not isinstance(value, tf.IndexedSlices) or runtime.keep_sparse():
             return value
         dense_shape = tf.get_static_value(value.dense_shape)

@@ -160,7 +160,11 @@ def sum_sparse_as_dense(rows, dense_rows, replicas):
     `replicas x rows` rows. Summed densely, it is one all-reduce of
     `dense_rows` rows, fused with the other dense gradients. Dense wins once
     the gathered rows would be as many as the table's (small vocabularies,
-    large batches); with unknown sizes the gradient stays sparse.
+    large batches); with unknown sizes the gradient stays sparse. Summed
+    densely, the rows of an id repeated in the batch merge: only an
+    optimizer linear in the gradient (SGD) steps as with the rows one by
+    one, so the all-reduce asks this for SGD alone
+    (`runtime.patches.rows_sum_linearly`).
 
     >>> sum_sparse_as_dense(rows=512, dense_rows=1000, replicas=2)
     True

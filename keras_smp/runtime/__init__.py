@@ -113,8 +113,9 @@ def sparse_gradients_as_is():
     """Within: gradient all-reduces keep sparse gradients sparse.
 
     Norm clipping counts a sparse gradient's rows as Keras does (each row
-    as it comes, repeated ids included); summed densely, repeated rows
-    would merge and the norm would differ from single-device training.
+    as it comes, repeated ids included), and so do optimizers other than
+    SGD (Adam squares each row); summed densely, repeated rows would merge
+    and the norm or the step would differ from single-device training.
     Process-wide (not thread-local): TensorFlow may run the all-reduce in
     another thread than the one entering this.
     """

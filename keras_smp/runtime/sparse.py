@@ -193,10 +193,11 @@ def active():
 
 
 def all_reduce(reduce, grads, variables, context):
-    """`reduce(grads) -> grads` (the sum of `grads`, `None`s kept, over the
-    replicas of the replica context `context`), with the sparse gradient of each
-    variable `summed_by_position` summed as one device computes it for
-    the replicas' batches put together: the ids kept, the rows added
+    """`reduce(grads) -> grads` (the sum of `grads`, `None`s kept, over
+    the replicas of the replica context `context`), with the sparse
+    gradient of each variable `summed_by_position` summed as one device
+    computes it for the replicas' batches put together: the ids kept, the
+    rows added
     position by position (their values all-reduced as one dense tensor).
     Other gradients go as they are (a sparse one's rows gathered, one
     replica's after another's, which is one device's layout for ids with
