@@ -1249,11 +1249,16 @@ def _patch_get_gradients(keras):
                 "@smp.step function (or another tf.function). In eager code "
                 "use tf.GradientTape: `with tf.GradientTape() as tape: ...; "
                 "grads = tape.gradient(loss, params)`.")
+        from keras_smp.runtime import sparse
+
         tensors = [getattr(p, "value", p) for p in params]
         tensors = [t._get_on_device_or_primary()
                    if isinstance(t, tf.distribute.DistributedValues) else t
                    for t in tensors]
-        return tf.gradients(loss, tensors, unconnected_gradients="zero")
+        grads = tf.gradients(loss, tensors, unconnected_gradients="zero")
+        for p, g in zip(params, grads):
+            sparse.note_source(g, p)  # (for `StepOutput.accumulate`)
+        return grads
 
     base.get_gradients = get_gradients
 

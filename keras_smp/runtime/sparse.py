@@ -187,6 +187,45 @@ def summed_by_position(variables):
         _by_position.ids, _by_position.names = before
 
 
+class _Sources(threading.local):
+    noted = None  # {id(gradient): (gradient, variable)} while noting
+
+
+_sources = _Sources()
+
+
+@contextlib.contextmanager
+def noting_sources():
+    """Within: the variable of each sparse gradient that
+    `optimizer.get_gradients` (`note_source`) or `tf.GradientTape.gradient`
+    returns is recorded; yields `source(gradient)`, the variable of a
+    gradient noted (or `None`)."""
+    before, _sources.noted = _sources.noted, {}
+    noted = _sources.noted
+    original = tf.GradientTape.gradient
+
+    def gradient(self, target, sources, *args, **kwargs):
+        grads = original(self, target, sources, *args, **kwargs)
+        for variable, grad in zip(tf.nest.flatten(sources),
+                                  tf.nest.flatten(grads)):
+            note_source(grad, variable)
+        return grads
+
+    tf.GradientTape.gradient = gradient
+    try:
+        yield lambda grad: noted.get(id(grad), (None, None))[1]
+    finally:
+        tf.GradientTape.gradient = original
+        _sources.noted = before
+
+
+def note_source(grad, variable):
+    """Notes that the sparse gradient `grad` is `variable`'s (inside
+    `noting_sources`; the gradient is kept alive with it)."""
+    if _sources.noted is not None and isinstance(grad, tf.IndexedSlices):
+        _sources.noted[id(grad)] = (grad, variable)
+
+
 def active():
     """Whether this thread's step sums some sparse gradients by position."""
     return bool(_by_position.ids)

@@ -54,13 +54,26 @@ from keras_smp import tensor
 from keras_smp.config import SMPConfig
 from keras_smp.pipeline import microbatch
 from keras_smp.runtime import process
+from keras_smp.runtime import sparse
 
 _step_depth = [0]
+# The trainable variables of the `DistributedModel`s called in the step
+# being traced whose sparse gradients add up by position (a position
+# embedding's: `StagedGraph.batch_free_sparse`).
+_by_position = []
 
 
 def in_step():
     """Whether code runs inside an `@smp.step` function."""
     return _step_depth[0] > 0
+
+
+def note_step_variables(variables):
+    """Notes, inside an `@smp.step` function, variables whose sparse
+    gradients `StepOutput.accumulate` adds up position by position over
+    the microbatches and the replicas (a position embedding's)."""
+    if in_step():
+        _by_position.extend(variables)
 
 
 def init(config=None):
@@ -248,9 +261,12 @@ class StepOutput:
     ```
     """
 
-    def __init__(self, outputs, axis=0):
+    def __init__(self, outputs, axis=0, by_position=False):
         self.outputs = list(outputs)
         self.axis = axis
+        # Sparse gradients of a position embedding (ids from shapes, the
+        # same in every microbatch): `accumulate` adds their rows.
+        self._by_position = by_position
 
     def __repr__(self):
         return f"StepOutput({len(self.outputs)} microbatches)"
@@ -319,6 +335,9 @@ class StepOutput:
             raise ValueError(
                 f"StepOutput.accumulate: unknown method={method!r}; use "
                 "'variable', 'add_n' or 'accumulate_n'.")
+        if self.outputs and all(isinstance(o, tf.IndexedSlices)
+                                for o in self.outputs):
+            return self._accumulate_sparse()
         ts = self._tensors()
         if ts is None:
             return None
@@ -330,6 +349,80 @@ class StepOutput:
             total = tf.add_n(ts)
         mean = total / len(ts)
         return _over_replicas(mean) if _replica_sync() else mean
+
+
+    def _accumulate_sparse(self):
+        """`accumulate` of sparse gradients (`tf.IndexedSlices`), kept
+        sparse as one device's gradient for the whole batch holds them:
+        Keras optimizers other than SGD apply each row as it comes (Adam
+        squares it), so summing them densely (merging a repeated id's
+        rows) would step otherwise. The microbatches' (and replicas')
+        rows are put one after another (a lookup with a row per sample:
+        token ids), or added position by position for a position
+        embedding's gradient from `optimizer.get_gradients` (ids the same
+        in every microbatch)."""
+        parts = self.outputs
+        m = len(parts)
+        if self._by_position:
+            total = parts[0]
+            for part in parts[1:]:
+                total = sparse.add_rows(total, part, "a position embedding")
+            values, indices = total.values, total.indices
+        else:
+            values = tf.concat([p.values for p in parts], 0)
+            indices = tf.concat([p.indices for p in parts], 0)
+        values = values / tf.cast(m, values.dtype)
+        if _replica_sync():
+            size, _ = _replica_sync()
+            with tf.control_dependencies(_same_count(values)):
+                values = tf.identity(values)
+            if self._by_position:
+                values = _over_replicas(values)
+            else:
+                values = _gather_over_replicas(values) / tf.cast(
+                    size, values.dtype)
+                indices = _gather_over_replicas(indices)
+        return tf.IndexedSlices(values, indices, parts[0].dense_shape)
+
+
+def _same_count(values):
+    """Checks (when not known when traced) that every replica holds as
+    many rows of a sparse gradient as this one: `[assertion]` or `[]`."""
+    if values.shape[:1].num_elements() is not None:
+        return []
+    size, _ = _replica_sync()
+    count = tf.cast(tf.shape(values)[0], tf.float64)
+    summed = _over_replicas(tf.stack([count, count * count]), "Id")
+    return [tf.debugging.Assert(
+        tf.equal(summed[1] * size, summed[0] * summed[0]), [
+            "keras-smp: StepOutput.accumulate: the data-parallel replicas "
+            "hold different numbers of rows in a sparse gradient (an "
+            "embedding looked up on batches of different lengths or "
+            "sizes). Give every replica batches of the same shape "
+            "(`drop_remainder=True`; pad sequences to one length).",
+            "Rows on this replica:", tf.shape(values)[0],
+            "mean over the replicas:", summed[0] / size])]
+
+
+def _gather_over_replicas(t):
+    """The replicas' `t`s (as many rows each) one after another, in
+    replica order (chained as `_over_replicas`' collectives are)."""
+    size, timeout = _replica_sync()
+
+    def gather(keys):
+        return tf.raw_ops.CollectiveGatherV2(
+            input=t, group_size=size, group_key=_initialised["group_key"],
+            instance_key=next(keys), ordering_token=[],
+            timeout_seconds=timeout)
+
+    if tf.executing_eagerly():
+        return gather(_eager_instance_keys)
+    graph = tf.compat.v1.get_default_graph()
+    previous = getattr(graph, "_smp_last_collective", None)
+    with tf.control_dependencies([previous] if previous is not None else []):
+        out = gather(_instance_keys)
+    graph._smp_last_collective = out
+    return out
 
 
 def _split(value, m, axis, name):
@@ -405,17 +498,31 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
                     for i in range(m)]
         results = []
         _step_depth[0] += 1
+        before = list(_by_position)
         try:
-            for i in range(m):
-                with tf.name_scope(f"microbatch{i}"):
-                    call = bound.signature.bind_partial()
-                    call.arguments.update(
-                        {n: per_arg[n][i] for n in bound.arguments})
-                    results.append(func(*call.args, **call.kwargs))
+            with sparse.noting_sources() as source:
+                for i in range(m):
+                    with tf.name_scope(f"microbatch{i}"):
+                        call = bound.signature.bind_partial()
+                        call.arguments.update(
+                            {n: per_arg[n][i] for n in bound.arguments})
+                        results.append(func(*call.args, **call.kwargs))
+                # Which returned values are sparse gradients (from
+                # `optimizer.get_gradients`) of position embeddings.
+                free = {id(v) for v in _by_position}
+                marks = [all(isinstance(r, tf.IndexedSlices)
+                             and id(source(r)) in free for r in leaves)
+                         for leaves in zip(*[tf.nest.flatten(r)
+                                             for r in results])]
         finally:
             _step_depth[0] -= 1
+            _by_position[:] = before
+        # (Beside the outputs: a tf.function turns Python values into
+        # tensors. Every trace of the function marks the same outputs.)
+        traced["marks"] = marks
         return results
 
+    traced = {"marks": None}
     compiled = tf.function(run, input_signature=input_signature)
 
     def merge_axis(args, kwargs):
@@ -435,8 +542,12 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
         # A tf.function returns tensors only: wrap them afterwards.
         results = compiled(*args, **kwargs)
         axis = merge_axis(args, kwargs)
-        return tf.nest.map_structure(
-            lambda *values: StepOutput(values, axis=axis), *results)
+        flat = [tf.nest.flatten(r) for r in results]
+        marks = traced["marks"] or [False] * len(flat[0])
+        return tf.nest.pack_sequence_as(results[0], [
+            StepOutput([f[j] for f in flat], axis=axis,
+                       by_position=marks[j])
+            for j in range(len(flat[0]))])
 
     wrapper.python_function = func
     return wrapper
