@@ -50,6 +50,27 @@ def test_sparse_gradients_with_adam_match_full_batch_training(
     assert r["diff"] <= 1e-6, r
 
 
+def test_replicas_with_sparse_gradients_of_different_sizes_fail_saying_so():
+    # tests/workers/custom_loop_sparse.py uneven: the two processes' token
+    # sequences are 6 and 5 long, unknown when the step is traced. Their
+    # sparse gradients are gathered over the replicas, which needs as
+    # many rows on each: both fail in accumulate() saying so (a
+    # collective of different shapes gave TensorFlow's own error).
+    proc = launch(2, [f"{WORKERS}/custom_loop_sparse.py", "uneven"],
+                  check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "NO ERROR" not in out, out[-3000:]
+    for rank in (0, 1):
+        raised = [line for line in out.splitlines()
+                  if line.startswith(f"[{rank}] RAISED")]
+        assert raised, out[-3000:]
+        assert ("StepOutput.accumulate: the data-parallel replicas hold "
+                "different numbers of rows in a sparse gradient") in \
+            raised[0], raised[0]
+        assert f"[Rows on this replica:] [{8 * (6 - rank)}]" in raised[0], \
+            raised[0]
+
+
 @pytest.fixture
 def tf_smp():
     import tensorflow as tf

@@ -1451,8 +1451,11 @@ def test_position_embedding_trains_as_on_one_device(tmp_path, reference,
                              "--local-devices", "2"))
         ranks = [0]
     elif where == "local_replicas":
-        # Whole batches (static shapes: the dense sum's condition).
+        # Whole batches (static shapes: the dense sum's condition), and a
+        # loss-scale optimizer (it applies the gradients in threads of its
+        # own).
         flags.remove("--partial")
+        flags[flags.index("adam")] = "adam_loss_scale"
         run_python(fit_model(tmp_path, *flags, "--local-devices", "2"))
         ranks = [0]
     elif where == "data_parallel":

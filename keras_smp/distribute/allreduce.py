@@ -340,21 +340,26 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
     def _all_reduce_dense(self, values, replica_id, stage, options):
         values = [tf.convert_to_tensor(v) for v in values]
-        shapes = [v.shape for v in values]
-        if not all(s.is_fully_defined() for s in shapes):
-            return [self._reduce_flat(v, replica_id, stage, options)
-                    for v in values]
-        shapes = [tuple(s.as_list()) for s in shapes]
+        # Values of shapes unknown when traced (a length left unknown) go
+        # one by one; the others in buckets.
+        known = [i for i, v in enumerate(values)
+                 if v.shape.is_fully_defined()]
+        out = {i: self._reduce_flat(v, replica_id, stage, options)
+               for i, v in enumerate(values)
+               if not v.shape.is_fully_defined()}
+        shapes = [tuple(values[i].shape.as_list()) for i in known]
         buckets = fusion.plan_buckets(
-            shapes, [v.dtype.name for v in values],
-            [v.dtype.size for v in values], self.fusion_threshold_bytes)
-        out = {}
+            shapes, [values[i].dtype.name for i in known],
+            [values[i].dtype.size for i in known],
+            self.fusion_threshold_bytes)
         self.buckets_traced += len(buckets)
+        packed = [values[i] for i in known]
         # Last bucket first: the backward pass produces it first.
         for bucket in reversed(buckets):
-            flat = fusion.pack(values, bucket)
+            flat = fusion.pack(packed, bucket)
             flat = self._reduce_flat(flat, replica_id, stage, options)
-            out.update(fusion.unpack(flat, bucket, shapes))
+            out.update({known[k]: v for k, v in
+                        fusion.unpack(flat, bucket, shapes).items()})
         return [out[i] for i in range(len(values))]
 
     def __deepcopy__(self, memo):

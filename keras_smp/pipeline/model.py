@@ -536,10 +536,11 @@ class DistributedModel(keras.Model):
                 "before the step.")
         if self._smp_graph is not None and args:
             result = self._smp_call_staged(args[0], kwargs.get("training"))
-            # Its position embeddings' gradients add up by position.
-            custom_loop.note_step_variables(
-                [v for v in self.trainable_weights
-                 if id(v) in self._smp_graph.batch_free_sparse()])
+            if custom_loop.in_step():
+                # Its position embeddings' gradients add up by position.
+                free = self._smp_graph.batch_free_sparse()
+                custom_loop.note_step_variables(
+                    [v for v in self.trainable_weights if id(v) in free])
         else:
             result = super().__call__(*args, **kwargs)
         if not getattr(self, "_smp_step_ready", False):

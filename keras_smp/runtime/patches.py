@@ -365,6 +365,11 @@ def _patch_keras_steps(trainer):
         @functools.wraps(original_make)
         def _make_function(self, step_function):
             group = _tensor_group_of(self)
+            # Position embeddings (data-parallel replicas, training; not
+            # with tensor-parallel layers, whose collectives a trace would
+            # issue).
+            positions = (group is None and getattr(
+                step_function, "__name__", None) == "train_step")
             if group is not None:
                 inner = step_function
 
@@ -373,14 +378,12 @@ def _patch_keras_steps(trainer):
             if (_runtime_of(getattr(self, "_distribute_strategy", None))
                     is not None and not is_pipelined(self)):
                 user = step_function
-                training = (getattr(step_function, "__name__", None)
-                            == "train_step")
 
                 def step_function(*args, **kwargs):
                     from keras_smp.runtime import sparse
 
                     free = (_position_summed(self, args[0])
-                            if training and args else [])
+                            if positions and args else [])
                     with _raised(_in_step_function), \
                             sparse.summed_by_position(free):
                         return user(*args, **kwargs)
@@ -424,7 +427,10 @@ def _position_summed(model, data):
             or not any(isinstance(layer, keras.layers.Embedding)
                        and layer.trainable_weights for layer in layers)):
         return []
-    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    try:  # (a model's own `train_step` may take other data)
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    except ValueError:
+        return []
     flat = tf.nest.flatten(x)
     if not flat or not all(tf.is_tensor(t) and t.shape.rank
                            for t in flat):
@@ -1537,12 +1543,12 @@ def _patch_optimizer(keras):
                 # device would), and skip the all-reduce of the update.
                 present = [i for i, g in enumerate(grads) if g is not None]
                 with runtime_package.sparse_gradients_as_is():
+                    variables = list(trainable_variables)
                     summed = sparse.all_reduce(
                         functools.partial(context.all_reduce,
                                           tf.distribute.ReduceOp.SUM),
                         [grads[i] for i in present],
-                        [list(trainable_variables)[i] for i in present],
-                        context)
+                        [variables[i] for i in present], context)
                 for i, g in zip(present, summed):
                     grads[i] = g
                 _set_step(self, "synced", True)

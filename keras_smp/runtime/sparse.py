@@ -26,10 +26,10 @@ compares them; `StagedGraph.batch_free_sparse` for a pipeline's stages,
 The same holds across data-parallel replicas: TensorFlow sums a sparse
 gradient over the replicas by gathering their rows, one after the other,
 which is one device's layout for token lookups but not for a position
-embedding's. Within `summed_by_position(ids)` (set by the step),
+embedding's. Within `summed_by_position(variables)` (set by the step),
 `all_reduce` sums those variables' rows position by position instead (the
 rows' values all-reduced as a dense tensor, fused with the dense
-gradients; the ids kept).
+gradients when their shape is known; the ids kept).
 
 Example:
 
@@ -160,31 +160,36 @@ def batch_free(first, second):
                 shape is not None and None not in shape for shape in shapes)}
 
 
-class _ByPosition(threading.local):
-    ids = frozenset()
-    names = {}
-
-
-_by_position = _ByPosition()
+# `summed_by_position`'s variables: `id -> [entries, name]`. Process-wide
+# (a multiset, entered by each replica's thread): Keras' loss-scale
+# optimizer applies the gradients in threads of its own (`merge_call`).
+_by_position = {}
+_by_position_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def summed_by_position(variables):
-    """Within (this thread: a replica's step), `all_reduce` sums the
-    sparse gradients of `variables` (Keras or TensorFlow variables: those
-    `batch_free` finds) position by position across the replicas."""
+    """Within, `all_reduce` sums the sparse gradients of `variables`
+    (Keras or TensorFlow variables: those `batch_free` finds) position by
+    position across the replicas."""
     from keras_smp.runtime import keras_private
 
     names = {}
     for v in variables:
         for x in (v, keras_private.backing_variable(v)):
             names[id(x)] = getattr(v, "path", None) or v.name
-    before = _by_position.ids, _by_position.names
-    _by_position.ids, _by_position.names = frozenset(names), names
+    with _by_position_lock:
+        for key, name in names.items():
+            _by_position.setdefault(key, [0, name])[0] += 1
     try:
         yield
     finally:
-        _by_position.ids, _by_position.names = before
+        with _by_position_lock:
+            for key in names:
+                entry = _by_position[key]
+                entry[0] -= 1
+                if not entry[0]:
+                    del _by_position[key]
 
 
 class _Sources(threading.local):
@@ -227,8 +232,21 @@ def note_source(grad, variable):
 
 
 def active():
-    """Whether this thread's step sums some sparse gradients by position."""
-    return bool(_by_position.ids)
+    """Whether a step sums some sparse gradients by position."""
+    return bool(_by_position)
+
+
+def same_counts(counts, reduce_sum, replicas):
+    """`(same, mean)`: for each of the integer scalars `counts`, whether
+    every replica holds the same value, and their mean, from one
+    all-reduce (`reduce_sum` of a float64 vector over the `replicas`).
+    The same on every replica iff replicas x the sum of squares is the
+    square of the sum (exact in float64 below 2^26)."""
+    c = tf.cast(tf.stack(counts), tf.float64)
+    n = len(counts)
+    summed = reduce_sum(tf.concat([c, c * c], 0))
+    return (tf.equal(summed[n:] * replicas, summed[:n] * summed[:n]),
+            summed[:n] / replicas)
 
 
 def all_reduce(reduce, grads, variables, context):
@@ -244,9 +262,10 @@ def all_reduce(reduce, grads, variables, context):
     (a sequence length left unknown), the replicas first check they hold
     the same number (a small all-reduce), and fail naming the variable
     rather than sum rows of different positions."""
-    ids = _by_position.ids
+    with _by_position_lock:
+        names = {key: entry[1] for key, entry in _by_position.items()}
     marked = [i for i, (g, v) in enumerate(zip(grads, variables))
-              if isinstance(g, tf.IndexedSlices) and id(v) in ids]
+              if isinstance(g, tf.IndexedSlices) and id(v) in names]
     replicas = context.num_replicas_in_sync
     if not marked or replicas <= 1:
         return reduce(list(grads))
@@ -256,27 +275,22 @@ def all_reduce(reduce, grads, variables, context):
     checks = []
     if unknown:
         with tf.device(grads[unknown[0]].values.device):  # (its stage's)
-            counts = tf.stack([tf.cast(tf.shape(grads[i].indices)[0],
-                                       tf.float64) for i in unknown])
-            summed = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                        tf.concat([counts, counts * counts],
-                                                  0))
-        n = len(unknown)
-        # The same count on every replica iff replicas x sum of squares
-        # is the square of the sum (exact in float64 below 2^26 ids).
-        same = tf.equal(summed[n:] * replicas, summed[:n] * summed[:n])
+            same, mean = same_counts(
+                [tf.shape(grads[i].indices)[0] for i in unknown],
+                lambda t: context.all_reduce(tf.distribute.ReduceOp.SUM, t),
+                replicas)
         for k, i in enumerate(unknown):
             checks.append(tf.debugging.Assert(same[k], [
                 f"keras-smp: the data-parallel replicas hold different "
                 f"numbers of ids in the sparse gradient of "
-                f"{_by_position.names[id(variables[i])]} (a position "
+                f"{names[id(variables[i])]} (a position "
                 "embedding: ids that do not depend on the batch, whose rows "
                 "one device adds position by position). Give every "
                 "replica the same length of batch (pad the global batch "
                 "before it is distributed: `padded_batch`, then `fit` or "
                 "`strategy.experimental_distribute_dataset`).",
                 "Ids on this replica:", tf.shape(grads[i].indices)[0],
-                "mean over the replicas:", summed[k] / replicas]))
+                "mean over the replicas:", mean[k]]))
     with tf.control_dependencies(checks):
         values = [tf.identity(grads[i].values) if checks
                   else grads[i].values for i in marked]

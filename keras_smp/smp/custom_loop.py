@@ -46,6 +46,7 @@ device, and TensorFlow's executor overlaps the microbatches' stages.
 
 import functools
 import inspect
+import weakref
 
 import tensorflow as tf
 
@@ -320,6 +321,10 @@ class StepOutput:
     def accumulate(self, method="variable", var=None):
         """The mean over microbatches, for gradients.
 
+        A sparse gradient (`tf.IndexedSlices`, an `Embedding`'s) stays
+        sparse, as one device's gradient for the whole batch holds it
+        (see `_accumulate_sparse`); `tf.convert_to_tensor` makes it dense.
+
         With several data-parallel replicas (processes) and `horovod=False`
         it is also averaged over the replicas (a collective all-reduce),
         as `reduce_mean` and `reduce_sum` are (every replica must call
@@ -391,17 +396,16 @@ def _same_count(values):
     if values.shape[:1].num_elements() is not None:
         return []
     size, _ = _replica_sync()
-    count = tf.cast(tf.shape(values)[0], tf.float64)
-    summed = _over_replicas(tf.stack([count, count * count]), "Id")
-    return [tf.debugging.Assert(
-        tf.equal(summed[1] * size, summed[0] * summed[0]), [
-            "keras-smp: StepOutput.accumulate: the data-parallel replicas "
-            "hold different numbers of rows in a sparse gradient (an "
-            "embedding looked up on batches of different lengths or "
-            "sizes). Give every replica batches of the same shape "
-            "(`drop_remainder=True`; pad sequences to one length).",
-            "Rows on this replica:", tf.shape(values)[0],
-            "mean over the replicas:", summed[0] / size])]
+    same, mean = sparse.same_counts(
+        [tf.shape(values)[0]], lambda t: _over_replicas(t, "Id"), size)
+    return [tf.debugging.Assert(same[0], [
+        "keras-smp: StepOutput.accumulate: the data-parallel replicas "
+        "hold different numbers of rows in a sparse gradient (an "
+        "embedding looked up on batches of different lengths or sizes). "
+        "Give every replica batches of the same shape "
+        "(`drop_remainder=True`; pad sequences to one length).",
+        "Rows on this replica:", tf.shape(values)[0],
+        "mean over the replicas:", mean[0]])]
 
 
 def _gather_over_replicas(t):
@@ -517,12 +521,12 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
         finally:
             _step_depth[0] -= 1
             _by_position[:] = before
-        # (Beside the outputs: a tf.function turns Python values into
-        # tensors. Every trace of the function marks the same outputs.)
-        traced["marks"] = marks
+        # (Beside the outputs, for this trace: a tf.function turns Python
+        # values into tensors.)
+        traced[tf.compat.v1.get_default_graph()] = marks
         return results
 
-    traced = {"marks": None}
+    traced = weakref.WeakKeyDictionary()  # {trace's graph: marks}
     compiled = tf.function(run, input_signature=input_signature)
 
     def merge_axis(args, kwargs):
@@ -543,7 +547,10 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
         results = compiled(*args, **kwargs)
         axis = merge_axis(args, kwargs)
         flat = [tf.nest.flatten(r) for r in results]
-        marks = traced["marks"] or [False] * len(flat[0])
+        marks = traced.get(
+            compiled.get_concrete_function(*args, **kwargs).graph)
+        if marks is None or len(marks) != len(flat[0]):
+            marks = [False] * len(flat[0])  # (not expected)
         return tf.nest.pack_sequence_as(results[0], [
             StepOutput([f[j] for f in flat], axis=axis,
                        by_position=marks[j])

@@ -10,11 +10,14 @@ id's rows merged), and concatenated the position embedding's microbatch
 rows. Run alone or with `keras-smp launch -n 2` (2 data-parallel
 replicas, each on its half of the global batch).
 
-    python custom_loop_sparse.py get_gradients|tape
+    python custom_loop_sparse.py get_gradients|tape|uneven
 
 Prints `RESULT {json}` on rank 0: the largest weight difference to plain
 Keras (per unit of the weights' magnitude), how far the weights moved,
-and the gradients' types one device computes.
+and the gradients' types one device computes. `uneven` (2 processes):
+rank r's sequences are 6 - r long, of unknown length in the traced step;
+each rank prints `RAISED <message>` (the replicas' sparse gradients hold
+different numbers of rows) and exits 3.
 """
 
 import json
@@ -80,7 +83,9 @@ def get_grads(inputs, labels):
     return opt.get_gradients(loss, model.trainable_variables), loss
 
 
-@tf.function
+@tf.function(input_signature=[
+    tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None], tf.int32)]
+    if GRADS == "uneven" else None)
 def train_step(inputs, labels):
     grads, loss = get_grads(inputs, labels)
     grads = [g.accumulate() for g in grads]
@@ -90,6 +95,15 @@ def train_step(inputs, labels):
 
 rows = GLOBAL // smp.dp_size()
 lo = smp.dp_rank() * rows
+if GRADS == "uneven":
+    x, y = batch(0)
+    try:
+        train_step(x[lo:lo + rows, :LENGTH - smp.rank()], y[lo:lo + rows])
+    except Exception as e:  # noqa: BLE001
+        print("RAISED", " ".join(str(e).split()), flush=True)
+        sys.exit(3)
+    print("NO ERROR", flush=True)
+    sys.exit(0)
 for step in range(STEPS):
     x, y = batch(step)
     train_step(x[lo:lo + rows], y[lo:lo + rows])

@@ -266,6 +266,9 @@ def build():
         opt = keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
     elif args.optimizer == "adam_clipnorm":  # each gradient's norm at most 1
         opt = keras.optimizers.Adam(learning_rate=1e-2, clipnorm=1.0)
+    elif args.optimizer == "adam_loss_scale":  # as mixed precision's
+        opt = keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.Adam(learning_rate=1e-2))
     else:
         opt = keras.optimizers.Adam(learning_rate=1e-2)
     model.compile(
