@@ -6,8 +6,9 @@ environment, `launch --horovod`), and 2 processes on 2 hosts with
 hierarchical; fusion on (64 MB: one bucket per dtype) and off (one per tensor), one
 call each in the same job. Each
 all-reduce call mixes float32, float16 and bfloat16 tensors of several
-shapes holding small integers, whose sums are exact in every dtype, and
-float32 random values (float32 rounding only); one 13 MB tensor makes the
+shapes holding small integers, whose sums are exact in every dtype (one
+float32 tensor of a shape unknown when traced), and float32 random values
+(float32 rounding only); one 13 MB tensor makes the
 hierarchical algorithm pipeline its buckets in chunks and the ring send its
 bucket as 4 pieces in flight together.
 """
@@ -50,11 +51,14 @@ def test_allreduce_equals_numpy_sum(workers, hosts, algorithm):
                                                  "bfloat16"}
         assert r["random_max_rel"] < 1e-4
         assert [3_300_001] in [shape for _, shape, _ in r["exact"]]
-        # 17 tensors in 3 dtypes: fused into one bucket per dtype, or not
-        # fused.
+        assert [None] in [shape for _, shape, _ in r["exact"]]
+        # 17 tensors of known shapes in 3 dtypes: fused into one bucket per
+        # dtype, or not fused; the one of unknown shape alone (with it
+        # every tensor went alone: no bucket).
         assert r["buckets_traced"] == (3 if r["fusion_mb"] else 17), r
         # Ring on CPU: the bucket holding the 13 MB tensor goes as 4
         # pieces in flight together (allreduce_pieces=4), the others whole
-        # (under 2 MB); the other algorithms keep buckets whole.
+        # (under 2 MB), and the tensor of unknown shape as one more; the
+        # other algorithms keep buckets whole.
         assert r["pieces_traced"] == (
-            r["buckets_traced"] + 3 if algorithm == "ring" else 0), r
+            r["buckets_traced"] + 4 if algorithm == "ring" else 0), r

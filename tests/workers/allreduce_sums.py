@@ -7,7 +7,8 @@ threshold, in one job (the gradient sync's `fusion_threshold_bytes` is set
 before each call is traced). Every replica contributes, in each call,
 float32 / float16 / bfloat16 tensors of several shapes (mixed dtypes in one
 call exercise fusion's per-dtype buckets) holding small integers (exact in
-every dtype) and float32 tensors holding random values; rank 0 prints how
+every dtype), one of a shape unknown when traced, and float32 tensors
+holding random values; rank 0 prints how
 each result compares with the NumPy sum over all replicas.
 """
 
@@ -53,6 +54,10 @@ def values(replica):
             out.append(tf.cast(integers(replica, 10 * d + k, shape), dtype))
     for k, shape in enumerate(SHAPES):
         out.append(tf.constant(randoms(replica, 100 + k, shape)))
+    # Of a shape unknown when traced (as a position embedding's rows of
+    # unknown length): reduced alone, the others still fused.
+    unknown = tf.constant(integers(replica, 500, (6,)))
+    out.append(tf.boolean_mask(unknown, tf.ones([6], tf.bool)))
     return out
 
 
@@ -99,6 +104,9 @@ def check(fusion_mb):
                            / (np.abs(expected) + 1e-3)))
         report["random_max_rel"] = max(report["random_max_rel"], rel)
         i += 1
+    expected = sum(integers(r, 500, (6,)).astype("float64") for r in range(n))
+    report["exact"].append(["float32", [None],
+                            bool(np.array_equal(got[i], expected))])
     if keras_smp.rank() == 0:
         print("RESULT " + json.dumps(report), flush=True)
 
