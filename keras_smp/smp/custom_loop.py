@@ -355,7 +355,6 @@ class StepOutput:
         mean = total / len(ts)
         return _over_replicas(mean) if _replica_sync() else mean
 
-
     def _accumulate_sparse(self):
         """`accumulate` of sparse gradients (`tf.IndexedSlices`), kept
         sparse as one device's gradient for the whole batch holds them:
@@ -364,8 +363,8 @@ class StepOutput:
         rows) would step otherwise. The microbatches' (and replicas')
         rows are put one after another (a lookup with a row per sample:
         token ids), or added position by position for a position
-        embedding's gradient from `optimizer.get_gradients` (ids the same
-        in every microbatch)."""
+        embedding's gradient (ids the same in every microbatch) from
+        `optimizer.get_gradients` or a `tf.GradientTape` in the step."""
         parts = self.outputs
         m = len(parts)
         if self._by_position:
@@ -512,7 +511,8 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
                             {n: per_arg[n][i] for n in bound.arguments})
                         results.append(func(*call.args, **call.kwargs))
                 # Which returned values are sparse gradients (from
-                # `optimizer.get_gradients`) of position embeddings.
+                # `optimizer.get_gradients` or a tape) of position
+                # embeddings.
                 free = {id(v) for v in _by_position}
                 marks = [all(isinstance(r, tf.IndexedSlices)
                              and id(source(r)) in free for r in leaves)
