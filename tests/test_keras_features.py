@@ -179,6 +179,18 @@ def test_keras_features_across_processes(mode, tmp_path):
                     assert re.search(
                         rf"Weight '{name}/kernel' belongs to another pipeline "
                         r"stage.*model\.get_weights\(\)", read), row
+            # A direct call: a clear error until `sync_weights()`, then
+            # the whole model runs here as `predict` runs it (the same ops
+            # on other batch shapes: float32 rounding, relative 1e-5), and
+            # an error again once the next `fit` frees the copies.
+            direct = report["direct_call"]
+            refused = (rf"DistributedModel '\w+' was called directly "
+                       rf"\(`model\(x\)`\) in pipeline rank {rank}.*"
+                       r"model\.sync_weights\(\)")
+            assert re.search(refused, direct["before_sync"]), direct
+            assert direct["diff"] <= 1e-5 * direct["scale"], direct
+            assert direct["synced"] == "ran", direct
+            assert re.search(refused, direct["after_fit"]), direct
 
 
 def test_optimizer_state_of_each_stage_resumes_exactly(tmp_path):

@@ -515,6 +515,7 @@ class DistributedModel(keras.Model):
 
     def __call__(self, *args, **kwargs):
         if not custom_loop.in_step():
+            self._smp_check_direct_call()
             return super().__call__(*args, **kwargs)
         first = list(inspect.signature(self.call).parameters)[:1]
         if not args and first and first[0] in kwargs:
@@ -547,6 +548,31 @@ class DistributedModel(keras.Model):
             self._smp_step_ready = True
             custom_loop.after_first_call(self)
         return result
+
+    def _smp_check_direct_call(self):
+        """Raises a clear error for a direct call (`model(x)`) in a stage
+        process that holds no copy of other stages' weights (one stage per
+        process, after the first step): the whole model would run with
+        empty weights (TensorFlow failed inside a layer: "In[1] ndims must
+        be >= 2")."""
+        residency = self._smp_residency()
+        if residency is None or keras_private.in_stateless_scope():
+            return
+        unheld = [v for v in residency.foreign()
+                  if getattr(v, "_smp_unheld", False)]
+        if not unheld:
+            return
+        rank = self._smp_runtime().topology.pp_rank
+        raise ValueError(
+            f"DistributedModel {self.name!r} was called directly "
+            f"(`model(x)`) in pipeline rank {rank}, which holds only its "
+            "own stage's weights (one stage per process; e.g. "
+            f"{unheld[0].path!r} has no copy here). Use `model.predict(x)` "
+            "or `model.predict_on_batch(x)` (pipelined; every process calls "
+            "them), or first call `model.sync_weights()` (a collective: "
+            "every process calls it): each process then holds the whole "
+            "model, and may call it directly, until keras-smp frees the "
+            "copies again (the next `fit`, `evaluate` or `get_weights`).")
 
     def _smp_call_staged(self, inputs, training):
         """Forward pass stage by stage, each on its device (`@smp.step`).
@@ -588,6 +614,13 @@ class DistributedModel(keras.Model):
         (`keras_smp.pipeline.shards`). It is a collective: every
         process of the job must call it (Keras callbacks do). No-op
         otherwise.
+
+        Afterwards every process holds the whole model, so it may call it
+        directly (`model.sync_weights(); y = model(x)` runs the whole
+        model, unpipelined, in this process), until keras-smp frees the
+        other stages' copies again: the next `fit`, `evaluate` or
+        `get_weights`. Called directly without it, the model raises an
+        error naming this.
         """
         residency = self._smp_residency()
         if residency is not None:

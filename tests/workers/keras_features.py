@@ -487,5 +487,31 @@ if INFERENCE:
             read=read, after=after, whole=whole, wrote=wrote,
             own=[n for n, s in layers.items() if s == RANK])
 
+        # A direct call `model(x)`: a clear error here (TensorFlow failed
+        # inside a layer with empty weights); after `sync_weights()` the
+        # whole model runs in this process, as `predict` runs it in the
+        # pipeline; the next `fit` frees the copies again.
+        def call_directly():
+            try:
+                return np.asarray(model(X[:ROWS]))
+            except ValueError as e:
+                return str(e)
+
+        direct = dict(before_sync=call_directly())
+        model.sync_weights()
+        called = call_directly()
+        predicted = model.predict(X[:ROWS], batch_size=ROWS, verbose=0)
+        direct["diff"] = (float(np.max(np.abs(called - predicted)))
+                          if not isinstance(called, str) else called)
+        direct["scale"] = float(np.max(np.abs(predicted)))
+        model.sync_weights()
+        direct["synced"] = ("ran" if not isinstance(call_directly(), str)
+                            else "refused")
+        model.fit(X, Y, batch_size=ROWS, epochs=1, verbose=0)
+        after_fit = call_directly()
+        direct["after_fit"] = (after_fit if isinstance(after_fit, str)
+                               else "ran")
+        report["direct_call"] = direct
+
 with open(os.path.join(OUT, f"rank{strategy.topology.rank}.json"), "w") as f:
     json.dump(report, f)
