@@ -34,9 +34,10 @@ def test_smp_example_trains(script, workers, tmp_path):
     path = os.path.join(ROOT, "examples", script)
     extra = {"EPOCHS": "3", "CKPT_DIR": str(tmp_path)}
     if workers == 1:
-        out = run_python([path], extra_env=extra).stdout
+        out = run_python([path], extra_env=extra, lean=False).stdout
     else:
-        out = launch(2, [path], timeout=240, extra_env=extra).stdout
+        out = launch(2, [path], timeout=240, extra_env=extra,
+                     lean=False).stdout
         assert "replicas 2" in out or "[0]" in out
     first, last = _losses(out)
     assert last < 0.7 * first, out[-2000:]
@@ -53,11 +54,13 @@ def test_smp_hybrid_horovod_example_trains(workers):
     path = os.path.join(ROOT, "examples", "smp_hybrid_horovod.py")
     extra = {"EPOCHS": "3"}
     if workers == 1:
-        out = run_python([path], extra_env=extra, python=HVD_PYTHON).stdout
+        out = run_python([path], extra_env=extra, python=HVD_PYTHON,
+                         lean=False).stdout
         assert "horovod size 1" in out
     else:
         out = launch(2, [path], timeout=240, extra_env=extra,
-                     python=HVD_PYTHON, launcher_args=("--horovod",)).stdout
+                     python=HVD_PYTHON, launcher_args=("--horovod",),
+                     lean=False).stdout
         assert "horovod size 2" in out
     assert "max weight difference to rank 0 0\n" in out, out[-2000:]
     first, last = _losses(out)
@@ -91,4 +94,5 @@ def test_smp_api_docstring_examples_run(name, tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", inspect.cleandoc(doc), flags=re.S)
     assert blocks, name
     for code in blocks:
-        run_python(["-c", code], extra_env={"TMPDIR": str(tmp_path)})
+        run_python(["-c", code], extra_env={"TMPDIR": str(tmp_path)},
+                   lean=False)

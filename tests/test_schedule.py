@@ -396,14 +396,14 @@ def test_cli_runs_as_module_without_tensorflow():
             "main(['-p', '2', '-m', '3']);"
             "print('tensorflow' in sys.modules, 'keras' in sys.modules,"
             " 'matplotlib' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], env=env(), cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", code], env=env(lean=False), cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "False False False"
     proc = subprocess.run(
         [sys.executable, "-W", "error", "-m", "keras_smp.pipeline.schedule",
          "--schedule", "1f1b", "-p", "2", "-m", "3"],
-        env=env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+        env=env(lean=False), cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "peak in flight    stage 0: 2, stage 1: 1" in proc.stdout
 
