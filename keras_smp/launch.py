@@ -426,7 +426,7 @@ class _Launcher:
         # node_addr); None: this machine is the whole job.
         self.nodes = nodes
         self.procs: list[subprocess.Popen] = []
-        self.readers: list[threading.Thread] = []
+        self.readers: list[list[threading.Thread]] = []
         self.signals: list[int] = []
         self.out = _Output(sys.stdout)
         self.deadline = None
@@ -565,8 +565,12 @@ class _Launcher:
                 proc = subprocess.Popen(
                     self.command,
                     stdin=subprocess.DEVNULL,
+                    # Two pipes: a line of one stream stays whole (merged
+                    # into one pipe, TensorFlow's C++ log lines landed
+                    # inside a Python `print`'s line, which unbuffered
+                    # Python writes piece by piece).
                     stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
+                    stderr=subprocess.PIPE,
                     env=env,
                     start_new_session=True,
                     preexec_fn=_die_with_parent if _PRCTL is not None else None,
@@ -577,14 +581,16 @@ class _Launcher:
                 return 127 if isinstance(e, FileNotFoundError) else 126
             proc.rank = rank
             self.procs.append(proc)
-            reader = threading.Thread(
+            readers = [threading.Thread(
                 target=_pump,
-                args=(proc.stdout, f"[{rank}] " if self.prefix else "", self.out),
-                name=f"keras-smp-worker-{rank}-output",
+                args=(pipe, f"[{rank}] " if self.prefix else "", self.out),
+                name=f"keras-smp-worker-{rank}-{name}",
                 daemon=True,
-            )
-            reader.start()
-            self.readers.append(reader)
+            ) for pipe, name in ((proc.stdout, "stdout"),
+                                 (proc.stderr, "stderr"))]
+            for reader in readers:
+                reader.start()
+            self.readers.append(readers)
         return None
 
     def teardown(self, signum: int = signal.SIGTERM, only_alive: bool = False) -> None:
@@ -624,8 +630,9 @@ class _Launcher:
 
     def _join_readers(self, timeout: float = 2.0) -> None:
         deadline = time.monotonic() + timeout
-        for t in self.readers:
-            t.join(max(0.0, deadline - time.monotonic()))
+        for pair in self.readers:
+            for t in pair:
+                t.join(max(0.0, deadline - time.monotonic()))
 
     def _supervise(self, coord):
         """Runs until this node's workers end or something decides.
@@ -646,7 +653,8 @@ class _Launcher:
             for i, code in enumerate(codes):
                 if code is not None and code != 0:
                     # Let the failed worker's last lines (traceback) through first.
-                    self.readers[i].join(1.0)
+                    for reader in self.readers[i]:
+                        reader.join(1.0)
                     cause, code = self._failure_cause()
                     others = ("; stopping the other workers"
                               if self.num_workers > 1 or self.nodes else "")

@@ -75,13 +75,13 @@ def test_smp_hybrid_horovod_example_trains(workers):
                                   "keras_smp.pipeline.shards",
                                   "keras_smp.runtime.sparse", "save_model",
                                   "save_weights", "save(", "export(",
-                                  "compile", "get_layer",
+                                  "compile", "get_layer", "__getattr__",
                                   "set_activation_checkpointing"])
 def test_smp_api_docstring_examples_run(name, tmp_path):
     # Imported here by source text only: the pytest process stays TF-free.
     # The examples' tempfile.mkdtemp() directories go under tmp_path.
     if name in ("save_model", "save_weights", "save(", "export(", "compile",
-                "get_layer"):
+                "get_layer", "__getattr__"):
         src = open(os.path.join(ROOT, "keras_smp", "pipeline", "model.py")).read()
         doc = src.split(f"def {name}", 1)[1].split('"""')[1]
     elif name == "set_activation_checkpointing":

@@ -237,3 +237,53 @@ def test_optimizer_state_of_each_stage_resumes_exactly(tmp_path):
     assert len(refused) == 2 and all(
         r and "sets global_clipnorm" in r for r in refused), refused
 
+
+
+def _result(out):
+    return [json.loads(line.split("RESULT ", 1)[1])
+            for line in out.splitlines() if "RESULT {" in line]
+
+
+def test_fit_under_smp_init_builds_the_model_and_wrapped_methods_work():
+    # tests/workers/wrapped_methods.py init: under `smp.init` (no strategy)
+    # `fit` of a DistributedModel not built yet failed ("has not been built
+    # yet": Keras builds a model without a strategy inside the train
+    # function's trace); a subclassed DistributedModel and a wrapped
+    # subclassed model now train as plain Keras from the same initial
+    # weights (same ops, other batch split: float32 rounding, RTOL/ATOL).
+    # The wrapped model's own method and attributes are reached through
+    # the wrapper (the method, called before `fit`, builds the wrapped
+    # model); Keras' own names are not looked up there.
+    [r] = _result(run_python([os.path.join(WORKERS, "wrapped_methods.py"),
+                              "init"]).stdout)
+    for name in ("subclassed", "wrapped"):
+        row = r[name]
+        np.testing.assert_allclose(row["loss"], row["plain_loss"], rtol=RTOL)
+        assert row["weight_diff"] <= ATOL, row
+        np.testing.assert_allclose(row["evaluate"], row["plain_evaluate"],
+                                   rtol=RTOL)
+    assert abs(r["score"] - r["plain_score"]) <= ATOL * max(
+        1.0, abs(r["plain_score"])), r
+    assert r["score"] != r["score_before_fit"], r  # it trained
+    assert r["attributes"] == [8, "scorer", "score"], r
+    assert r["errors"] == [
+        "'DistributedModel' object has no attribute 'no_such_thing' (nor has "
+        "the model it wraps, a Scorer)",
+        "'DistributedModel' object has no attribute 'inputs'"], r
+
+
+def test_wrapped_models_method_with_one_stage_per_process():
+    # tests/workers/wrapped_methods.py mp: after a step, a method of the
+    # wrapped model (which runs the whole model) is a clear error naming
+    # sync_weights() (TensorFlow failed inside a layer); after it, its
+    # result equals the pipelined predict's (the same sum over other
+    # batch shapes: float32 rounding, relative 1e-5).
+    results = _result(launch(2, [os.path.join(WORKERS, "wrapped_methods.py"),
+                                 "mp"]).stdout)
+    assert sorted(r["rank"] for r in results) == [0, 1], results
+    for r in results:
+        assert re.search(
+            r"called directly \(`model\.score\(\)`\) in pipeline rank "
+            rf"{r['rank']}.*model\.sync_weights\(\)", r["score_unheld"]), r
+        assert abs(r["score"] - r["predicted"]) <= 1e-5 * max(
+            1.0, abs(r["predicted"])), r

@@ -644,3 +644,27 @@ def test_docstring_examples(module):
     mod = importlib.import_module(f"keras_smp.{module}")
     failed, attempted = doctest.testmod(mod, verbose=False)
     assert attempted > 0 and failed == 0
+
+
+def test_worker_lines_stay_whole_when_stderr_writes_meanwhile():
+    # A worker's stdout and stderr went into one pipe: unbuffered Python
+    # (the launcher sets PYTHONUNBUFFERED) writes a `print` of several
+    # arguments piece by piece, and a line another thread wrote to stderr
+    # (TensorFlow's C++ logs) landed inside it ("[1] RAISEDE0000 ...": a
+    # test then missed the error message). Each stream now has its pipe.
+    code = (
+        "import os, sys, threading\n"
+        "stop = False\n"
+        "def noise():\n"
+        "    while not stop:\n"
+        "        os.write(2, b'E0000 log line from another thread\\n')\n"
+        "t = threading.Thread(target=noise); t.start()\n"
+        "for i in range(3000):\n"
+        "    print('PIECE', i, 'of', 'a', 'line', 'end')\n"
+        "stop = True; t.join()\n")
+    proc = _run("module", "-n", "1", "--", *_worker(code), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stdout.splitlines() if "PIECE" in ln]
+    whole = [ln for ln in lines
+             if re.fullmatch(r"\[0\] PIECE \d+ of a line end", ln)]
+    assert len(whole) == 3000, [ln for ln in lines if ln not in whole][:5]

@@ -11,6 +11,7 @@ optimizer slots here; `keras_smp.pipeline.shards` saves them stage by stage.
 """
 
 import contextlib
+import functools
 import inspect
 import os
 import re
@@ -64,6 +65,13 @@ def _validates(freq, epochs):
     if isinstance(freq, list):
         return any(e + 1 in freq for e in epochs)
     return False
+
+
+# Names of Keras' own model classes (and a functional model's attributes):
+# never looked up on a wrapped model (`DistributedModel.__getattr__`), so
+# Keras finds what it probes for on this model only.
+_KERAS_MODEL_NAMES = keras_private.model_class_names() | {
+    "inputs", "outputs", "input_names", "output_names", "inner_model"}
 
 
 @keras.saving.register_keras_serializable(package="keras_smp")
@@ -193,6 +201,62 @@ class DistributedModel(keras.Model):
         inputs, outputs = keras_private.functional_structs(functional)
         self._smp_set_graph(self._smp_plan(inputs, outputs, {}))
         self.built = True
+
+    def __getattr__(self, name):
+        """What the wrapped model's own classes add (`DistributedModel(model)`):
+        methods, properties and attributes a user's or a library's
+        `keras.Model` subclass defines (a KerasHub task's `generate`,
+        `preprocessor`, `backbone`), found on the wrapped model when this
+        model has no such attribute. Keras' own attributes are not looked
+        up there.
+
+        With one stage per process, a method found there runs the whole
+        model in this process: called after a step has freed other
+        stages' weights, it raises an error naming `sync_weights()` (as
+        `model(x)` does) instead of failing inside a layer.
+
+        Example:
+
+        ```python
+        import keras, numpy as np, keras_smp
+
+        class Scorer(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.dense = keras.layers.Dense(1)
+
+            def call(self, x):
+                return self.dense(x)
+
+            def score(self, x):
+                return float(keras.ops.sum(self(x)))
+
+        plain = Scorer()
+        model = keras_smp.DistributedModel(plain)
+        x = np.ones((2, 3), "float32")
+        assert model.score(x) == plain.score(x)
+        ```
+        """
+        inner = self.__dict__.get("inner_model")
+        if (inner is None or name.startswith("_")
+                or name in _KERAS_MODEL_NAMES):
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}")
+        try:
+            value = getattr(inner, name)
+        except AttributeError:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r} "
+                f"(nor has the model it wraps, a "
+                f"{type(inner).__name__})") from None
+        if not inspect.ismethod(value):
+            return value
+
+        def method(*args, **kwargs):
+            self._smp_check_direct_call(what=f"`model.{name}()`")
+            return value(*args, **kwargs)
+
+        return functools.wraps(value)(method)
 
     def get_layer(self, name=None, index=None):
         """Keras' `get_layer`, also finding the wrapped model's layers.
@@ -549,12 +613,12 @@ class DistributedModel(keras.Model):
             custom_loop.after_first_call(self)
         return result
 
-    def _smp_check_direct_call(self):
-        """Raises a clear error for a direct call (`model(x)`) in a stage
-        process that holds no copy of other stages' weights (one stage per
-        process, after the first step): the whole model would run with
-        empty weights (TensorFlow failed inside a layer: "In[1] ndims must
-        be >= 2")."""
+    def _smp_check_direct_call(self, what="`model(x)`"):
+        """Raises a clear error for a direct call (`model(x)`, or a method
+        of the wrapped model: `what`) in a stage process that holds no
+        copy of other stages' weights (one stage per process, after the
+        first step): the whole model would run with empty weights
+        (TensorFlow failed inside a layer: "In[1] ndims must be >= 2")."""
         residency = self._smp_residency()
         if residency is None or keras_private.in_stateless_scope():
             return
@@ -565,7 +629,7 @@ class DistributedModel(keras.Model):
         rank = self._smp_runtime().topology.pp_rank
         raise ValueError(
             f"DistributedModel {self.name!r} was called directly "
-            f"(`model(x)`) in pipeline rank {rank}, which holds only its "
+            f"({what}) in pipeline rank {rank}, which holds only its "
             "own stage's weights (one stage per process; e.g. "
             f"{unheld[0].path!r} has no copy here). Use `model.predict(x)` "
             "or `model.predict_on_batch(x)` (pipelined; every process calls "

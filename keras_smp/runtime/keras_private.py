@@ -515,6 +515,16 @@ def wrap_optimizer_step(apply_gradients, all_reduce, clip, check_finite):
 
 # --- used by keras_smp.runtime.patches (deferred layer weights) -------------
 
+def model_class_names():
+    """Every attribute name of Keras' model classes: `keras.Model`,
+    `keras.Sequential` and the functional model class."""
+    import keras
+    from keras.src.models.functional import Functional
+
+    return frozenset(set(dir(keras.Model)) | set(dir(keras.Sequential))
+                     | set(dir(Functional)))
+
+
 def in_stateless_scope():
     """Whether Keras is tracing symbolically (`compute_output_spec`):
     variables are read for their shapes only."""

@@ -841,6 +841,16 @@ def _patch_symbolic_build(trainer):
     @functools.wraps(original)
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         if _runtime_of(getattr(self, "_distribute_strategy", None)) is None:
+            if getattr(self, "_smp_pipelined", False):
+                # A DistributedModel without a strategy (`smp.init`,
+                # `SMP_CONFIG`, or none): Keras builds a model without a
+                # strategy as its train function is traced, where a
+                # pipeline's stages cannot be made ("has not been built
+                # yet"): built from the data's shapes first, as
+                # `predict` builds one.
+                _build_for_predict(self, data_batch if data_batch
+                                   is not None or iterator is None
+                                   else _symbolic_batch(iterator))
             return original(self, iterator=iterator, data_batch=data_batch)
         from keras_smp.runtime import keras_private
 
