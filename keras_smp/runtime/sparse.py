@@ -297,16 +297,6 @@ def all_reduce(reduce, grads, variables, context):
     sent = list(grads)
     for i, v in zip(marked, values):
         sent[i] = v
-    if checks:
-        # Every gradient's all-reduce waits for the check: a replica whose
-        # check fails raises its own error, not the abort of a collective
-        # its peer left by failing first (seen under load).
-        with tf.control_dependencies(checks):
-            sent = [g if g is None or i in marked else (
-                tf.IndexedSlices(tf.identity(g.values), g.indices,
-                                 g.dense_shape)
-                if isinstance(g, tf.IndexedSlices) else tf.identity(g))
-                for i, g in enumerate(sent)]
     out = list(reduce(sent))
     for i in marked:
         out[i] = tf.IndexedSlices(out[i], grads[i].indices,
