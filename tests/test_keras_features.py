@@ -244,18 +244,23 @@ def _result(out):
             for line in out.splitlines() if "RESULT {" in line]
 
 
-def test_fit_under_smp_init_builds_the_model_and_wrapped_methods_work():
+@pytest.mark.parametrize("mode", ["init", "bare"])
+def test_fit_under_smp_init_builds_the_model_and_wrapped_methods_work(mode):
     # tests/workers/wrapped_methods.py init: under `smp.init` (no strategy)
     # `fit` of a DistributedModel not built yet failed ("has not been built
     # yet": Keras builds a model without a strategy inside the train
-    # function's trace); a subclassed DistributedModel and a wrapped
+    # function's trace); so did it without `smp.init` (`bare`, SMP_CONFIG:
+    # keras-smp's hooks were not installed); a subclassed DistributedModel and a wrapped
     # subclassed model now train as plain Keras from the same initial
     # weights (same ops, other batch split: float32 rounding, RTOL/ATOL).
     # The wrapped model's own method and attributes are reached through
     # the wrapper (the method, called before `fit`, builds the wrapped
     # model); Keras' own names are not looked up there.
-    [r] = _result(run_python([os.path.join(WORKERS, "wrapped_methods.py"),
-                              "init"]).stdout)
+    [r] = _result(run_python(
+        [os.path.join(WORKERS, "wrapped_methods.py"), mode],
+        extra_env={"SMP_CONFIG": '{"partitions": 2, "microbatches": 2}'}
+        if mode == "bare" else None).stdout)
+    assert r["stages"] == 2, r
     for name in ("subclassed", "wrapped"):
         row = r[name]
         np.testing.assert_allclose(row["loss"], row["plain_loss"], rtol=RTOL)

@@ -136,6 +136,10 @@ class DistributedModel(keras.Model):
 
     def __init__(self, *args, partition_cost=None, split_points=None,
                  **kwargs):
+        # Without an SMPStrategy or `smp.init` (the config from
+        # `SMP_CONFIG`, or the defaults), keras-smp's hooks still build the
+        # model from the data at its first `fit`/`evaluate`/`predict`.
+        patches.install()
         inner = None
         if (len(args) == 1 and isinstance(args[0], keras.Model)
                 and set(kwargs) <= {"name"}):

@@ -1,7 +1,8 @@
 """A model's own methods through `DistributedModel`, and `fit` under
 `smp.init` of a model not built yet.
 
-`init` (one process, `smp.init`, 2 stages x 2 microbatches): a subclassed
+`init` (one process, `smp.init`, 2 stages x 2 microbatches; `bare`: the
+same without `smp.init`, the config from `SMP_CONFIG`): a subclassed
 `DistributedModel` and a wrapped subclassed model, neither built, trained
 with `fit` and `evaluate`; the wrapped model is built by its own method
 called through the wrapper (`model.score(x)`) before `fit`. Each is
@@ -26,8 +27,9 @@ import keras_smp as smp  # noqa: E402
 strategy = None
 if MODE == "init":
     smp.init({"partitions": 2, "microbatches": 2})
-else:
+elif MODE == "mp":
     strategy = smp.SMPStrategy({"partitions": 2, "microbatches": 2})
+# "bare": neither (the config from SMP_CONFIG)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -100,9 +102,11 @@ def train(model, name):
     return twin
 
 
-if MODE == "init":
+if MODE in ("init", "bare"):
     keras.utils.set_random_seed(3)
-    train(Net(), "subclassed")
+    net = Net()
+    train(net, "subclassed")
+    report["stages"] = net.num_stages
     keras.utils.set_random_seed(3)
     model = smp.DistributedModel(Scorer())
     report["score_before_fit"] = model.score(x)  # builds the wrapped model
