@@ -780,7 +780,9 @@ def run(
 
     Worker `i` gets `TF_CONFIG` for a localhost cluster on free ports, plus
     `SMP_LAUNCHED=1` and `PYTHONUNBUFFERED=1`; it runs in its own session and
-    its merged stdout/stderr lines are printed as `"[i] line"`. If a worker
+    its stdout and stderr lines (two pipes, read line by line: a line of
+    one stream stays whole; lines of the two streams come in the order the
+    launcher reads them) are printed to stdout as `"[i] line"`. If a worker
     fails, the launcher is interrupted or `timeout` expires, all worker
     process groups get SIGTERM (or the received signal), then SIGKILL after
     `grace_seconds`. Signal handlers are only installed from the main thread.

@@ -189,7 +189,8 @@ def test_keras_features_across_processes(mode, tmp_path):
                        r"model\.sync_weights\(\)")
             assert re.search(refused, direct["before_sync"]), direct
             assert direct["diff"] <= 1e-5 * direct["scale"], direct
-            assert direct["synced"] == "ran", direct
+            assert direct["after_predict"] == "ran", direct
+            assert direct["symbolic"] == "KerasTensor", direct
             assert re.search(refused, direct["after_fit"]), direct
 
 
@@ -270,11 +271,14 @@ def test_fit_under_smp_init_builds_the_model_and_wrapped_methods_work(mode):
     assert abs(r["score"] - r["plain_score"]) <= ATOL * max(
         1.0, abs(r["plain_score"])), r
     assert r["score"] != r["score_before_fit"], r  # it trained
-    assert r["attributes"] == [8, "scorer", "score"], r
+    assert r["attributes"] == [8, True, "score"], r
+    assert r["own_optimizer"], r
     assert r["errors"] == [
         "'DistributedModel' object has no attribute 'no_such_thing' (nor has "
         "the model it wraps, a Scorer)",
-        "'DistributedModel' object has no attribute 'inputs'"], r
+        "'DistributedModel' object has no attribute 'inputs'",
+        "'DistributedModel' object has no attribute 'label'; the model it "
+        "wraps has one: read `model.inner_model.label`"], r
 
 
 def test_wrapped_models_method_with_one_stage_per_process():

@@ -654,17 +654,22 @@ def test_worker_lines_stay_whole_when_stderr_writes_meanwhile():
     # test then missed the error message). Each stream now has its pipe.
     code = (
         "import os, sys, threading\n"
-        "stop = False\n"
         "def noise():\n"
-        "    while not stop:\n"
+        "    for i in range(20000):\n"
         "        os.write(2, b'E0000 log line from another thread\\n')\n"
         "t = threading.Thread(target=noise); t.start()\n"
         "for i in range(3000):\n"
         "    print('PIECE', i, 'of', 'a', 'line', 'end')\n"
-        "stop = True; t.join()\n")
+        "t.join()\n")
     proc = _run("module", "-n", "1", "--", *_worker(code), timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = [ln for ln in proc.stdout.splitlines() if "PIECE" in ln]
-    whole = [ln for ln in lines
+    lines = proc.stdout.splitlines()
+    pieces = [ln for ln in lines if "PIECE" in ln]
+    whole = [ln for ln in pieces
              if re.fullmatch(r"\[0\] PIECE \d+ of a line end", ln)]
-    assert len(whole) == 3000, [ln for ln in lines if ln not in whole][:5]
+    assert len(whole) == 3000, [ln for ln in pieces if ln not in whole][:5]
+    # ... and every stderr line arrives, whole, beside them.
+    logs = [ln for ln in lines if "E0000" in ln]
+    assert logs.count("[0] E0000 log line from another thread") == 20000, (
+        [ln for ln in logs if ln != "[0] E0000 log line from another thread"
+         ][:5], len(logs))

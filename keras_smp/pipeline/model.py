@@ -74,6 +74,20 @@ _KERAS_MODEL_NAMES = keras_private.model_class_names() | {
     "inputs", "outputs", "input_names", "output_names", "inner_model"}
 
 
+def _own_class_names(cls):
+    """Public names the classes of `cls`'s hierarchy that are not Keras',
+    keras-smp's or TensorFlow's own define (a user's or a library's
+    model class: methods, properties, class attributes)."""
+    names = set()
+    for klass in cls.__mro__:
+        module = getattr(klass, "__module__", "") or ""
+        if klass is object or module.split(".")[0] in (
+                "keras", "keras_smp", "tensorflow", "builtins"):
+            continue
+        names.update(n for n in vars(klass) if not n.startswith("_"))
+    return names - _KERAS_MODEL_NAMES
+
+
 @keras.saving.register_keras_serializable(package="keras_smp")
 class DistributedModel(keras.Model):
     """A Keras model trained, evaluated and run as a microbatch pipeline.
@@ -208,16 +222,20 @@ class DistributedModel(keras.Model):
 
     def __getattr__(self, name):
         """What the wrapped model's own classes add (`DistributedModel(model)`):
-        methods, properties and attributes a user's or a library's
-        `keras.Model` subclass defines (a KerasHub task's `generate`,
-        `preprocessor`, `backbone`), found on the wrapped model when this
-        model has no such attribute. Keras' own attributes are not looked
-        up there.
+        the methods, properties and class attributes that a user's or a
+        library's `keras.Model` subclass defines (a KerasHub task's
+        `generate`), and the layers the wrapped model holds as attributes
+        (`backbone`, `preprocessor`), looked up on the wrapped model when
+        this model has no such attribute. Keras' own attributes (those of
+        its model classes, and what Keras sets on a model: `optimizer`,
+        `history`, ...) never are; other attributes of the wrapped model
+        are read on `model.inner_model`.
 
         With one stage per process, a method found there runs the whole
-        model in this process: called after a step has freed other
-        stages' weights, it raises an error naming `sync_weights()` (as
-        `model(x)` does) instead of failing inside a layer.
+        model in this process: called once the model is partitioned (other
+        stages' weights have no copy here), it raises an error naming
+        `sync_weights()` (as `model(x)` does) instead of failing inside a
+        layer. (Layers and `tf.function`s reached so are not checked.)
 
         Example:
 
@@ -239,20 +257,29 @@ class DistributedModel(keras.Model):
         model = keras_smp.DistributedModel(plain)
         x = np.ones((2, 3), "float32")
         assert model.score(x) == plain.score(x)
+        assert model.dense is plain.dense
         ```
         """
+        if hasattr(type(self), name):
+            # A property of this model raised AttributeError: its own
+            # error, not a lookup elsewhere.
+            return object.__getattribute__(self, name)
+        missing = f"{type(self).__name__!r} object has no attribute {name!r}"
         inner = self.__dict__.get("inner_model")
         if (inner is None or name.startswith("_")
                 or name in _KERAS_MODEL_NAMES):
+            raise AttributeError(missing)
+        own = name in _own_class_names(type(inner))
+        held = isinstance(vars(inner).get(name), keras.layers.Layer)
+        if not (own or held):
+            if hasattr(inner, name):
+                raise AttributeError(
+                    f"{missing}; the model it wraps has one: read "
+                    f"`model.inner_model.{name}`")
             raise AttributeError(
-                f"{type(self).__name__!r} object has no attribute {name!r}")
-        try:
-            value = getattr(inner, name)
-        except AttributeError:
-            raise AttributeError(
-                f"{type(self).__name__!r} object has no attribute {name!r} "
-                f"(nor has the model it wraps, a "
-                f"{type(inner).__name__})") from None
+                f"{missing} (nor has the model it wraps, a "
+                f"{type(inner).__name__})")
+        value = getattr(inner, name)
         if not inspect.ismethod(value):
             return value
 
@@ -583,7 +610,7 @@ class DistributedModel(keras.Model):
 
     def __call__(self, *args, **kwargs):
         if not custom_loop.in_step():
-            self._smp_check_direct_call()
+            self._smp_check_direct_call(inputs=(args, kwargs))
             return super().__call__(*args, **kwargs)
         first = list(inspect.signature(self.call).parameters)[:1]
         if not args and first and first[0] in kwargs:
@@ -617,14 +644,18 @@ class DistributedModel(keras.Model):
             custom_loop.after_first_call(self)
         return result
 
-    def _smp_check_direct_call(self, what="`model(x)`"):
+    def _smp_check_direct_call(self, what="`model(x)`", inputs=()):
         """Raises a clear error for a direct call (`model(x)`, or a method
         of the wrapped model: `what`) in a stage process that holds no
-        copy of other stages' weights (one stage per process, after the
-        first step): the whole model would run with empty weights
-        (TensorFlow failed inside a layer: "In[1] ndims must be >= 2")."""
+        copy of other stages' weights (one stage per process, once the
+        model is partitioned): the whole model would run with empty
+        weights (TensorFlow failed inside a layer: "In[1] ndims must be
+        >= 2"). Symbolic calls (`model(keras.Input(...))`, nesting it in
+        another model) read shapes only and pass."""
         residency = self._smp_residency()
-        if residency is None or keras_private.in_stateless_scope():
+        if residency is None or keras_private.in_stateless_scope() or any(
+                isinstance(t, keras.KerasTensor)
+                for t in keras.tree.flatten(inputs)):
             return
         unheld = [v for v in residency.foreign()
                   if getattr(v, "_smp_unheld", False)]
@@ -640,7 +671,8 @@ class DistributedModel(keras.Model):
             "them), or first call `model.sync_weights()` (a collective: "
             "every process calls it): each process then holds the whole "
             "model, and may call it directly, until keras-smp frees the "
-            "copies again (the next `fit`, `evaluate` or `get_weights`).")
+            "copies again (the next `fit`, `evaluate`, `*_on_batch`, "
+            "`get_weights` or save that gathers the model).")
 
     def _smp_call_staged(self, inputs, training):
         """Forward pass stage by stage, each on its device (`@smp.step`).
@@ -686,9 +718,10 @@ class DistributedModel(keras.Model):
         Afterwards every process holds the whole model, so it may call it
         directly (`model.sync_weights(); y = model(x)` runs the whole
         model, unpipelined, in this process), until keras-smp frees the
-        other stages' copies again: the next `fit`, `evaluate` or
-        `get_weights`. Called directly without it, the model raises an
-        error naming this.
+        other stages' copies again: the next `fit`, `evaluate`,
+        `train_on_batch`, `test_on_batch`, `get_weights`, or a save that
+        gathers the whole model. Called directly without it, the model
+        raises an error naming this.
         """
         residency = self._smp_residency()
         if residency is not None:

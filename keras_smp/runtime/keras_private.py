@@ -513,7 +513,7 @@ def wrap_optimizer_step(apply_gradients, all_reduce, clip, check_finite):
         setattr(cls, name, wrapped)
 
 
-# --- used by keras_smp.runtime.patches (deferred layer weights) -------------
+# --- used by keras_smp.pipeline.model (the wrapped model's names) -----------
 
 def model_class_names():
     """Every attribute name of Keras' model classes: `keras.Model`,
@@ -524,6 +524,8 @@ def model_class_names():
     return frozenset(set(dir(keras.Model)) | set(dir(keras.Sequential))
                      | set(dir(Functional)))
 
+
+# --- used by keras_smp.runtime.patches (deferred layer weights) -------------
 
 def in_stateless_scope():
     """Whether Keras is tracing symbolically (`compute_output_spec`):

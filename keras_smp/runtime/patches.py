@@ -841,7 +841,8 @@ def _patch_symbolic_build(trainer):
     @functools.wraps(original)
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         if _runtime_of(getattr(self, "_distribute_strategy", None)) is None:
-            if getattr(self, "_smp_pipelined", False):
+            if getattr(self, "_smp_pipelined", False) and getattr(
+                    self, "_distribute_strategy", None) is None:
                 # A DistributedModel without a strategy (`smp.init`,
                 # `SMP_CONFIG`, or none): Keras builds a model without a
                 # strategy as its train function is traced, where a

@@ -504,9 +504,11 @@ if INFERENCE:
         direct["diff"] = (float(np.max(np.abs(called - predicted)))
                           if not isinstance(called, str) else called)
         direct["scale"] = float(np.max(np.abs(predicted)))
-        model.sync_weights()
-        direct["synced"] = ("ran" if not isinstance(call_directly(), str)
-                            else "refused")
+        # `predict` keeps the copies; `fit` frees them.
+        direct["after_predict"] = (
+            "ran" if not isinstance(call_directly(), str) else "refused")
+        # A symbolic call reads shapes only: never refused.
+        direct["symbolic"] = type(model(keras.Input(X.shape[1:]))).__name__
         model.fit(X, Y, batch_size=ROWS, epochs=1, verbose=0)
         after_fit = call_directly()
         direct["after_fit"] = (after_fit if isinstance(after_fit, str)

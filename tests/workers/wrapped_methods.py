@@ -106,17 +106,22 @@ if MODE in ("init", "bare"):
     keras.utils.set_random_seed(3)
     net = Net()
     train(net, "subclassed")
-    report["stages"] = net.num_stages
+    report["stages"] = net.staged_graph.num_stages
     keras.utils.set_random_seed(3)
-    model = smp.DistributedModel(Scorer())
+    scorer = Scorer()
+    scorer.compile(keras.optimizers.SGD(0.05), "mse")
+    model = smp.DistributedModel(scorer)  # keeps the compile
+    # Keras' own attributes stay this model's (a delegated `optimizer`
+    # made Keras skip setting this model's own).
+    report["own_optimizer"] = "optimizer" in vars(model)
     report["score_before_fit"] = model.score(x)  # builds the wrapped model
     twin = train(model, "wrapped")
     report["score"] = model.score(x)
     report["plain_score"] = float(np.sum(twin.predict(x, verbose=0)))
-    report["attributes"] = [model.width, model.label,
+    report["attributes"] = [model.width, model.d1 is model.inner_model.d1,
                             model.score.__name__]
     errors = []
-    for name in ("no_such_thing", "inputs"):
+    for name in ("no_such_thing", "inputs", "label"):
         try:
             getattr(model, name)
             errors.append(None)
