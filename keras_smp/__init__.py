@@ -52,7 +52,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "SMPStrategy": "keras_smp.distribute.strategy",
     "DistributedModel": "keras_smp.pipeline.model",
-    "init": "keras_smp.smp.custom_loop",
+    "init": "keras_smp.smp.setup",
     "step": "keras_smp.smp.custom_loop",
     "StepOutput": "keras_smp.smp.custom_loop",
     "CheckpointManager": "keras_smp.smp.checkpoint",

@@ -70,6 +70,7 @@ LAYERS = {
     ],
     4: [
         "keras_smp.distribute.strategy", "keras_smp.pipeline.model",
+        "keras_smp.smp.setup",
         "keras_smp.notebook",
     ],
 }

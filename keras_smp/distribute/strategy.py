@@ -449,6 +449,13 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
         # summed over the replicas.
         if placement.updating_in_replicas():
             return False
+        if tf.distribute.in_cross_replica_context():
+            # A custom loop's `optimizer.apply_gradients` outside
+            # `strategy.run` (`smp.init` with one stage per process: the
+            # gradients were averaged in `StepOutput.accumulate`): Keras
+            # updates each variable's copies directly (a merge call needs
+            # a replica context).
+            return False
         return super()._use_merge_call()
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):

@@ -27,6 +27,7 @@ from keras_smp.pipeline import microbatch
 from keras_smp.pipeline import recompute as recompute_lib
 from keras_smp.pipeline import shards
 from keras_smp.pipeline.backward import accumulate
+from keras_smp.pipeline.backward import dense
 from keras_smp.pipeline.backward import variable_gradients
 from keras_smp.pipeline.graph import StagedGraph
 from keras_smp.pipeline.graph import expand_nested_models
@@ -39,9 +40,11 @@ from keras_smp.pipeline.residency import own_averages
 from keras_smp.pipeline.residency import track_slots
 from keras_smp.pipeline.runtime import on_device
 from keras_smp.pipeline.schedule import get_schedule
+from keras_smp.pipeline.step import boundary_specs
 from keras_smp.pipeline.step import run_step
 from keras_smp.pipeline.transport import PipelineKeys
 from keras_smp.pipeline.transport import StageLinks
+from keras_smp.pipeline.transport import is_dynamic
 from keras_smp.runtime import deferred
 from keras_smp.runtime import keras_private
 from keras_smp.runtime import loss_shares
@@ -630,15 +633,20 @@ class DistributedModel(keras.Model):
                 "keyword; give other values as part of `inputs` (a "
                 "tuple or dict of tensors) or set them on a layer "
                 "before the step.")
-        if self._smp_graph is not None and args:
+        if args and self._smp_multi_process():
+            # One stage per process: built from the data first (shapes
+            # only), never run whole here.
+            self._smp_build_from_data((args[0],))
+            result = self._smp_call_across(args[0], kwargs.get("training"))
+        elif self._smp_graph is not None and args:
             result = self._smp_call_staged(args[0], kwargs.get("training"))
-            if custom_loop.in_step():
-                # Its position embeddings' gradients add up by position.
-                free = self._smp_graph.batch_free_sparse()
-                custom_loop.note_step_variables(
-                    [v for v in self.trainable_weights if id(v) in free])
         else:
             result = super().__call__(*args, **kwargs)
+        if self._smp_graph is not None and args:
+            # Its position embeddings' gradients add up by position.
+            free = self._smp_graph.batch_free_sparse()
+            custom_loop.note_step_variables(
+                [v for v in self.trainable_weights if id(v) in free])
         if not getattr(self, "_smp_step_ready", False):
             self._smp_step_ready = True
             custom_loop.after_first_call(self)
@@ -695,6 +703,112 @@ class DistributedModel(keras.Model):
                         tensor.stage(rank_of(s)):
                     tensors = graph.stage_fn(s, training=training)(tensors)
         return graph.pack_outputs(tensors)
+
+    def _smp_call_across(self, inputs, training):
+        """Forward pass of `@smp.step` with one stage per process.
+
+        This process runs its own stage only: the first stage on the
+        inputs, the others on what the previous stage's process sends;
+        the last stage's outputs are then broadcast to every process of
+        the pipeline, so the step's own code (its loss, metrics, the
+        values it returns) runs alike on all of them. The stage is one
+        `tf.custom_gradient` function of the inputs and this stage's
+        weights: differentiating the step's loss (`get_gradients`, a
+        tape) runs the stage's backward from the gradient its next
+        stage's process sends (the last: from the loss), and sends the
+        gradient of its inputs to the previous one. Every process thus
+        gets the gradients of its own weights (other stages' are
+        `None`), and TensorFlow's executor overlaps the microbatches
+        across the processes (each call is one microbatch).
+        """
+        graph = self.staged_graph
+        links = self._smp_links()
+        stage, p = links.rank, graph.num_stages
+        first, last = stage == 0, stage == p - 1
+        flat = [tf.convert_to_tensor(t)
+                for t in self._smp_flat_inputs(inputs)]
+        slot = custom_loop.call_slot(self)
+        rows = links.checked_rows(tf.shape(flat[0])[0])
+        carry_in = graph.inputs if first else graph.carries[stage - 1]
+        carry_out = graph.carries[stage]
+        fn = graph.stage_fn(stage, training=training)
+        layers = graph.stage_layers(stage)
+
+        def floating(carry):
+            return [i for i, t in enumerate(carry)
+                    if tf.as_dtype(t.dtype).is_floating]
+
+        def sent(carry):
+            specs = boundary_specs(carry, rows)
+            return specs, [is_dynamic(shape) for shape, _ in specs]
+
+        @tf.custom_gradient
+        def run(*xs):
+            if first:
+                ins = list(xs)
+            else:
+                ins = links.receive_from(stage, stage - 1, "F", slot,
+                                         boundary_specs(carry_in, rows), rows)
+            with keras_private.call_context(self, training):
+                keras_private.clear_added_losses(layers)
+                outs = fn(ins)
+                added = [layer.name for layer in layers
+                         if getattr(layer, "losses", None)]
+            if added:
+                raise NotImplementedError(
+                    f"Layer(s) {added} of pipeline stage {stage} add losses "
+                    "(regularizers, activity regularizers, `add_loss()`) "
+                    "in a `@smp.step` with one stage per process, which "
+                    "does not carry them yet. Train this model with "
+                    "`model.fit` (it does), or run the stages in one "
+                    "process (leave `local_devices` unset).")
+            sends = []
+            if not last:
+                specs, dynamic = sent(carry_out)
+                sends = links.send_to(stage, stage + 1, "F", slot,
+                                      [dense(t) for t in outs], rows,
+                                      dynamic=dynamic)
+            specs, _ = sent(graph.carries[-1])
+            with tf.control_dependencies(sends):
+                shared = links.share_from_last(
+                    outs if last else None, specs,
+                    [links.call_position("F", slot, i)
+                     for i in range(len(specs))], rows)
+
+            def grad(*upstream, variables=None):
+                variables = list(variables or [])
+                out_float = floating(carry_out)
+                if last:
+                    d_outs = [tf.zeros_like(outs[i]) if upstream[i] is None
+                              else upstream[i] for i in out_float]
+                else:
+                    specs, _ = sent([carry_out[i] for i in out_float])
+                    d_outs = links.receive_from(stage, stage + 1, "B", slot,
+                                                specs, rows)
+                in_float = [] if first else floating(carry_in)
+                targets = [ins[i] for i in in_float] + variables
+                grads = tf.gradients([outs[i] for i in out_float], targets,
+                                     grad_ys=d_outs) if targets else []
+                d_ins, d_vars = grads[:len(in_float)], grads[len(in_float):]
+                sends = []
+                if not first:
+                    _, dynamic = sent([carry_in[i] for i in in_float])
+                    sends = links.send_to(
+                        stage, stage - 1, "B", slot,
+                        [tf.zeros_like(ins[i]) if g is None else dense(g)
+                         for i, g in zip(in_float, d_ins)], rows,
+                        dynamic=dynamic)
+                with tf.control_dependencies(sends):
+                    d_vars = [None if g is None else
+                              tf.IndexedSlices(tf.identity(g.values),
+                                               g.indices, g.dense_shape)
+                              if isinstance(g, tf.IndexedSlices)
+                              else tf.identity(g) for g in d_vars]
+                return [None] * len(xs), d_vars
+
+            return shared, grad
+
+        return graph.pack_outputs(run(*flat))
 
     def call(self, inputs, training=None):
         # Unpipelined forward pass (direct calls); steps use the pipeline.

@@ -264,10 +264,10 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         for s in held:
             if s > 0 and not links.holds(s - 1):
                 specs[("F", s)] = sends[("B", s)] = functools.partial(
-                    _specs, graph.carries[s - 1], tp=tp)
+                    boundary_specs, graph.carries[s - 1], tp=tp)
             if s < p - 1 and not links.holds(s + 1):
                 specs[("B", s)] = sends[("F", s)] = functools.partial(
-                    _specs, graph.carries[s], tp=tp)
+                    boundary_specs, graph.carries[s], tp=tp)
         transport = CollectiveTransport(
             links, specs, batch // m if rows is None else
             [rows[i] for i in range(m)], send_specs=sends, after=local)
@@ -611,7 +611,7 @@ def _model_inputs_constant(fn):
     return run
 
 
-def _specs(tensors, rows, split=1, tp=False):
+def boundary_specs(tensors, rows, split=1, tp=False):
     """`(shape, dtype)` of tensors crossing a process boundary (`split`:
     their last axis is split in that many slices).
 
@@ -662,11 +662,11 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
     # process shares its tensor-parallel rank's slice.
     group = current_group_of(model) if tensor.logits_kept_split() else None
     # (with their Keras masks, which are not split)
-    pred_specs = (_specs(graph.outputs, batch,
-                         split=group.size if group is not None else 1,
-                         tp=tp)
-                  + _specs(graph.carries[-1][graph.num_outputs:], batch,
-                           tp=tp)
+    pred_specs = (boundary_specs(graph.outputs, batch,
+                                 split=group.size if group is not None
+                                 else 1, tp=tp)
+                  + boundary_specs(graph.carries[-1][graph.num_outputs:],
+                                   batch, tp=tp)
                   if need_outputs else [])
     tracked = ([v for m in keras_private.loss_output_trackers(model)
                 for v in m.variables] if has_loss else [])

@@ -498,6 +498,13 @@ class StageLinks:
                 "most 299 microbatches and 100 tensors. Use fewer.")
         return key
 
+    @classmethod
+    def call_position(cls, direction, call, index):
+        """The position (of `batched_key`) of a model's `call`-th call's
+        `index`-th output, broadcast by the last stage over the replica
+        group (`@smp.step` with one stage per process)."""
+        return cls._position(direction, call, index)
+
     def _pair_key(self, stage, peer):
         if abs(stage - peer) != 1 or not self.holds(stage):
             raise ValueError(

@@ -1245,6 +1245,55 @@ def _scratch_of(callback, prefix):
 # -- optimizers ------------------------------------------------------------
 
 
+def holds_no_copy(variable):
+    """Whether `variable` is another pipeline stage's, with no storage in
+    this process (one stage per process: deferred, or freed)."""
+    return bool(getattr(variable, "_smp_local", False)
+                or deferred.is_pending(variable))
+
+
+# Set by `smp.init` with one stage per process (`keras_smp.smp.setup`).
+_own_stage_only = [False]
+
+
+def apply_own_stage_only():
+    """From now on, optimizers given gradients for other stages' weights
+    (`apply_gradients(zip(grads, model.trainable_variables))` in a custom
+    loop with one stage per process, their gradients `None`) skip them, so
+    they are neither built for nor applied to them here."""
+    _own_stage_only[0] = True
+
+
+def _patch_apply_own_stage(keras):
+    base = keras.optimizers.Optimizer
+    original = base.apply
+    if getattr(original, "_smp_own_stage", False):
+        return
+
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        if _own_stage_only[0] and trainable_variables is not None:
+            grads, trainable_variables = list(grads), list(
+                trainable_variables)
+            given = [(g, v) for g, v in zip(grads, trainable_variables)
+                     if holds_no_copy(v) and g is not None]
+            if given:
+                raise ValueError(
+                    f"optimizer.apply_gradients was given a gradient for "
+                    f"{given[0][1].path!r}, a weight of another pipeline "
+                    "stage (one stage per process: it has no storage in "
+                    "this process). Give the step's gradients as they come "
+                    "(`None` for other stages' weights).")
+            keep = [i for i, v in enumerate(trainable_variables)
+                    if not holds_no_copy(v)]
+            grads = [grads[i] for i in keep]
+            trainable_variables = [trainable_variables[i] for i in keep]
+        return original(self, grads, trainable_variables)
+
+    apply._smp_own_stage = True
+    base.apply = apply
+
+
 def _patch_get_gradients(keras):
     """Adds `get_gradients(loss, params)` to Keras optimizers.
 
@@ -1268,11 +1317,16 @@ def _patch_get_gradients(keras):
                 "grads = tape.gradient(loss, params)`.")
         from keras_smp.runtime import sparse
 
-        tensors = [getattr(p, "value", p) for p in params]
+        # Another stage's weight (one stage per process) has no gradient
+        # here: `None`, which `apply_gradients` skips.
+        held = [p for p in params if not holds_no_copy(p)]
+        tensors = [getattr(p, "value", p) for p in held]
         tensors = [t._get_on_device_or_primary()
                    if isinstance(t, tf.distribute.DistributedValues) else t
                    for t in tensors]
-        grads = tf.gradients(loss, tensors, unconnected_gradients="zero")
+        found = iter(tf.gradients(loss, tensors, unconnected_gradients="zero")
+                     if tensors else [])
+        grads = [None if holds_no_copy(p) else next(found) for p in params]
         for p, g in zip(params, grads):
             sparse.note_source(g, p)  # (for `StepOutput.accumulate`)
         return grads
@@ -1996,6 +2050,7 @@ def install():
             _build_across_replicas)
         _patch_files(keras)
         _patch_get_gradients(keras)
+        _patch_apply_own_stage(keras)
         _patch_optimizer(keras)
         _patch_add_weight(keras)
         install_layer_hook()

@@ -69,6 +69,31 @@ def in_step():
     return _step_depth[0] > 0
 
 
+def across_processes():
+    """Whether `smp.init` runs one pipeline stage per process (each
+    process holds its stage's weights only, `keras_smp.smp.setup`)."""
+    runtime = _initialised.get("runtime")
+    return runtime is not None and runtime.mode == "multi_process"
+
+
+# {(trace graph, id(model)): the model's calls so far in that trace}
+_calls = {}
+
+
+def call_slot(model):
+    """The number of earlier calls of `model` in the step being traced
+    (each microbatch's call its own slot: collective instance keys)."""
+    key = (tf.compat.v1.get_default_graph(), id(model))
+    slot = _calls.get(key, 0)
+    if slot >= 299:
+        raise ValueError(
+            "keras-smp: a DistributedModel is called more than 299 times in "
+            "one @smp.step trace (microbatches x calls per microbatch) with "
+            "one stage per process; use fewer microbatches or calls.")
+    _calls[key] = slot + 1
+    return slot
+
+
 def note_step_variables(variables):
     """Notes, inside an `@smp.step` function, variables whose sparse
     gradients `StepOutput.accumulate` adds up position by position over
@@ -77,7 +102,7 @@ def note_step_variables(variables):
         _by_position.extend(variables)
 
 
-def init(config=None):
+def init(config=None, *, start=None):
     """Initialises keras-smp for a custom training loop (SMP's `smp.init`).
 
     Validates `config` (a dict with SMP's keys; the `SMP_CONFIG`
@@ -127,18 +152,21 @@ def init(config=None):
             "config; start a new process (or restart the notebook's "
             "kernel) to change it.")
     # One runtime set-up for strategies and custom loops; here every
-    # process runs whole model replicas (as SMPStrategy in process).
-    runtime = process.start(config, custom_loop=True)
+    # process runs whole model replicas (as SMPStrategy in process), or
+    # (`start`: `keras_smp.smp.setup`'s) one pipeline stage.
+    runtime = (start or functools.partial(process.start, custom_loop=True))(
+        config)
     _initialised.clear()
     _initialised["runtime"] = runtime
     topology = runtime.topology
     if runtime.collectives:
         # The group of `accumulate`'s replica average (the same keys on
         # every process: every process calls init in the same order): the
-        # replicas of one tensor-parallel rank.
+        # replicas of one pipeline stage's tensor-parallel rank.
         _initialised["group_key"] = runtime.keys.allocate(
             "smp.StepOutput.accumulate replica average",
-            topology.tp_size).key(topology.tp_rank)
+            topology.pp_size * topology.tp_size).key(
+                topology.pp_rank * topology.tp_size + topology.tp_rank)
     tensor.set_process_group(_tensor_group(runtime) if runtime.collectives
                              and topology.tp_size > 1 else None)
     if runtime.config.horovod:
@@ -230,7 +258,7 @@ def after_first_call(model):
         from keras_smp.smp.checkpoint import restore_pending
 
         restore_pending(model)
-        if state.topology().world_size > 1:
+        if state.topology().world_size > 1 and not across_processes():
             from keras_smp.runtime import patches
             from keras_smp.smp import comms
 
@@ -500,6 +528,8 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
                     tf.nest.pack_sequence_as(value, [p[i] for p in parts])
                     for i in range(m)]
         results = []
+        if not _step_depth[0]:
+            _calls.clear()
         _step_depth[0] += 1
         before = list(_by_position)
         try:
