@@ -51,6 +51,13 @@ def creator(next_creator, **kwargs):
     return variable
 
 
+def holds_no_copy(variable):
+    """Whether `variable` is another pipeline stage's, with no storage in
+    this process (one stage per process: deferred, or freed)."""
+    return bool(getattr(variable, "_smp_local", False)
+                or is_pending(variable))
+
+
 def initial_value(variable):
     """The initial value a deferred Keras variable waits for, or `None`."""
     # Instance dictionaries only: a distributed variable would delegate an

@@ -918,7 +918,7 @@ def on_epoch_iterator(hook):
     _wrap_once(trainer_lib.TFEpochIterator, "__init__", wrap)
 
 
-def on_loss_scaling(keeps_value):
+def on_loss_scaling(keeps_value, unscaled=lambda: False):
     """Where `keeps_value()` holds (checked as a step is traced), Keras'
     `scale_loss_for_distribution` (a mean loss divided by the replicas in
     sync, so that their gradients sum to the batch's) keeps the loss's
@@ -928,11 +928,15 @@ def on_loss_scaling(keeps_value):
     loss reduced by `"sum"` (which Keras never scales: the replicas' sums
     add up to the batch's) keeps its value times the replicas (idempotent;
     checked against `keras.src.losses.loss`, whose functions Keras'
-    losses, compile utilities and trainer look up at call time)."""
+    losses, compile utilities and trainer look up at call time). Where
+    `unscaled()` holds, neither scales (a loss's value and gradient stay
+    the one device's)."""
     from keras.src.losses import loss as loss_module
 
     def wrap_scale(original):
         def scale_loss_for_distribution(value):
+            if unscaled():
+                return value
             scaled = original(value)
             if scaled is value or not keeps_value():
                 return scaled
@@ -941,7 +945,7 @@ def on_loss_scaling(keeps_value):
 
     def wrap_unscale(original):
         def unscale_loss_for_distribution(value):
-            if keeps_value() and _is_kept(value):
+            if unscaled() or keeps_value() and _is_kept(value):
                 return value
             return original(value)
         return unscale_loss_for_distribution
@@ -950,7 +954,8 @@ def on_loss_scaling(keeps_value):
         def reduce_values(values, sample_weight=None,
                           reduction="sum_over_batch_size"):
             out = original(values, sample_weight, reduction)
-            if reduction != "sum" or out is values or not keeps_value():
+            if (reduction != "sum" or out is values or not keeps_value()
+                    or unscaled()):
                 return out
             import tensorflow as tf
 

@@ -326,6 +326,17 @@ def _keeps_loss_value():
     return _in_step_function.active and not _in_keras_step.active
 
 
+def _custom_loop_loss():
+    """Whether Keras' losses are computed in a custom loop with one stage
+    per process (`smp.init` made its `SMPStrategy` current), outside
+    `strategy.run`: Keras would divide them by the replicas in sync (as
+    for replicas whose gradients sum), where `StepOutput.accumulate` and
+    `reduce_mean` average over the replicas (SMP's semantics)."""
+    import tensorflow as tf
+
+    return _own_stage_only[0] and tf.distribute.in_cross_replica_context()
+
+
 def _tensor_group_of(model):
     """The tensor-parallel group of processes whose ranks must compute on
     one batch in `model`'s steps, or `None` (none; or a `DistributedModel`
@@ -1245,13 +1256,6 @@ def _scratch_of(callback, prefix):
 # -- optimizers ------------------------------------------------------------
 
 
-def holds_no_copy(variable):
-    """Whether `variable` is another pipeline stage's, with no storage in
-    this process (one stage per process: deferred, or freed)."""
-    return bool(getattr(variable, "_smp_local", False)
-                or deferred.is_pending(variable))
-
-
 # Set by `smp.init` with one stage per process (`keras_smp.smp.setup`).
 _own_stage_only = [False]
 
@@ -1276,7 +1280,7 @@ def _patch_apply_own_stage(keras):
             grads, trainable_variables = list(grads), list(
                 trainable_variables)
             given = [(g, v) for g, v in zip(grads, trainable_variables)
-                     if holds_no_copy(v) and g is not None]
+                     if deferred.holds_no_copy(v) and g is not None]
             if given:
                 raise ValueError(
                     f"optimizer.apply_gradients was given a gradient for "
@@ -1285,7 +1289,7 @@ def _patch_apply_own_stage(keras):
                     "this process). Give the step's gradients as they come "
                     "(`None` for other stages' weights).")
             keep = [i for i, v in enumerate(trainable_variables)
-                    if not holds_no_copy(v)]
+                    if not deferred.holds_no_copy(v)]
             grads = [grads[i] for i in keep]
             trainable_variables = [trainable_variables[i] for i in keep]
         return original(self, grads, trainable_variables)
@@ -1319,14 +1323,14 @@ def _patch_get_gradients(keras):
 
         # Another stage's weight (one stage per process) has no gradient
         # here: `None`, which `apply_gradients` skips.
-        held = [p for p in params if not holds_no_copy(p)]
+        held = [p for p in params if not deferred.holds_no_copy(p)]
         tensors = [getattr(p, "value", p) for p in held]
         tensors = [t._get_on_device_or_primary()
                    if isinstance(t, tf.distribute.DistributedValues) else t
                    for t in tensors]
         found = iter(tf.gradients(loss, tensors, unconnected_gradients="zero")
                      if tensors else [])
-        grads = [None if holds_no_copy(p) else next(found) for p in params]
+        grads = [None if deferred.holds_no_copy(p) else next(found) for p in params]
         for p, g in zip(params, grads):
             sparse.note_source(g, p)  # (for `StepOutput.accumulate`)
         return grads
@@ -2045,7 +2049,7 @@ def install():
         _patch_calls(TensorFlowTrainer)
         keras_private.on_epoch_iterator(_on_epoch_iterator)
         keras_private.on_array_dataset(_array_shuffle)
-        keras_private.on_loss_scaling(_keeps_loss_value)
+        keras_private.on_loss_scaling(_keeps_loss_value, _custom_loop_loss)
         keras_private.before_unbuilt_optimizer_applies(
             _build_across_replicas)
         _patch_files(keras)

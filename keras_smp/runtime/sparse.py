@@ -35,6 +35,7 @@ Example:
 
 ```python
 import tensorflow as tf
+
 from keras_smp.runtime.sparse import add_rows
 a = tf.IndexedSlices(tf.ones([2, 3]), tf.constant([0, 0]), tf.constant([4, 3]))
 b = tf.IndexedSlices(2 * tf.ones([2, 3]), tf.constant([0, 0]),
@@ -54,6 +55,8 @@ import contextlib
 import threading
 
 import tensorflow as tf
+
+from keras_smp.runtime import deferred
 
 # Ops whose outputs depend on their inputs' shapes only.
 _SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank",
@@ -192,6 +195,20 @@ def summed_by_position(variables):
                     del _by_position[key]
 
 
+def _distributed(variable):
+    return isinstance(getattr(variable, "value", variable),
+                      tf.distribute.DistributedValues)
+
+
+def _local_copy(variable):
+    """A Keras variable's `tf.Variable`, this replica's copy of a mirrored
+    one (outside `strategy.run` its handle is not available)."""
+    value = getattr(variable, "value", variable)
+    if isinstance(value, tf.distribute.DistributedValues):
+        return value._get_on_device_or_primary()
+    return variable
+
+
 class _Sources(threading.local):
     noted = None  # {id(gradient): (gradient, variable)} while noting
 
@@ -210,7 +227,20 @@ def noting_sources():
     original = tf.GradientTape.gradient
 
     def gradient(self, target, sources, *args, **kwargs):
-        grads = original(self, target, sources, *args, **kwargs)
+        flat = tf.nest.flatten(sources)
+        if any(deferred.holds_no_copy(v) or _distributed(v) for v in flat):
+            # One stage per process (`smp.init`'s strategy, outside
+            # `strategy.run`): another stage's weight has no gradient here
+            # (`None`), a mirrored one's is its local copy's.
+            held = [_local_copy(v) for v in flat
+                    if not deferred.holds_no_copy(v)]
+            found = iter(original(self, target, held, *args, **kwargs)
+                         if held else [])
+            grads = tf.nest.pack_sequence_as(sources, [
+                None if deferred.holds_no_copy(v) else next(found)
+                for v in flat])
+        else:
+            grads = original(self, target, sources, *args, **kwargs)
         for variable, grad in zip(tf.nest.flatten(sources),
                                   tf.nest.flatten(grads)):
             note_source(grad, variable)

@@ -1,0 +1,144 @@
+"""SMP custom loop with one pipeline stage per process (`local_devices=1`).
+
+Run with `keras-smp launch -n N` (N = 2 stages x replicas), or alone with
+`--reference` (plain Keras, one process, the whole global batch).
+
+The model: a token `Embedding` (ids repeat: sparse gradients, which Adam
+applies row by row) averaged over the sequence, two `Dense` layers;
+seeded initializers, so every run starts from the same weights. Adam, 3
+steps on a fixed global batch of 32 rows (each replica its contiguous
+share), 4 microbatches; then a forward-only step (no gradients).
+
+    --grads get_gradients|tape   how the step takes its gradients
+    --out DIR                    rank{R}.json (or reference.json)
+"""
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--grads", default="get_gradients")
+parser.add_argument("--reference", action="store_true")
+parser.add_argument("--out", required=True)
+args = parser.parse_args()
+
+import numpy as np  # noqa: E402
+
+if not args.reference:
+    import keras_smp as smp
+
+    smp.init({"partitions": 2, "microbatches": 4, "local_devices": 1})
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+GLOBAL, STEPS = 32, 3
+
+
+def batch(step):
+    rng = np.random.RandomState(7 + step)
+    return (rng.randint(0, 20, (GLOBAL, 6)).astype("int32"),
+            rng.randint(0, 3, GLOBAL).astype("int32"))
+
+
+def layers():
+    return (keras.layers.Embedding(
+                20, 8, embeddings_initializer=keras.initializers.RandomUniform(
+                    -0.5, 0.5, seed=1)),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(16, activation="tanh",
+                               kernel_initializer=keras.initializers.
+                               GlorotUniform(seed=2)),
+            keras.layers.Dense(3, kernel_initializer=keras.initializers.
+                               GlorotUniform(seed=3)))
+
+
+Base = keras.Model if args.reference else smp.DistributedModel
+
+
+class Model(Base):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.pool, self.hidden, self.head = layers()
+
+    def call(self, ids):
+        return self.head(self.hidden(self.pool(self.embed(ids))))
+
+
+model = Model()
+opt = keras.optimizers.Adam(0.05)
+loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+out = {"losses": []}
+
+if args.reference:
+    for step in range(STEPS):
+        x, y = batch(step)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        out["losses"].append(float(loss))
+    x, y = batch(STEPS)
+    logits = model(x)
+    out["eval_loss"] = float(loss_fn(y, logits))
+    out["predictions"] = logits.numpy().tolist()
+    out["weights"] = {v.path: v.numpy().tolist() for v in model.weights}
+    os.makedirs(args.out, exist_ok=True)
+    with open(f"{args.out}/reference.json", "w") as f:
+        json.dump(out, f)
+    raise SystemExit(0)
+
+
+@smp.step
+def get_grads(ids, labels):
+    if args.grads == "tape":
+        with tf.GradientTape() as tape:
+            logits = model(ids, training=True)
+            loss = loss_fn(labels, logits)
+        return tape.gradient(loss, model.trainable_variables), loss
+    logits = model(ids, training=True)
+    loss = loss_fn(labels, logits)
+    return opt.get_gradients(loss, model.trainable_variables), loss
+
+
+@tf.function
+def train_step(ids, labels):
+    grads, loss = get_grads(ids, labels)
+    grads = [g.accumulate() for g in grads]
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    return loss.reduce_mean()
+
+
+@smp.step
+def evaluate(ids, labels):
+    logits = model(ids, training=False)
+    return loss_fn(labels, logits), logits
+
+
+rows = GLOBAL // smp.dp_size()
+lo = smp.dp_rank() * rows
+for step in range(STEPS):
+    x, y = batch(step)
+    out["losses"].append(float(train_step(x[lo:lo + rows],
+                                          y[lo:lo + rows])))
+x, y = batch(STEPS)
+loss, logits = evaluate(x[lo:lo + rows], y[lo:lo + rows])
+out.update(
+    rank=smp.rank(), pp_rank=smp.pp_rank(), dp_rank=smp.dp_rank(),
+    eval_loss=float(loss.reduce_mean()),
+    predictions=logits.merge().numpy().tolist(),
+    # What this process holds: its stage's weights (values), every
+    # weight's and optimizer variable's number of elements.
+    held={v.path: v.numpy().tolist() for v in model.weights
+          if v.value.shape.num_elements()},
+    sizes={v.path: int(v.value.shape.num_elements()) for v in model.weights},
+    slots={v.path: int(v.value.shape.num_elements())
+           for v in opt.variables},
+    iterations=int(opt.iterations.numpy()))
+os.makedirs(args.out, exist_ok=True)
+with open(f"{args.out}/rank{smp.rank()}.json", "w") as f:
+    json.dump(out, f)
+print(f"rank {smp.rank()} done")
