@@ -24,6 +24,14 @@ With `--checkpoint`, every run also writes a checkpoint at the end
 (`model.save_weights`: sharded per stage with one stage per process) and
 the peak includes it.
 
+With `--custom-loop`, the same model trains in SMP custom loops instead of
+`fit` (same steps and batch): plain = a `tf.GradientTape` loop in 1
+process; P stages = `smp.init(local_devices=1)` and `@smp.step`, one stage
+per process; "P, 1 proc" = `smp.init`'s default layout (each process a
+whole replica, its P stages on logical devices), in one process:
+
+    python benchmarks/memory_scaling.py --custom-loop --stages 2 4
+
 With `--nested`, the first 7 layers form a nested `keras.Sequential`
 ("backbone") under the last ("head"), the shape of a fine-tuned backbone;
 each P also runs with the backbone placed whole on stage 0 (`split_points=
@@ -48,6 +56,8 @@ LAYERS, BATCH, STEPS = 8, 32, 2
 
 
 def worker(args):
+    if args.custom_loop:
+        return custom_loop_worker(args)
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -110,6 +120,71 @@ def worker(args):
           flush=True)
 
 
+def custom_loop_worker(args):
+    """The same model and steps in an SMP custom loop (`@smp.step`,
+    `optimizer.get_gradients`, `accumulate`, `apply_gradients`), or, for
+    `--mode plain`, a plain Keras custom loop (`tf.GradientTape`)."""
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    smp = None
+    if args.mode in ("stages", "replicas"):
+        import keras_smp as smp
+
+        smp.init({"partitions": args.stages,
+                  "microbatches": args.microbatches,
+                  "collective_timeout_seconds": 600,
+                  # one stage per process; "replicas": whole replicas,
+                  # the stages on logical devices of each process
+                  **({"local_devices": 1} if args.mode == "stages" else {})})
+    import keras
+    import numpy as np
+
+    width = 16 if args.tiny else args.width
+    keras.utils.set_random_seed(0)
+    x = np.random.RandomState(0).randn(BATCH * STEPS, width).astype("float32")
+    y = np.random.RandomState(1).randn(BATCH * STEPS, width).astype("float32")
+    model = keras.Sequential(
+        [keras.Input((width,))]
+        + [keras.layers.Dense(width, activation="relu")
+           for _ in range(LAYERS)])
+    if smp is not None:
+        model = smp.DistributedModel(model)
+    opt = keras.optimizers.Adam()
+    mse = keras.losses.MeanSquaredError()
+    built = peak_mb()
+
+    if smp is None:
+        @tf.function
+        def train_step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = mse(yb, model(xb, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+    else:
+        @smp.step
+        def get_grads(xb, yb):
+            loss = mse(yb, model(xb, training=True))
+            return opt.get_gradients(loss, model.trainable_variables), loss
+
+        @tf.function
+        def train_step(xb, yb):
+            grads, loss = get_grads(xb, yb)
+            grads = [g.accumulate() for g in grads]
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            return loss.reduce_mean()
+
+    for i in range(STEPS):
+        train_step(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
+    trained = peak_mb()
+    rank = smp.rank() if smp is not None else 0
+    print("RESULT " + json.dumps({"rank": rank, "peak_mb": peak_mb(),
+                                  "built_mb": built, "trained_mb": trained}),
+          flush=True)
+
+
 def run(cmd, timeout=1200):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -141,9 +216,13 @@ def main():
                    help="7 of the layers in a nested backbone model; also "
                    "run each P with the backbone whole on stage 0")
     p.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--custom-loop", action="store_true",
+                   help="SMP custom loops (smp.init, @smp.step) instead of "
+                   "fit: one stage per process (local_devices=1) beside "
+                   "whole replicas per process (the default layout)")
     args = p.parse_args()
     if args.worker:
-        if args.mode == "stages":
+        if args.mode in ("stages", "replicas"):
             args.stages = args.stages[0]
         return worker(args)
 
@@ -156,6 +235,12 @@ def main():
              else ""))
     me = [sys.executable, os.path.abspath(__file__), "--worker",
           "--width", str(args.width), "--microbatches", str(args.microbatches)]
+    if args.custom_loop:
+        me.append("--custom-loop")
+        print("custom loops: plain = tf.GradientTape; P stages = smp.init("
+              "local_devices=1), @smp.step; 'P, 1 proc' = smp.init's default "
+              "layout (every process a whole replica, its P stages on "
+              "logical devices), in 1 process")
     if args.nested:
         me.append("--nested")
         print("layers 1-7 in a nested Sequential (backbone), layer 8 the "
@@ -173,19 +258,23 @@ def main():
         print(f"{'plain':>9} {tiny:>9.0f} {plain:>27.0f} {state:>6.0f} "
               f"{1.0:>8.2f}x")
         for P in args.stages:
-            def stages(*extra):
+            def stages(*extra, n=P):
                 return run([sys.executable, "-m", "keras_smp.launch", "-n",
-                            str(P), "--timeout", "1100", "--"] + me
+                            str(n), "--timeout", "1100", "--"] + me
                            + ["--mode", "stages", "--stages", str(P)]
                            + list(extra) + flags(tmp))
 
             # The same job with a tiny model: TensorFlow, Keras and
             # keras-smp's runtime (server, collectives) without model state.
             base = max(stages("--tiny"))
-            for label, extra in ([(f"{P} stages", ())] + (
-                    [(f"{P}, whole", ("--whole",))]
-                    if args.nested and P == 2 else [])):
-                peaks = stages(*extra)
+            for label, extra, n in ([(f"{P} stages", (), P)] + (
+                    [(f"{P}, whole", ("--whole",), P)]
+                    if args.nested and P == 2 else []) + (
+                    # (one process: P of them would all-reduce the whole
+                    # model's gradients over gRPC every step)
+                    [(f"{P}, 1 proc", ("--mode", "replicas"), 1)]
+                    if args.custom_loop else [])):
+                peaks = stages(*extra, n=n)
                 worst = max(peaks) - base
                 print(f"{label:>9} {base:>9.0f} "
                       f"{' / '.join(f'{v:.0f}' for v in peaks):>27} "

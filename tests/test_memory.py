@@ -78,7 +78,48 @@ def test_four_stages_each_under_a_limit_the_whole_model_exceeds(
     # stages: gathering it would exceed the limit), and loads whole.
     ref_dir, out = memory_reference, tmp_path / "stages"
     cgroup = _limited(out, "stages", "--checkpoint", "--keras-file")
+    ref = _check_stages_under_the_limit(out, cgroup, ref_dir)
 
+    # The checkpoint saved every epoch under the limit: one shard per stage
+    # (the previous epoch's removed), readable by plain Keras.
+    shards = sorted(p.name for p in out.glob("ckpt_*.weights.h5"))
+    assert shards == [f"ckpt_{i:05d}.weights.h5" for i in (0, 5, 6, 7, 8)], (
+        shards)
+    run_python([MEMORY_FIT, "--out", str(out), "--mode", "load",
+                "--load", str(out / "ckpt.weights.json")], timeout=600)
+    loaded = np.load(out / "loaded.npz")
+    assert int(loaded["iterations"]) == 4  # 2 epochs x 2 steps
+    for key in ref.files:
+        np.testing.assert_allclose(loaded[key], ref[key], rtol=RTOL,
+                                   atol=scaled_atol(ref[key]),
+                                   err_msg=f"checkpointed weight {key}")
+    os.rename(out / "loaded.npz", out / "loaded_checkpoint.npz")
+    run_python([MEMORY_FIT, "--out", str(out), "--mode", "load",
+                "--load", str(out / "model.keras")], timeout=600)
+    whole = np.load(out / "loaded.npz")
+    assert int(whole["iterations"]) == 4
+    for key in ref.files:  # the same values as the sharded checkpoint's
+        np.testing.assert_array_equal(whole[key], loaded[key],
+                                      err_msg=f".keras weight {key}")
+
+
+@pytest.mark.slow
+def test_four_stages_of_a_custom_loop_each_under_the_limit(
+        tmp_path, memory_reference):
+    # SMP's custom loop (`smp.init` with local_devices=1, `@smp.step`,
+    # `get_gradients`, `accumulate`, `apply_gradients`), the same steps as
+    # `fit`: each process holds and trains its stage only, under the
+    # limit, and ends with the weights one device trains. (Before, every
+    # custom-loop process held whole model replicas.)
+    out = tmp_path / "custom_loop"
+    cgroup = _limited(out, "custom_loop")
+    _check_stages_under_the_limit(out, cgroup, memory_reference)
+
+
+def _check_stages_under_the_limit(out, cgroup, ref_dir):
+    """Checks the 4 stage processes' results in `out` against the limit
+    and the plain Keras reference in `ref_dir`; returns the reference's
+    weights."""
     with open(ref_dir / "reference.json") as f:
         reference = json.load(f)
     assert reference["peak_mb"] > LIMIT_MB * 1.15, (
@@ -122,28 +163,7 @@ def test_four_stages_each_under_a_limit_the_whole_model_exceeds(
                                        err_msg=f"stage {stage} weight {key}")
             seen.add(key)
     assert seen == set(ref.files)  # the stages own every weight once
-
-    # The checkpoint saved every epoch under the limit: one shard per stage
-    # (the previous epoch's removed), readable by plain Keras.
-    shards = sorted(p.name for p in out.glob("ckpt_*.weights.h5"))
-    assert shards == [f"ckpt_{i:05d}.weights.h5" for i in (0, 5, 6, 7, 8)], (
-        shards)
-    run_python([MEMORY_FIT, "--out", str(out), "--mode", "load",
-                "--load", str(out / "ckpt.weights.json")], timeout=600)
-    loaded = np.load(out / "loaded.npz")
-    assert int(loaded["iterations"]) == 4  # 2 epochs x 2 steps
-    for key in ref.files:
-        np.testing.assert_allclose(loaded[key], ref[key], rtol=RTOL,
-                                   atol=scaled_atol(ref[key]),
-                                   err_msg=f"checkpointed weight {key}")
-    os.rename(out / "loaded.npz", out / "loaded_checkpoint.npz")
-    run_python([MEMORY_FIT, "--out", str(out), "--mode", "load",
-                "--load", str(out / "model.keras")], timeout=600)
-    whole = np.load(out / "loaded.npz")
-    assert int(whole["iterations"]) == 4
-    for key in ref.files:  # the same values as the sharded checkpoint's
-        np.testing.assert_array_equal(whole[key], loaded[key],
-                                      err_msg=f".keras weight {key}")
+    return ref
 
 
 @pytest.fixture(scope="module")

@@ -725,6 +725,8 @@ class DistributedModel(keras.Model):
         links = self._smp_links()
         stage, p = links.rank, graph.num_stages
         first, last = stage == 0, stage == p - 1
+        self._smp_check_across_step(graph)
+        custom_loop.note_model_across(self)
         flat = [tf.convert_to_tensor(t)
                 for t in self._smp_flat_inputs(inputs)]
         slot = custom_loop.call_slot(self)
@@ -809,6 +811,34 @@ class DistributedModel(keras.Model):
             return shared, grad
 
         return graph.pack_outputs(run(*flat))
+
+    def _smp_check_across_step(self, graph):
+        """What `@smp.step` with one stage per process does not carry yet,
+        refused on every rank as the step is traced (decided from the
+        model, which every rank holds): losses that layers add (weight and
+        activity regularizers), and weights several stages use (tied
+        weights, a layer called in two stages), whose gradients' parts
+        would each stay on their own stage."""
+        regularized = sorted({w.path for w in self.weights
+                              if getattr(w, "regularizer", None)} | {
+            layer.name for s in range(graph.num_stages)
+            for layer in graph.stage_layers(s)
+            if getattr(layer, "activity_regularizer", None)})
+        shared = sorted(w.path for w in self.weights
+                        if len(graph.weight_users().get(id(w), ())) > 1)
+        if regularized or shared:
+            what = (f"regularizers ({', '.join(regularized[:3])})"
+                    if regularized else
+                    f"weights used by several stages ({', '.join(shared[:3])}"
+                    ": tied, or a layer called in two stages)")
+            raise NotImplementedError(
+                f"DistributedModel {self.name!r} has {what}, which @smp.step "
+                "with one stage per process (smp.init's local_devices=1) "
+                "does not support yet. Train it with `model.fit` under "
+                "SMPStrategy (which does), or run its stages in one "
+                "process (leave local_devices unset)"
+                + (", or place those layers in one stage "
+                   "(`smp.partition`)." if shared else "."))
 
     def call(self, inputs, training=None):
         # Unpipelined forward pass (direct calls); steps use the pipeline.

@@ -1256,20 +1256,30 @@ def _scratch_of(callback, prefix):
 # -- optimizers ------------------------------------------------------------
 
 
-# Set by `smp.init` with one stage per process (`keras_smp.smp.setup`).
-_own_stage_only = [False]
+# Set by `smp.init` with one stage per process (`keras_smp.smp.setup`):
+# `[on, stage_reducer]`.
+_own_stage_only = [False, None]
 
 
-def apply_own_stage_only():
+def apply_own_stage_only(stage_reducer):
     """From now on, optimizers given gradients for other stages' weights
     (`apply_gradients(zip(grads, model.trainable_variables))` in a custom
     loop with one stage per process, their gradients `None`) skip them, so
-    they are neither built for nor applied to them here."""
-    _own_stage_only[0] = True
+    they are neither built for nor applied to them here; and
+    `global_clipnorm`'s norm and a `LossScaleOptimizer`'s finite check
+    count every stage's gradients (`across_stages`).
+    `stage_reducer(variables)` gives the `reduce_sum` over the stage
+    processes of the pipeline whose weights `variables` are (or `None`)."""
+    _own_stage_only[:] = [True, stage_reducer]
 
 
 def _patch_apply_own_stage(keras):
-    base = keras.optimizers.Optimizer
+    for cls in (keras.optimizers.Optimizer,
+                keras.optimizers.LossScaleOptimizer):
+        _wrap_apply_own_stage(cls)
+
+
+def _wrap_apply_own_stage(base):
     original = base.apply
     if getattr(original, "_smp_own_stage", False):
         return
@@ -1288,10 +1298,15 @@ def _patch_apply_own_stage(keras):
                     "stage (one stage per process: it has no storage in "
                     "this process). Give the step's gradients as they come "
                     "(`None` for other stages' weights).")
+            reduce_sum = _own_stage_only[1](trainable_variables)
             keep = [i for i, v in enumerate(trainable_variables)
                     if not deferred.holds_no_copy(v)]
             grads = [grads[i] for i in keep]
             trainable_variables = [trainable_variables[i] for i in keep]
+            if reduce_sum is not None and _step(
+                    self, "stage_state") is None:
+                with across_stages(self, reduce_sum):
+                    return original(self, grads, trainable_variables)
         return original(self, grads, trainable_variables)
 
     apply._smp_own_stage = True

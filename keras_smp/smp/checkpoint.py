@@ -17,6 +17,11 @@ of the model and the optimizer:
   writes them under `directory/tp_rank_R` (SMP's partial checkpoints), and
   each process restores its rank's. Restore with the same degree; to
   change it, use `model.save_weights` (whole weights).
+- With one pipeline stage per process (`smp.init` with `local_devices=1`)
+  each stage's process holds its stage's weights and slots only: the first
+  replica's process of every stage writes them under
+  `directory/pp_rank_P`, and each process restores its stage's. Restore
+  with the same partitions.
 
 Example:
 
@@ -81,7 +86,13 @@ class CheckpointManager:
         self.root = str(directory)
         self.directory = self.root
         self._tp_size = topology.tp_size
-        if topology.tp_size > 1:
+        # One stage per process: one checkpoint per pipeline stage.
+        self._stages = (topology.pp_size if getattr(runtime, "mode", None)
+                        == "multi_process" else 1)
+        if self._stages > 1:
+            self.directory = os.path.join(self.root,
+                                          f"pp_rank_{topology.pp_rank}")
+        elif topology.tp_size > 1:
             # Shards: one checkpoint per tensor-parallel rank.
             self.directory = os.path.join(self.root,
                                           f"tp_rank_{topology.tp_rank}")
@@ -104,6 +115,25 @@ class CheckpointManager:
         root = self.root
         if not tf.io.gfile.isdir(root):
             return
+        staged = sorted(
+            name.rstrip("/") for name in tf.io.gfile.listdir(root)
+            if name.startswith("pp_rank_") and tf.train.latest_checkpoint(
+                os.path.join(root, name.rstrip("/"))))
+        if (self._stages > 1) != bool(staged) and (
+                staged or tf.train.latest_checkpoint(root)):
+            raise ValueError(
+                f"CheckpointManager: {root!r} holds checkpoints "
+                + (f"of one pipeline stage per process ({', '.join(staged)}"
+                   "), each holding its stage's weights only, and none of "
+                   "this job, which holds whole replicas. Restore with "
+                   "smp.init's local_devices=1 and the same partitions"
+                   if staged else
+                   "of whole replicas, and none of this job's stages (one "
+                   "stage per process, smp.init's local_devices=1). "
+                   "Restore with local_devices unset")
+                + ", or move between layouts with whole weights: "
+                "`model.save_weights(path)` there and "
+                "`model.load_weights(path)` here.")
         ranks = sorted(
             int(name.rstrip("/")[len("tp_rank_"):])
             for name in tf.io.gfile.listdir(root)
@@ -141,14 +171,16 @@ class CheckpointManager:
 
         topology = state.topology()
         path = None
-        if topology.rank == topology.tp_rank:  # first replica's processes
+        if topology.dp_rank == 0:  # first replica's processes
             path = self._manager.save(checkpoint_number=checkpoint_number)
         # Nobody goes on (and maybe restores) before the files exist.
-        paths = comms.allgather(path)
-        return paths[topology.tp_rank]
+        mine = (topology.pp_rank, topology.tp_rank)
+        views = comms.allgather((topology.dp_rank, mine, path))
+        return next(p for dp, shard, p in views if dp == 0 and shard == mine)
 
     def _agreed_path(self, save_path, comms):
-        """Tensor parallelism: every rank's path to restore, checked
+        """Shards (tensor parallelism, one stage per process): every
+        rank's path to restore, checked
         together (every rank raises, or none: a rank restoring alone would
         wait for the others in its first step's collectives)."""
         try:
@@ -157,8 +189,11 @@ class CheckpointManager:
             path, error = None, str(e)
         if path is not None and os.path.dirname(os.path.abspath(
                 str(path))) != os.path.abspath(self.directory):
+            layout = (f"partitions={self._stages} (one stage per process)"
+                      if self._stages > 1 else
+                      f"tensor_parallel_degree={self._tp_size}")
             error = (f"CheckpointManager.restore({str(path)!r}): with "
-                     f"tensor_parallel_degree={self._tp_size} each process "
+                     f"{layout} each process "
                      "restores its own rank's shards, from "
                      f"{self.directory!r}; give a path there (or no path, "
                      "for the latest).")
@@ -170,8 +205,9 @@ class CheckpointManager:
         names = sorted({str(n) for _, n in views})
         if len(names) > 1:
             raise ValueError(
-                f"CheckpointManager.restore: the tensor-parallel ranks "
-                f"found different checkpoints ({', '.join(names)}; 'None': "
+                f"CheckpointManager.restore: the "
+                f"{'pipeline' if self._stages > 1 else 'tensor-parallel'} "
+                f"ranks found different checkpoints ({', '.join(names)}; 'None': "
                 f"none in its directory under {self.root!r}), e.g. after a "
                 "save interrupted between ranks or a directory not shared "
                 "by every process. Give every process the same "
@@ -188,7 +224,7 @@ class CheckpointManager:
         """
         from keras_smp.smp import comms
 
-        if self._tp_size == 1:
+        if self._tp_size == 1 and self._stages == 1:
             path = save_path or self.latest_checkpoint
         else:
             path = self._agreed_path(save_path, comms)
@@ -218,10 +254,14 @@ def _restore(checkpoint, path):
     import keras
 
     models = [o for o in _children(checkpoint) if isinstance(o, keras.Model)]
+    from keras_smp.runtime import deferred
+
     for opt in _children(checkpoint):
         if isinstance(opt, keras.optimizers.Optimizer) and not opt.built:
-            # Slots must exist to receive their saved values.
-            opt.build([v for m in models for v in m.trainable_variables])
+            # Slots must exist to receive their saved values (this
+            # stage's weights' only, with one stage per process).
+            opt.build([v for m in models for v in m.trainable_variables
+                       if not deferred.holds_no_copy(v)])
     checkpoint.restore(path).assert_existing_objects_matched()
 
 

@@ -76,6 +76,21 @@ def across_processes():
     return runtime is not None and runtime.mode == "multi_process"
 
 
+# The DistributedModels called in steps with one stage per process.
+_models_across = weakref.WeakSet()
+
+
+def note_model_across(model):
+    """Notes a `DistributedModel` called in a step with one stage per
+    process (`models_across`)."""
+    _models_across.add(model)
+
+
+def models_across():
+    """The `DistributedModel`s called in steps with one stage per process."""
+    return list(_models_across)
+
+
 # {(trace graph, id(model)): the model's calls so far in that trace}
 _calls = {}
 

@@ -72,6 +72,17 @@ def init(config=None):
     return custom_loop.init(config)
 
 
+def _stage_reducer(variables):
+    """The sum over the stage processes of the pipeline whose model holds
+    `variables` (for the optimizer's global norm and finite check), or
+    `None`."""
+    ids = {id(v) for v in variables}
+    for model in custom_loop.models_across():
+        if any(id(w) in ids for w in model.trainable_variables):
+            return model._smp_stage_reducer()
+    return None
+
+
 def _start_stage_per_process(config):
     """One pipeline stage per process: an `SMPStrategy` made current."""
     built = SMPConfig.build(config)
@@ -96,5 +107,5 @@ def _start_stage_per_process(config):
             "outside any strategy's scope.")
     strategy = SMPStrategy(config)
     tf.distribute.experimental_set_strategy(strategy)
-    patches.apply_own_stage_only()
+    patches.apply_own_stage_only(_stage_reducer)
     return runtime_lib.of(strategy)

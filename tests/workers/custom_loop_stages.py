@@ -5,12 +5,21 @@ Run with `keras-smp launch -n N` (N = 2 stages x replicas), or alone with
 
 The model: a token `Embedding` (ids repeat: sparse gradients, which Adam
 applies row by row) averaged over the sequence, two `Dense` layers;
-seeded initializers, so every run starts from the same weights. Adam, 3
-steps on a fixed global batch of 32 rows (each replica its contiguous
-share), 4 microbatches; then a forward-only step (no gradients).
+seeded initializers, so every run starts from the same weights. Adam with
+`global_clipnorm`, 3 steps on a fixed global batch of 32 rows (each
+replica its contiguous share), 4 microbatches; then a forward-only step
+(no gradients).
 
     --grads get_gradients|tape   how the step takes its gradients
     --out DIR                    rank{R}.json (or reference.json)
+    --ckpt DIR                   smp.CheckpointManager's directory: restored
+                                 before the first step (the model has no
+                                 weights yet) when it holds a checkpoint
+    --stop-at K                  save a checkpoint after step K and exit
+    --save-model DIR             model.save_model(DIR) at the end
+    --regularized                the hidden layer has a kernel regularizer:
+                                 the step is refused (prints REFUSED and
+                                 the error on every rank)
 """
 
 import argparse
@@ -23,6 +32,10 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--grads", default="get_gradients")
 parser.add_argument("--reference", action="store_true")
 parser.add_argument("--out", required=True)
+parser.add_argument("--ckpt", default=None)
+parser.add_argument("--stop-at", type=int, default=None)
+parser.add_argument("--save-model", default=None)
+parser.add_argument("--regularized", action="store_true")
 args = parser.parse_args()
 
 import numpy as np  # noqa: E402
@@ -51,7 +64,9 @@ def layers():
             keras.layers.GlobalAveragePooling1D(),
             keras.layers.Dense(16, activation="tanh",
                                kernel_initializer=keras.initializers.
-                               GlorotUniform(seed=2)),
+                               GlorotUniform(seed=2),
+                               kernel_regularizer="l2" if args.regularized
+                               else None),
             keras.layers.Dense(3, kernel_initializer=keras.initializers.
                                GlorotUniform(seed=3)))
 
@@ -69,7 +84,9 @@ class Model(Base):
 
 
 model = Model()
-opt = keras.optimizers.Adam(0.05)
+# The global norm spans both stages' gradients (clipped at step 1 at
+# least: its norm is 0.5-1).
+opt = keras.optimizers.Adam(0.05, global_clipnorm=0.3)
 loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 out = {"losses": []}
 
@@ -118,12 +135,30 @@ def evaluate(ids, labels):
     return loss_fn(labels, logits), logits
 
 
+if args.regularized:
+    try:
+        train_step(*batch(0))
+    except NotImplementedError as e:
+        print(f"rank {smp.rank()} REFUSED {e}")
+    raise SystemExit(0)
+
+ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
+manager = smp.CheckpointManager(ckpt, args.ckpt) if args.ckpt else None
+start = 0
+if manager is not None and manager.latest_checkpoint:
+    assert not model.variables  # restored at the first step
+    start = int(manager.restore().rsplit("-", 1)[1])
+out["start"] = start
 rows = GLOBAL // smp.dp_size()
 lo = smp.dp_rank() * rows
-for step in range(STEPS):
+for step in range(start, STEPS):
     x, y = batch(step)
     out["losses"].append(float(train_step(x[lo:lo + rows],
                                           y[lo:lo + rows])))
+    if step + 1 == args.stop_at:
+        manager.save(checkpoint_number=step + 1)
+        print(f"rank {smp.rank()}: saved at step {step + 1}, stopping")
+        raise SystemExit(0)
 x, y = batch(STEPS)
 loss, logits = evaluate(x[lo:lo + rows], y[lo:lo + rows])
 out.update(
@@ -138,6 +173,8 @@ out.update(
     slots={v.path: int(v.value.shape.num_elements())
            for v in opt.variables},
     iterations=int(opt.iterations.numpy()))
+if args.save_model:
+    model.save_model(args.save_model)
 os.makedirs(args.out, exist_ok=True)
 with open(f"{args.out}/rank{smp.rank()}.json", "w") as f:
     json.dump(out, f)

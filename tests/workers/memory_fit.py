@@ -7,6 +7,9 @@ memory limit (issue 17: a model too big for one process).
     --mode reference   plain Keras, one process, no limit
     --mode stages      `DistributedModel`, one stage per process
                        (`keras-smp launch -n P`)
+    --mode custom_loop an SMP custom loop (`smp.init` with local_devices=1,
+                       `@smp.step`), one stage per process, the same
+                       steps as `fit`'s; writes what `stages` writes
     --mode tensor      tensor parallelism, `--stages` processes splitting
                        every layer (consecutive Dense layers pair: columns,
                        then rows); writes tensor{R}.npz, this rank's
@@ -41,7 +44,7 @@ import os
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--mode", choices=("reference", "stages", "load",
-                                       "tensor"),
+                                       "tensor", "custom_loop"),
                     required=True)
 parser.add_argument("--checkpoint", action="store_true")
 parser.add_argument("--load", default=None)
@@ -134,6 +137,12 @@ elif args.mode == "tensor":
 
     strategy = keras_smp.SMPStrategy(tensor_parallel_degree=args.stages,
                                      collective_timeout_seconds=300)
+elif args.mode == "custom_loop":
+    import keras_smp as smp  # noqa: E402
+
+    smp.init({"partitions": args.stages, "microbatches": 2,
+              "local_devices": 1, "collective_timeout_seconds": 300})
+    strategy = tf.distribute.get_strategy()  # smp.init's SMPStrategy
 import keras  # noqa: E402
 
 keras.utils.set_random_seed(rank if args.seed_by_rank else 0)
@@ -154,16 +163,48 @@ def build():
 
 
 def wrap(model):
-    if strategy is not None and args.mode == "stages":
-        model = keras_smp.DistributedModel(model)
+    if strategy is not None and args.mode in ("stages", "custom_loop"):
+        model = keras_smp.DistributedModel(model) if args.mode == "stages" \
+            else smp.DistributedModel(model)
     # Adam's memory (two slots per weight) with epsilon=1: its update is
     # then smooth in the gradient, so float32 rounding differences of the
     # gradient (microbatch sums) stay rounding-sized in the weights. With a
     # tiny epsilon a gradient element that cancels to ~0 gets an update of
     # +-learning_rate whose sign rounding decides.
-    model.compile(optimizer=keras.optimizers.Adam(20.0, epsilon=1.0),
-                  loss="mse")
+    optimizer = keras.optimizers.Adam(20.0, epsilon=1.0)
+    if args.mode == "custom_loop":
+        optimizers.append(optimizer)  # applied by `custom_loop`
+    else:
+        model.compile(optimizer=optimizer, loss="mse")
     return model
+
+
+optimizers = []
+
+
+def custom_loop(model):
+    """`fit`'s epochs and steps as an SMP custom loop; returns the epoch
+    losses (means of their steps', as `fit`'s history)."""
+    opt, mse = optimizers[0], keras.losses.MeanSquaredError()
+
+    @smp.step
+    def get_grads(xb, yb):
+        loss = mse(yb, model(xb, training=True))
+        return opt.get_gradients(loss, model.trainable_variables), loss
+
+    @tf.function
+    def train_step(xb, yb):
+        grads, loss = get_grads(xb, yb)
+        opt.apply_gradients(zip([g.accumulate() for g in grads],
+                                model.trainable_variables))
+        return loss.reduce_mean()
+
+    losses = []
+    for _ in range(2):
+        steps = [float(train_step(x[i:i + BATCH], y[i:i + BATCH]))
+                 for i in range(0, len(x), BATCH)]
+        losses.append(float(np.mean(steps)))
+    return losses
 
 
 if args.mode == "load":
@@ -199,13 +240,15 @@ callbacks = []
 if args.checkpoint:
     callbacks.append(keras.callbacks.ModelCheckpoint(
         os.path.join(args.out, "ckpt.weights.h5"), save_weights_only=True))
-history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
-                    shuffle=False, callbacks=callbacks)
+if args.mode == "custom_loop":
+    losses = custom_loop(model)
+else:
+    losses = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
+                       shuffle=False, callbacks=callbacks).history["loss"]
 os.makedirs(args.out, exist_ok=True)
 if args.keras_file:
     model.save(os.path.join(args.out, "model.keras"))
-result = {"peak_mb": peak_mb(), "loss": history.history["loss"],
-          **cgroup_report()}
+result = {"peak_mb": peak_mb(), "loss": losses, **cgroup_report()}
 if strategy is None:
     np.savez(os.path.join(args.out, "reference.npz"),
              **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)})
