@@ -8,6 +8,9 @@ microbatches.
     python examples/smp_custom_loop.py                 # one process
     keras-smp launch -n 2 -- python examples/smp_custom_loop.py
                                       # 2 data-parallel replicas x 2 stages
+    SMP_CONFIG='{"local_devices": 1}' \
+        keras-smp launch -n 2 -- python examples/smp_custom_loop.py
+                                      # SMP's layout: one stage per process
 """
 
 import os

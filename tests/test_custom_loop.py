@@ -456,6 +456,10 @@ def test_one_stage_per_process_custom_loop_matches_full_batch_training(
         np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5)
         np.testing.assert_allclose(r["eval_loss"], ref["eval_loss"],
                                    rtol=1e-5)
+        # Keras' evaluate after compile: the same model in `fit`'s pipeline
+        # (smp.init made its strategy current).
+        np.testing.assert_allclose(r["keras_evaluate"], ref["eval_loss"],
+                                   rtol=1e-5)
         rows = len(r["predictions"])
         lo = r["dp_rank"] * rows
         # Logits of magnitude ~1: 1e-6 absolute (measured 1.2e-7).

@@ -48,6 +48,24 @@ def test_smp_example_trains(script, workers, tmp_path):
 
 
 @pytest.mark.slow
+def test_smp_example_trains_with_one_stage_per_process(tmp_path):
+    # The same script, SMP's layout chosen from outside (SMP_CONFIG
+    # overrides the script's config): each of 2 processes runs one stage;
+    # each stage checkpoints its own sub-folder.
+    path = os.path.join(ROOT, "examples", "smp_custom_loop.py")
+    out = launch(2, [path], timeout=240, lean=False, extra_env={
+        "EPOCHS": "3", "CKPT_DIR": str(tmp_path),
+        "SMP_CONFIG": '{"local_devices": 1}'}).stdout
+    assert "stages 2, replicas 1" in out, out[-2000:]
+    first, last = _losses(out)
+    assert last < 0.7 * first, out[-2000:]
+    for stage in ("pp_rank_0", "pp_rank_1"):
+        assert sorted(p for p in os.listdir(tmp_path / stage)
+                      if p.endswith(".index")) == ["ckpt-2.index",
+                                                   "ckpt-3.index"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_smp_hybrid_horovod_example_trains(workers):
     hvd_env_or_skip()
@@ -69,7 +87,7 @@ def test_smp_hybrid_horovod_example_trains(workers):
 
 
 
-@pytest.mark.parametrize("name", ["keras_smp.smp.custom_loop",
+@pytest.mark.parametrize("name", ["keras_smp.smp.custom_loop", "init",
                                   "keras_smp.smp.comms",
                                   "keras_smp.smp.checkpoint",
                                   "keras_smp.pipeline.shards",
@@ -83,6 +101,9 @@ def test_smp_api_docstring_examples_run(name, tmp_path):
     if name in ("save_model", "save_weights", "save(", "export(", "compile",
                 "get_layer", "__getattr__"):
         src = open(os.path.join(ROOT, "keras_smp", "pipeline", "model.py")).read()
+        doc = src.split(f"def {name}", 1)[1].split('"""')[1]
+    elif name == "init":  # smp.init
+        src = open(os.path.join(ROOT, "keras_smp", "smp", "setup.py")).read()
         doc = src.split(f"def {name}", 1)[1].split('"""')[1]
     elif name == "set_activation_checkpointing":
         src = open(os.path.join(ROOT, "keras_smp", "pipeline",

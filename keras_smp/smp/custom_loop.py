@@ -118,36 +118,17 @@ def note_step_variables(variables):
 
 
 def init(config=None, *, start=None):
-    """Initialises keras-smp for a custom training loop (SMP's `smp.init`).
+    """`smp.init`'s set-up (see `keras_smp.smp.setup.init`, which calls it:
+    `keras_smp.init` is that one).
 
-    Validates `config` (a dict with SMP's keys; the `SMP_CONFIG`
-    environment variable overrides it), resolves the cluster and installs
-    both for the rank helpers, `DistributedModel`, `@smp.step` and the
-    communication helpers. Also gives Keras optimizers SMP's
-    `optimizer.get_gradients(loss, params)`. For `model.fit` use
-    `SMPStrategy` instead.
-
-    Every process runs whole model replicas: a step runs stage `s` on local
-    device `s` (GPU `s`, or logical CPU `s` when `init` comes before other
-    TensorFlow calls). With several worker processes (`keras-smp launch`,
-    `TF_CONFIG`, SLURM) each process is a data-parallel replica: `init`
-    starts TensorFlow's distributed runtime, the first step copies rank 0's
-    initial weights to every replica, and `StepOutput.accumulate()` averages
-    gradients over the replicas. With `horovod=True` (SMP's hybrid mode,
-    launched with `keras-smp launch --horovod`) `init` initialises Horovod
-    over the replicas instead and the script averages gradients with
-    `hvd.allreduce` as in SMP; do not call `hvd.init()` yourself.
+    Args:
+        config: `None`, a dict of SMP's keys, or an `SMPConfig`.
+        start: `config -> Runtime`, the process set-up (default: every
+            process runs whole model replicas, `process.start(...,
+            custom_loop=True)`).
 
     Returns:
         The validated `SMPConfig`.
-
-    Example:
-
-    ```python
-    import keras_smp as smp
-    config = smp.init({"partitions": 2, "microbatches": 2})
-    assert config.partitions == 2 and smp.rank() == 0
-    ```
     """
     previous = _initialised.get("runtime")
     if previous is not None and state.runtime() is previous:

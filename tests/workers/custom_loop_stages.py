@@ -161,6 +161,11 @@ for step in range(start, STEPS):
         raise SystemExit(0)
 x, y = batch(STEPS)
 loss, logits = evaluate(x[lo:lo + rows], y[lo:lo + rows])
+# Keras' own evaluate under smp.init's strategy: the pipeline's steps, one
+# stage per process, on the whole global batch (sharded over the replicas).
+model.compile(optimizer=opt, loss=loss_fn)
+out["keras_evaluate"] = float(model.evaluate(x, y, batch_size=GLOBAL,
+                                             verbose=0))
 out.update(
     rank=smp.rank(), pp_rank=smp.pp_rank(), dp_rank=smp.dp_rank(),
     eval_loss=float(loss.reduce_mean()),
