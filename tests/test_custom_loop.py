@@ -420,35 +420,44 @@ def _assert_held_equal_reference(rank, ref):
                                    atol=scaled_atol(want), err_msg=k)
 
 
-def _reference(root):
-    with open(f"{root}/ref/reference.json") as f:
+def _reference(root, name="ref"):
+    with open(f"{root}/{name}/reference.json") as f:
         return json.load(f)
 
 
 @pytest.fixture(scope="module")
 def stage_runs(tmp_path_factory):
     """Plain Keras on the whole batch (one process), then @smp.step with
-    one stage per process: 2 processes (gradients from a tape) and 2
-    stages x 2 replicas (`get_gradients`; `save_model` at the end)."""
+    one stage per process: 2 processes (gradients from a tape), 2 stages
+    x 2 replicas (`get_gradients`; `save_model` at the end), and 2
+    processes with regularizers on both stages (and their reference)."""
     root = tmp_path_factory.mktemp("custom_loop_stages")
     run_python([STAGES, "--reference", "--out", f"{root}/ref"])
+    run_python([STAGES, "--reference", "--regularized", "--out",
+                f"{root}/ref_regularized"])
     launch(2, [STAGES, "--grads", "tape", "--out", f"{root}/2"])
     launch(4, [STAGES, "--out", f"{root}/4", "--save-model",
                f"{root}/saved"], timeout=400)
+    launch(2, [STAGES, "--regularized", "--out", f"{root}/regularized"])
     return root
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [2, 4])
+@pytest.mark.parametrize("run,processes", [("2", 2), ("4", 4),
+                                           ("regularized", 2)])
 def test_one_stage_per_process_custom_loop_matches_full_batch_training(
-        stage_runs, processes):
+        stage_runs, run, processes):
     # SMP's layout: every process holds and trains only its stage. The
     # stages' transfers are custom gradients (collectives), the outputs
     # broadcast to the pipeline, the loss computed on every stage process
     # (Keras' losses not divided by the replicas), `global_clipnorm` over
     # both stages' gradients, token-embedding rows kept sparse for Adam.
-    ref = _reference(stage_runs)
-    ranks = [_read(f"{stage_runs}/{processes}", r) for r in range(processes)]
+    # "regularized": an activity regularizer on stage 0, a kernel
+    # regularizer on stage 1, `model.losses` (both stages' terms, summed
+    # over the processes) added to the step's loss.
+    ref = _reference(stage_runs, "ref_regularized" if run == "regularized"
+                     else "ref")
+    ranks = [_read(f"{stage_runs}/{run}", r) for r in range(processes)]
     paths = sorted(ref["weights"])
     for r in ranks:
         # Losses: float32 means of microbatch means vs one mean (1e-7
@@ -532,9 +541,10 @@ def test_one_stage_per_process_checkpoint_resumes_in_fresh_processes(
 
 @pytest.mark.slow
 def test_one_stage_per_process_refuses_what_it_does_not_carry(tmp_path):
-    # A weight regularizer: its loss would be added on its stage's process
-    # only. Every rank raises as the step is traced (no rank waits for
-    # another's collective).
-    out = launch(2, [STAGES, "--regularized", "--out", str(tmp_path)]).stdout
+    # A layer called in both stages: its weights' gradient would stay in
+    # parts on the two processes. Every rank raises as the step is traced
+    # (no rank waits for another's collective).
+    out = launch(2, [STAGES, "--shared", "--out", str(tmp_path)]).stdout
     assert out.count("REFUSED") == 2, out[-3000:]
-    assert "regularizers (" in out and "local_devices" in out
+    assert "weights used by several stages (model/dense_2/bias" in out
+    assert "local_devices" in out

@@ -735,6 +735,13 @@ class DistributedModel(keras.Model):
         carry_out = graph.carries[stage]
         fn = graph.stage_fn(stage, training=training)
         layers = graph.stage_layers(stage)
+        # Losses the layers add (the same answer on every rank): this
+        # stage's part is one more output of its function, summed over the
+        # stages below (`model.losses` in the step).
+        adds = self._smp_across_adds_losses(graph)
+        floatx = keras.config.floatx()
+        regularized = [w for w in links.held_weights(graph)
+                       if w.trainable and getattr(w, "regularizer", None)]
 
         def floating(carry):
             return [i for i, t in enumerate(carry)
@@ -754,16 +761,20 @@ class DistributedModel(keras.Model):
             with keras_private.call_context(self, training):
                 keras_private.clear_added_losses(layers)
                 outs = fn(ins)
-                added = [layer.name for layer in layers
-                         if getattr(layer, "losses", None)]
-            if added:
+                added = keras_private.added_losses(layers)
+            if added and not adds:
                 raise NotImplementedError(
-                    f"Layer(s) {added} of pipeline stage {stage} add losses "
-                    "(regularizers, activity regularizers, `add_loss()`) "
-                    "in a `@smp.step` with one stage per process, which "
-                    "does not carry them yet. Train this model with "
-                    "`model.fit` (it does), or run the stages in one "
-                    "process (leave `local_devices` unset).")
+                    f"A layer of pipeline stage {stage} added a loss "
+                    "(`add_loss()`) from code outside its class's methods "
+                    "(a helper function), in a `@smp.step` with one stage "
+                    "per process: the other stages' processes cannot "
+                    "foresee it. Call add_loss() in the layer's own `call` "
+                    "(or a method of its class).")
+            extra = []
+            if adds:
+                terms = [tf.cast(loss, floatx) for loss in added] + [
+                    tf.cast(w.regularizer(w), floatx) for w in regularized]
+                extra = [tf.add_n(terms) if terms else tf.zeros([], floatx)]
             sends = []
             if not last:
                 specs, dynamic = sent(carry_out)
@@ -787,10 +798,13 @@ class DistributedModel(keras.Model):
                     specs, _ = sent([carry_out[i] for i in out_float])
                     d_outs = links.receive_from(stage, stage + 1, "B", slot,
                                                 specs, rows)
+                d_extra = [tf.zeros_like(e) if g is None else g
+                           for e, g in zip(extra, upstream[len(shared):])]
                 in_float = [] if first else floating(carry_in)
                 targets = [ins[i] for i in in_float] + variables
-                grads = tf.gradients([outs[i] for i in out_float], targets,
-                                     grad_ys=d_outs) if targets else []
+                grads = tf.gradients(
+                    [outs[i] for i in out_float] + extra, targets,
+                    grad_ys=d_outs + d_extra) if targets else []
                 d_ins, d_vars = grads[:len(in_float)], grads[len(in_float):]
                 sends = []
                 if not first:
@@ -808,37 +822,68 @@ class DistributedModel(keras.Model):
                               else tf.identity(g) for g in d_vars]
                 return [None] * len(xs), d_vars
 
-            return shared, grad
+            return shared + extra, grad
 
-        return graph.pack_outputs(run(*flat))
+        results = run(*flat)
+        if adds:
+            total = self._smp_sum_over_stages(results[-1], links, slot)
+            results = results[:-1]
+            # `model.losses` after this call, in this trace.
+            object.__setattr__(self, "_smp_across_losses",
+                               (tf.compat.v1.get_default_graph(), [total]))
+        return graph.pack_outputs(results)
+
+    def _smp_across_adds_losses(self, graph):
+        """Whether any stage's layers may add a loss (a weight
+        regularizer, an activity regularizer, `add_loss()` in a layer's
+        class): decided from the model, alike on every rank."""
+        layers = [layer for s in range(graph.num_stages)
+                  for layer in graph.stage_layers(s)]
+        return keras_private.may_add_losses(layers) or any(
+            getattr(w, "regularizer", None) for w in self.trainable_weights)
+
+    @staticmethod
+    def _smp_sum_over_stages(value, links, slot):
+        """The sum of a scalar over this replica's stage processes; its
+        gradient is the upstream one, to this stage's own part."""
+
+        @tf.custom_gradient
+        def summed(t):
+            total = links.reduce(t, links.keys.replica(links.replica),
+                                 links.num_ranks,
+                                 links.INSTANCE_ADDED_LOSSES + slot)
+            return total, lambda dy: dy
+
+        return summed(value)
+
+    @property
+    def losses(self):
+        # Inside @smp.step with one stage per process: every stage's added
+        # losses and weight regularizers, summed over the stage processes
+        # (`_smp_call_across`); other stages' weights have no values here.
+        stored = self.__dict__.get("_smp_across_losses")
+        if (stored is not None and custom_loop.in_step()
+                and stored[0] is tf.compat.v1.get_default_graph()):
+            return list(stored[1])
+        return super().losses
 
     def _smp_check_across_step(self, graph):
         """What `@smp.step` with one stage per process does not carry yet,
         refused on every rank as the step is traced (decided from the
-        model, which every rank holds): losses that layers add (weight and
-        activity regularizers), and weights several stages use (tied
+        model, which every rank holds): weights several stages use (tied
         weights, a layer called in two stages), whose gradients' parts
         would each stay on their own stage."""
-        regularized = sorted({w.path for w in self.weights
-                              if getattr(w, "regularizer", None)} | {
-            layer.name for s in range(graph.num_stages)
-            for layer in graph.stage_layers(s)
-            if getattr(layer, "activity_regularizer", None)})
         shared = sorted(w.path for w in self.weights
                         if len(graph.weight_users().get(id(w), ())) > 1)
-        if regularized or shared:
-            what = (f"regularizers ({', '.join(regularized[:3])})"
-                    if regularized else
-                    f"weights used by several stages ({', '.join(shared[:3])}"
-                    ": tied, or a layer called in two stages)")
+        if shared:
             raise NotImplementedError(
-                f"DistributedModel {self.name!r} has {what}, which @smp.step "
-                "with one stage per process (smp.init's local_devices=1) "
-                "does not support yet. Train it with `model.fit` under "
-                "SMPStrategy (which does), or run its stages in one "
-                "process (leave local_devices unset)"
-                + (", or place those layers in one stage "
-                   "(`smp.partition`)." if shared else "."))
+                f"DistributedModel {self.name!r} has weights used by several "
+                f"stages ({', '.join(shared[:3])}: tied, or a layer called "
+                "in two stages), which @smp.step with one stage per process "
+                "(smp.init's local_devices=1) does not support yet. Place "
+                "those layers in one stage (`smp.partition`), train it with "
+                "`model.fit` under SMPStrategy (which does), or run its "
+                "stages in one process (leave local_devices unset).")
 
     def call(self, inputs, training=None):
         # Unpipelined forward pass (direct calls); steps use the pipeline.

@@ -273,6 +273,9 @@ class StageLinks:
     # Instance keys (unique within a group) of the collectives whose shapes
     # do not follow the batch (below BATCHED_BASE).
     INSTANCE_STAGE_SUM = 600_000  # optimizer sums over stages (norms)
+    # + the call's slot (< 300): a custom loop's added losses summed over
+    # the stages (`@smp.step` with one stage per process)
+    INSTANCE_ADDED_LOSSES = 650_000
     INSTANCE_TIED = 700_000      # tied-weight gradient sums
     INSTANCE_INIT = 800_000      # tied weights' initial values
     # Tied group only (no batched_key collective uses it): sparse tied

@@ -17,9 +17,13 @@ replica its contiguous share), 4 microbatches; then a forward-only step
                                  weights yet) when it holds a checkpoint
     --stop-at K                  save a checkpoint after step K and exit
     --save-model DIR             model.save_model(DIR) at the end
-    --regularized                the hidden layer has a kernel regularizer:
-                                 the step is refused (prints REFUSED and
-                                 the error on every rank)
+    --regularized                an activity regularizer on the embedding
+                                 (stage 0) and a kernel regularizer on the
+                                 hidden layer (stage 1): the step adds
+                                 `model.losses` to its loss
+    --shared                     a Dense layer called in both stages
+                                 (manual partitions): the step is refused
+                                 (prints REFUSED and the error, every rank)
 """
 
 import argparse
@@ -36,6 +40,7 @@ parser.add_argument("--ckpt", default=None)
 parser.add_argument("--stop-at", type=int, default=None)
 parser.add_argument("--save-model", default=None)
 parser.add_argument("--regularized", action="store_true")
+parser.add_argument("--shared", action="store_true")
 args = parser.parse_args()
 
 import numpy as np  # noqa: E402
@@ -43,7 +48,8 @@ import numpy as np  # noqa: E402
 if not args.reference:
     import keras_smp as smp
 
-    smp.init({"partitions": 2, "microbatches": 4, "local_devices": 1})
+    smp.init({"partitions": 2, "microbatches": 4, "local_devices": 1,
+              "auto_partition": not args.shared})
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -60,13 +66,15 @@ def batch(step):
 def layers():
     return (keras.layers.Embedding(
                 20, 8, embeddings_initializer=keras.initializers.RandomUniform(
-                    -0.5, 0.5, seed=1)),
+                    -0.5, 0.5, seed=1),
+                activity_regularizer=keras.regularizers.L2(0.01)
+                if args.regularized else None),
             keras.layers.GlobalAveragePooling1D(),
             keras.layers.Dense(16, activation="tanh",
                                kernel_initializer=keras.initializers.
                                GlorotUniform(seed=2),
-                               kernel_regularizer="l2" if args.regularized
-                               else None),
+                               kernel_regularizer=keras.regularizers.L2(
+                                   0.01) if args.regularized else None),
             keras.layers.Dense(3, kernel_initializer=keras.initializers.
                                GlorotUniform(seed=3)))
 
@@ -78,9 +86,22 @@ class Model(Base):
     def __init__(self):
         super().__init__()
         self.embed, self.pool, self.hidden, self.head = layers()
+        if args.shared:
+            self.mid = keras.layers.Dense(16)
 
     def call(self, ids):
+        if args.shared:  # self.hidden's Dense(16) called in both stages
+            with smp.partition(0):
+                h = self.mid(self.hidden(self.pool(self.embed(ids))))
+            with smp.partition(1):
+                return self.head(self.mid(h))
         return self.head(self.hidden(self.pool(self.embed(ids))))
+
+
+def added(model):
+    """The losses the layers added in the model's last call (and the
+    weight regularizers'), as a Keras custom loop adds them."""
+    return tf.add_n(model.losses) if model.losses else 0.0
 
 
 model = Model()
@@ -94,13 +115,13 @@ if args.reference:
     for step in range(STEPS):
         x, y = batch(step)
         with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x))
+            loss = loss_fn(y, model(x)) + added(model)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
         out["losses"].append(float(loss))
     x, y = batch(STEPS)
     logits = model(x)
-    out["eval_loss"] = float(loss_fn(y, logits))
+    out["eval_loss"] = float(loss_fn(y, logits) + added(model))
     out["predictions"] = logits.numpy().tolist()
     out["weights"] = {v.path: v.numpy().tolist() for v in model.weights}
     os.makedirs(args.out, exist_ok=True)
@@ -114,10 +135,10 @@ def get_grads(ids, labels):
     if args.grads == "tape":
         with tf.GradientTape() as tape:
             logits = model(ids, training=True)
-            loss = loss_fn(labels, logits)
+            loss = loss_fn(labels, logits) + added(model)
         return tape.gradient(loss, model.trainable_variables), loss
     logits = model(ids, training=True)
-    loss = loss_fn(labels, logits)
+    loss = loss_fn(labels, logits) + added(model)
     return opt.get_gradients(loss, model.trainable_variables), loss
 
 
@@ -132,10 +153,10 @@ def train_step(ids, labels):
 @smp.step
 def evaluate(ids, labels):
     logits = model(ids, training=False)
-    return loss_fn(labels, logits), logits
+    return loss_fn(labels, logits) + added(model), logits
 
 
-if args.regularized:
+if args.shared:
     try:
         train_step(*batch(0))
     except NotImplementedError as e:
