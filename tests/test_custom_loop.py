@@ -428,14 +428,16 @@ def _reference(root, name="ref"):
 @pytest.fixture(scope="module")
 def stage_runs(tmp_path_factory):
     """Plain Keras on the whole batch (one process), then @smp.step with
-    one stage per process: 2 processes (gradients from a tape), 2 stages
+    one stage per process: 2 processes (gradients from a tape; the second
+    stage's process passes other batches, the first stage's count), 2 stages
     x 2 replicas (`get_gradients`; `save_model` at the end), and 2
     processes with regularizers on both stages (and their reference)."""
     root = tmp_path_factory.mktemp("custom_loop_stages")
     run_python([STAGES, "--reference", "--out", f"{root}/ref"])
     run_python([STAGES, "--reference", "--regularized", "--out",
                 f"{root}/ref_regularized"])
-    launch(2, [STAGES, "--grads", "tape", "--out", f"{root}/2"])
+    launch(2, [STAGES, "--grads", "tape", "--other-data", "--out",
+               f"{root}/2"])
     launch(4, [STAGES, "--out", f"{root}/4", "--save-model",
                f"{root}/saved"], timeout=400)
     launch(2, [STAGES, "--regularized", "--out", f"{root}/regularized"])

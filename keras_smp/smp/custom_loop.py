@@ -167,6 +167,18 @@ def init(config=None, *, start=None):
                              and topology.tp_size > 1 else None)
     if runtime.config.horovod:
         _init_horovod(runtime.topology)
+    if runtime.mode == "multi_process":
+        from keras_smp.pipeline.transport import StageLinks
+
+        # The first stage's batch to every stage process of its pipeline.
+        replica = topology.dp_rank * topology.tp_size + topology.tp_rank
+        group = runtime.keys.allocate(
+            "smp.step arguments from the first stage",
+            topology.dp_size * topology.tp_size).key(replica)
+        _initialised["first_stage_links"] = (
+            StageLinks(topology.pp_size, topology.pp_rank, replica, None,
+                       runtime.config.collective_timeout_seconds),
+            group, topology.pp_size)
     return runtime.config
 
 
@@ -452,6 +464,80 @@ def _gather_over_replicas(t):
     return out
 
 
+_step_indices = iter(range(10**6))
+# Instance keys of a step's argument broadcast (`_from_first_stage`): per
+# step and tensor argument, a header's key and one per size bucket.
+_ARGS_BASE, _ARGS_PER_STEP, _MAX_ARGS = 1_000_000, 64 * 128, 64
+
+
+def _from_first_stage(bound, index):
+    """With one stage per process: every tensor argument of the step as
+    the pipeline's first stage process has it (broadcast over the
+    replica's stage processes, with its shape), in place in `bound`.
+
+    Every process of a pipeline runs the step's own code (the loss on the
+    model's outputs, metrics), which must see the batch the first stage
+    computed on; another process's data may differ (a dataset shuffled
+    with `seed=smp.rank()`, a generator of its own), and would train the
+    first stage's inputs' outputs on its own labels. As `fit`, the first
+    stage's batch is used. Returns the receives (or sends), which the
+    step's results wait for: one whose value this stage does not use
+    would otherwise be pruned, and its sender wait for it forever."""
+    from keras_smp.pipeline.transport import Dynamic
+
+    links, group, size = _initialised["first_stage_links"]
+    first = links.rank == 0
+    position = 0
+    done = []
+    for name, value in bound.arguments.items():
+        flat = tf.nest.flatten(value)
+        out = []
+        for v in flat:
+            if v is None or isinstance(v, (int, float, bool, str)):
+                out.append(v)
+                continue
+            t = tf.convert_to_tensor(v)
+            if position >= _MAX_ARGS:
+                raise ValueError(
+                    f"@smp.step with one stage per process broadcasts at "
+                    f"most {_MAX_ARGS} tensor arguments from the first "
+                    "stage; pass fewer (a tuple of tensors counts each).")
+            base = _ARGS_BASE + index * _ARGS_PER_STEP + position * 128
+            if base + _ARGS_PER_STEP >= 2**31:
+                raise ValueError("keras-smp: too many @smp.step functions "
+                                 "in one program.")
+            keys = (lambda b: lambda i: b + i)(base)
+            position += 1
+            if first:
+                done += links.send_dynamic(t, group, size, keys)
+                out.append(t)
+                continue
+            # (after this process's own batch: see `CollectiveTransport`)
+            with tf.control_dependencies([t]):
+                out.append(links.recv_dynamic(Dynamic(t.shape), t.dtype,
+                                              group, size, keys))
+            done.append(out[-1])
+        bound.arguments[name] = tf.nest.pack_sequence_as(value, out)
+    return done
+
+
+def _after(done, results):
+    """`results` (nested; `None`s, tensors, `tf.IndexedSlices`) waiting
+    for the ops `done`."""
+    if not done:
+        return results
+
+    def wait(r):
+        if isinstance(r, tf.IndexedSlices):
+            return tf.IndexedSlices(wait(r.values), r.indices, r.dense_shape)
+        if isinstance(r, (tf.Tensor, tf.Variable)):
+            with tf.control_dependencies(done):
+                return tf.identity(r)
+        return r
+
+    return tf.nest.map_structure(wait, results, expand_composites=False)
+
+
 def _split(value, m, axis, name):
     if value is None or isinstance(value, (int, float, bool, str)):
         return [value] * m
@@ -501,6 +587,9 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
     whole = set(non_split_inputs or ())
     axes = dict(input_split_axes or {})
     signature = inspect.signature(func)
+    # Its place among the program's steps (decorated in the same order on
+    # every process): the keys of its arguments' broadcast.
+    index = next(_step_indices)
     unknown = (whole | set(axes)) - set(signature.parameters)
     if unknown:
         raise ValueError(
@@ -512,6 +601,8 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
         m = state.config().microbatches
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
+        received = (_from_first_stage(bound, index) if across_processes()
+                    else [])
         per_arg = {}
         for name, value in bound.arguments.items():
             if name in whole:
@@ -550,7 +641,7 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
         # (Beside the outputs, for this trace: a tf.function turns Python
         # values into tensors.)
         traced[tf.compat.v1.get_default_graph()] = marks
-        return results
+        return _after(received, results)
 
     traced = weakref.WeakKeyDictionary()  # {trace's graph: marks}
     compiled = tf.function(run, input_signature=input_signature)

@@ -21,6 +21,10 @@ replica its contiguous share), 4 microbatches; then a forward-only step
                                  (stage 0) and a kernel regularizer on the
                                  hidden layer (stage 1): the step adds
                                  `model.losses` to its loss
+    --other-data                 processes of later stages pass other
+                                 batches to the step (as a dataset shuffled
+                                 with seed=smp.rank() would): the first
+                                 stage's are used
     --shared                     a Dense layer called in both stages
                                  (manual partitions): the step is refused
                                  (prints REFUSED and the error, every rank)
@@ -41,6 +45,7 @@ parser.add_argument("--stop-at", type=int, default=None)
 parser.add_argument("--save-model", default=None)
 parser.add_argument("--regularized", action="store_true")
 parser.add_argument("--shared", action="store_true")
+parser.add_argument("--other-data", action="store_true")
 args = parser.parse_args()
 
 import numpy as np  # noqa: E402
@@ -58,6 +63,8 @@ GLOBAL, STEPS = 32, 3
 
 
 def batch(step):
+    if args.other_data and not args.reference and smp.pp_rank() > 0:
+        step += 100 * smp.pp_rank()
     rng = np.random.RandomState(7 + step)
     return (rng.randint(0, 20, (GLOBAL, 6)).astype("int32"),
             rng.randint(0, 3, GLOBAL).astype("int32"))
