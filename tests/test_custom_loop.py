@@ -441,12 +441,16 @@ def stage_runs(tmp_path_factory):
     launch(4, [STAGES, "--out", f"{root}/4", "--save-model",
                f"{root}/saved"], timeout=400)
     launch(2, [STAGES, "--regularized", "--out", f"{root}/regularized"])
+    run_python([STAGES, "--reference", "--frozen-embedding", "--out",
+                f"{root}/ref_frozen"])
+    launch(2, [STAGES, "--frozen-embedding", "--out", f"{root}/frozen"])
     return root
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run,processes", [("2", 2), ("4", 4),
-                                           ("regularized", 2)])
+                                           ("regularized", 2),
+                                           ("frozen", 2)])
 def test_one_stage_per_process_custom_loop_matches_full_batch_training(
         stage_runs, run, processes):
     # SMP's layout: every process holds and trains only its stage. The
@@ -456,9 +460,11 @@ def test_one_stage_per_process_custom_loop_matches_full_batch_training(
     # both stages' gradients, token-embedding rows kept sparse for Adam.
     # "regularized": an activity regularizer on stage 0, a kernel
     # regularizer on stage 1, `model.losses` (both stages' terms, summed
-    # over the processes) added to the step's loss.
-    ref = _reference(stage_runs, "ref_regularized" if run == "regularized"
-                     else "ref")
+    # over the processes) added to the step's loss. "frozen": the
+    # embedding (stage 0) frozen, as a fine-tuned backbone: its process
+    # builds no backward, and takes part in the global norm with nothing.
+    ref = _reference(stage_runs, {"regularized": "ref_regularized",
+                                  "frozen": "ref_frozen"}.get(run, "ref"))
     ranks = [_read(f"{stage_runs}/{run}", r) for r in range(processes)]
     paths = sorted(ref["weights"])
     for r in ranks:
@@ -487,12 +493,15 @@ def test_one_stage_per_process_custom_loop_matches_full_batch_training(
         own = sum(r["sizes"][k] for k in held)
         slots = sum(n for k, n in r["slots"].items()
                     if k.endswith(("_momentum", "_velocity")))
-        assert slots == 2 * own, (r["slots"], own)
+        frozen = run == "frozen" and r["pp_rank"] == 0
+        assert slots == (0 if frozen else 2 * own), (r["slots"], own)
     # The stages partition the model; replicas of a stage hold the same.
     by_stage = {}
     for r in ranks:
         by_stage.setdefault(r["pp_rank"], []).append(r)
     assert sorted(by_stage) == [0, 1]
+    # (so the regularized run has a regularizer on each stage)
+    assert list(by_stage[0][0]["held"]) == ["model/embedding/embeddings"]
     assert sorted(k for s in by_stage.values() for k in s[0]["held"]) \
         == paths
     for same in by_stage.values():
@@ -542,11 +551,42 @@ def test_one_stage_per_process_checkpoint_resumes_in_fresh_processes(
 
 
 @pytest.mark.slow
-def test_one_stage_per_process_refuses_what_it_does_not_carry(tmp_path):
+@pytest.mark.parametrize("flag,says", [
+    ("--shared", "weights used by several stages (model/dense_2/bias"),
+    ("--frozen-head", "Pipeline stage(s) [1] of DistributedModel 'model' "
+     "train no weight")])
+def test_one_stage_per_process_refuses_what_it_does_not_carry(
+        tmp_path, flag, says):
     # A layer called in both stages: its weights' gradient would stay in
-    # parts on the two processes. Every rank raises as the step is traced
-    # (no rank waits for another's collective).
-    out = launch(2, [STAGES, "--shared", "--out", str(tmp_path)]).stdout
+    # parts on the two processes. A frozen last stage after a trained
+    # one: its process would have to relay gradients without a backward
+    # of its own (it waited until the timeout). Every rank raises as the
+    # step is traced (no rank waits for another's collective).
+    out = launch(2, [STAGES, flag, "--out", str(tmp_path)]).stdout
     assert out.count("REFUSED") == 2, out[-3000:]
-    assert "weights used by several stages (model/dense_2/bias" in out
-    assert "local_devices" in out
+    assert says in out and "local_devices" in out
+
+
+def test_one_stage_per_process_refuses_what_smp_init_cannot_run():
+    # Checked before anything starts (one process: the set-up's checks).
+    code = (
+        "import keras_smp.smp.setup as setup, tensorflow as tf\n"
+        "for bad in ({'tensor_parallel_degree': 2}, {'horovod': True},\n"
+        "            {'virtual_stages': 2, 'microbatches': 2,\n"
+        "             'pipeline': 'interleaved_1f1b'}):\n"
+        "    try:\n"
+        "        setup._start_stage_per_process(dict(partitions=2, "
+        "local_devices=1, **bad))\n"
+        "    except NotImplementedError as e:\n"
+        "        print('REFUSED', e)\n"
+        "with tf.distribute.MirroredStrategy(['/cpu:0']).scope():\n"
+        "    try:\n"
+        "        setup._start_stage_per_process({'partitions': 2, "
+        "'local_devices': 1})\n"
+        "    except ValueError as e:\n"
+        "        print('REFUSED', e)\n")
+    out = run_python(["-c", code]).stdout
+    assert out.count("REFUSED") == 4, out
+    for says in ("tensor_parallel_degree=2", "horovod=True",
+                 "virtual_stages=2", "outside any strategy's scope"):
+        assert says in out, out

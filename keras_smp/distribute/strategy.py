@@ -29,6 +29,7 @@ from keras_smp.distribute.groups import resolve_algorithm
 from keras_smp.runtime import data_end
 from keras_smp.runtime import data_order
 from keras_smp.runtime import errors
+from keras_smp.runtime import patches
 from keras_smp.runtime import placement
 from keras_smp.runtime import process
 from keras_smp.runtime import tf_private
@@ -449,7 +450,8 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
         # summed over the replicas.
         if placement.updating_in_replicas():
             return False
-        if tf.distribute.in_cross_replica_context():
+        if (patches.applies_own_stage_only()
+                and tf.distribute.in_cross_replica_context()):
             # A custom loop's `optimizer.apply_gradients` outside
             # `strategy.run` (`smp.init` with one stage per process: the
             # gradients were averaged in `StepOutput.accumulate`): Keras

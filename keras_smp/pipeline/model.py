@@ -16,6 +16,7 @@ import inspect
 import os
 import re
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -738,8 +739,11 @@ class DistributedModel(keras.Model):
         # Losses the layers add (the same answer on every rank): this
         # stage's part is one more output of its function, summed over the
         # stages below (`model.losses` in the step).
-        adds = self._smp_across_adds_losses(graph)
+        adds = self._smp_adds_losses() or self._smp_regularized()
         floatx = keras.config.floatx()
+        # A stage's backward runs where it or an earlier stage trains a
+        # weight (`_smp_check_across_step`: every such stage trains one).
+        backward = self._smp_across_backward(graph)
         regularized = [w for w in links.held_weights(graph)
                        if w.trainable and getattr(w, "regularizer", None)]
 
@@ -763,13 +767,16 @@ class DistributedModel(keras.Model):
                 outs = fn(ins)
                 added = keras_private.added_losses(layers)
             if added and not adds:
+                names = [layer.name for layer in layers
+                         if keras_private.added_losses([layer])]
                 raise NotImplementedError(
-                    f"A layer of pipeline stage {stage} added a loss "
-                    "(`add_loss()`) from code outside its class's methods "
-                    "(a helper function), in a `@smp.step` with one stage "
-                    "per process: the other stages' processes cannot "
-                    "foresee it. Call add_loss() in the layer's own `call` "
-                    "(or a method of its class).")
+                    f"Layer(s) {names} of pipeline stage {stage} added a "
+                    "loss (`add_loss()`) from code outside their class's "
+                    "methods (a helper function), in a `@smp.step` with one "
+                    "stage per process: the other stages' processes cannot "
+                    "foresee it (they wait for this one until "
+                    "collective_timeout_seconds). Call add_loss() in the "
+                    "layer's own `call` (or a method of its class).")
             extra = []
             if adds:
                 terms = [tf.cast(loss, floatx) for loss in added] + [
@@ -789,31 +796,36 @@ class DistributedModel(keras.Model):
                      for i in range(len(specs))], rows)
 
             def grad(*upstream, variables=None):
+                custom_loop.note_backward(self, slot)
                 variables = list(variables or [])
                 out_float = floating(carry_out)
                 if last:
                     d_outs = [tf.zeros_like(outs[i]) if upstream[i] is None
                               else upstream[i] for i in out_float]
                 else:
-                    specs, _ = sent([carry_out[i] for i in out_float])
-                    d_outs = links.receive_from(stage, stage + 1, "B", slot,
-                                                specs, rows)
+                    # (every carry, as `fit` sends them: the same keys)
+                    specs, _ = sent(carry_out)
+                    received = links.receive_from(stage, stage + 1, "B",
+                                                  slot, specs, rows)
+                    d_outs = [received[i] for i in out_float]
                 d_extra = [tf.zeros_like(e) if g is None else g
                            for e, g in zip(extra, upstream[len(shared):])]
-                in_float = [] if first else floating(carry_in)
+                in_float = ([] if first or not backward[stage - 1]
+                            else floating(carry_in))
                 targets = [ins[i] for i in in_float] + variables
                 grads = tf.gradients(
                     [outs[i] for i in out_float] + extra, targets,
                     grad_ys=d_outs + d_extra) if targets else []
                 d_ins, d_vars = grads[:len(in_float)], grads[len(in_float):]
                 sends = []
-                if not first:
-                    _, dynamic = sent([carry_in[i] for i in in_float])
+                if not first and backward[stage - 1]:
+                    _, dynamic = sent(carry_in)
+                    d_in = dict(zip(in_float, d_ins))
                     sends = links.send_to(
                         stage, stage - 1, "B", slot,
-                        [tf.zeros_like(ins[i]) if g is None else dense(g)
-                         for i, g in zip(in_float, d_ins)], rows,
-                        dynamic=dynamic)
+                        [tf.zeros_like(t) if d_in.get(i) is None
+                         else dense(d_in[i]) for i, t in enumerate(ins)],
+                        rows, dynamic=dynamic)
                 with tf.control_dependencies(sends):
                     d_vars = [None if g is None else
                               tf.IndexedSlices(tf.identity(g.values),
@@ -829,18 +841,22 @@ class DistributedModel(keras.Model):
             total = self._smp_sum_over_stages(results[-1], links, slot)
             results = results[:-1]
             # `model.losses` after this call, in this trace.
-            object.__setattr__(self, "_smp_across_losses",
-                               (tf.compat.v1.get_default_graph(), [total]))
+            object.__setattr__(self, "_smp_across_losses", (weakref.ref(
+                tf.compat.v1.get_default_graph()), [total]))
         return graph.pack_outputs(results)
 
-    def _smp_across_adds_losses(self, graph):
-        """Whether any stage's layers may add a loss (a weight
-        regularizer, an activity regularizer, `add_loss()` in a layer's
-        class): decided from the model, alike on every rank."""
-        layers = [layer for s in range(graph.num_stages)
-                  for layer in graph.stage_layers(s)]
-        return keras_private.may_add_losses(layers) or any(
-            getattr(w, "regularizer", None) for w in self.trainable_weights)
+    @staticmethod
+    def _smp_across_backward(graph):
+        """Per model stage, whether its backward runs in `@smp.step` with
+        one stage per process: where it or an earlier stage has a
+        trainable weight (a frozen first part of the model, a fine-tuned
+        backbone, needs none)."""
+        out, any_before = [], False
+        for s in range(graph.num_stages):
+            any_before = any_before or any(
+                w.trainable for w in graph.stage_weights(s))
+            out.append(any_before)
+        return out
 
     @staticmethod
     def _smp_sum_over_stages(value, links, slot):
@@ -863,16 +879,33 @@ class DistributedModel(keras.Model):
         # (`_smp_call_across`); other stages' weights have no values here.
         stored = self.__dict__.get("_smp_across_losses")
         if (stored is not None and custom_loop.in_step()
-                and stored[0] is tf.compat.v1.get_default_graph()):
+                and stored[0]() is tf.compat.v1.get_default_graph()):
             return list(stored[1])
         return super().losses
 
     def _smp_check_across_step(self, graph):
         """What `@smp.step` with one stage per process does not carry yet,
         refused on every rank as the step is traced (decided from the
-        model, which every rank holds): weights several stages use (tied
-        weights, a layer called in two stages), whose gradients' parts
-        would each stay on their own stage."""
+        model, which every rank holds): a stage training nothing after one
+        that trains (its process would build no backward to relay the
+        gradient), and weights several stages use (tied weights, a layer
+        called in two stages), whose gradients' parts would each stay on
+        their own stage."""
+        backward = self._smp_across_backward(graph)
+        relays = [s for s in range(graph.num_stages) if backward[s] and not
+                  any(w.trainable for w in graph.stage_weights(s))]
+        if relays:
+            raise NotImplementedError(
+                f"Pipeline stage(s) {relays} of DistributedModel "
+                f"{self.name!r} train no weight (frozen, or weightless "
+                "layers) but sit after a stage that trains one, so their "
+                "process would have to pass gradients on without "
+                "differentiating anything of its own: @smp.step with one "
+                "stage per process (smp.init's local_devices=1) does not "
+                "support that yet. Keep a trainable weight in every such "
+                "stage (or freeze only a first part of the model), train "
+                "with `model.fit` under SMPStrategy, or leave local_devices "
+                "unset.")
         shared = sorted(w.path for w in self.weights
                         if len(graph.weight_users().get(id(w), ())) > 1)
         if shared:

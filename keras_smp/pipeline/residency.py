@@ -186,8 +186,7 @@ def slot_references(optimizer):
 
 def is_local(variable):
     """Whether a Keras variable is another stage's (no storage here)."""
-    return (getattr(variable, "_smp_local", False)
-            or deferred.is_pending(variable))
+    return deferred.holds_no_copy(variable)
 
 
 def _drop_assignment(*args, **kwargs):

@@ -1273,19 +1273,33 @@ def apply_own_stage_only(stage_reducer):
     _own_stage_only[:] = [True, stage_reducer]
 
 
+def applies_own_stage_only():
+    """Whether `smp.init` runs one stage per process in this program."""
+    return _own_stage_only[0]
+
+
 def _patch_apply_own_stage(keras):
     for cls in (keras.optimizers.Optimizer,
                 keras.optimizers.LossScaleOptimizer):
-        _wrap_apply_own_stage(cls)
+        _wrap_apply_own_stage(cls, keras)
 
 
-def _wrap_apply_own_stage(base):
+def _wrap_apply_own_stage(base, keras):
     original = base.apply
     if getattr(original, "_smp_own_stage", False):
         return
 
     @functools.wraps(original)
     def apply(self, grads, trainable_variables=None):
+        if _own_stage_only[0] and isinstance(
+                self, keras.optimizers.LossScaleOptimizer):
+            # (Keras' own applies it in a replica context only.)
+            raise NotImplementedError(
+                "A LossScaleOptimizer (mixed_float16's loss scaling) in a "
+                "custom loop with one stage per process (smp.init's "
+                "local_devices=1) is not supported yet. Use the "
+                "'mixed_bfloat16' policy (no loss scaling), train with "
+                "`model.fit`, or leave local_devices unset.")
         if _own_stage_only[0] and trainable_variables is not None:
             grads, trainable_variables = list(grads), list(
                 trainable_variables)
@@ -1306,6 +1320,11 @@ def _wrap_apply_own_stage(base):
             if reduce_sum is not None and _step(
                     self, "stage_state") is None:
                 with across_stages(self, reduce_sum):
+                    if all(g is None for g in grads):
+                        # Nothing to train here (a frozen stage): its part
+                        # of the stages' sums, and the step counted, as
+                        # in `fit`.
+                        return step_without_gradients(self)
                     return original(self, grads, trainable_variables)
         return original(self, grads, trainable_variables)
 
@@ -1338,14 +1357,10 @@ def _patch_get_gradients(keras):
 
         # Another stage's weight (one stage per process) has no gradient
         # here: `None`, which `apply_gradients` skips.
-        held = [p for p in params if not deferred.holds_no_copy(p)]
-        tensors = [getattr(p, "value", p) for p in held]
-        tensors = [t._get_on_device_or_primary()
-                   if isinstance(t, tf.distribute.DistributedValues) else t
-                   for t in tensors]
-        found = iter(tf.gradients(loss, tensors, unconnected_gradients="zero")
-                     if tensors else [])
-        grads = [None if deferred.holds_no_copy(p) else next(found) for p in params]
+        grads = sparse.held_gradients(
+            params, lambda held: tf.gradients(
+                loss, [sparse.local_copy(p, of_value=True) for p in held],
+                unconnected_gradients="zero"))
         for p, g in zip(params, grads):
             sparse.note_source(g, p)  # (for `StepOutput.accumulate`)
         return grads

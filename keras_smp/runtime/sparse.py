@@ -200,13 +200,24 @@ def _distributed(variable):
                       tf.distribute.DistributedValues)
 
 
-def _local_copy(variable):
-    """A Keras variable's `tf.Variable`, this replica's copy of a mirrored
-    one (outside `strategy.run` its handle is not available)."""
+def local_copy(variable, of_value=False):
+    """A Keras variable's local `tf.Variable`: this replica's copy of a
+    mirrored one (outside `strategy.run` its handle is not available);
+    `of_value`: the variable's `value` otherwise (else the variable)."""
     value = getattr(variable, "value", variable)
     if isinstance(value, tf.distribute.DistributedValues):
         return value._get_on_device_or_primary()
-    return variable
+    return value if of_value else variable
+
+
+def held_gradients(sources, gradients):
+    """Gradients of `sources` (a flat list) with another pipeline stage's
+    weights' `None` (one stage per process: they have no storage here):
+    `gradients(held)` computes those of the others, in order."""
+    held = [v for v in sources if not deferred.holds_no_copy(v)]
+    found = iter(gradients(held) if held else [])
+    return [None if deferred.holds_no_copy(v) else next(found)
+            for v in sources]
 
 
 class _Sources(threading.local):
@@ -232,13 +243,10 @@ def noting_sources():
             # One stage per process (`smp.init`'s strategy, outside
             # `strategy.run`): another stage's weight has no gradient here
             # (`None`), a mirrored one's is its local copy's.
-            held = [_local_copy(v) for v in flat
-                    if not deferred.holds_no_copy(v)]
-            found = iter(original(self, target, held, *args, **kwargs)
-                         if held else [])
-            grads = tf.nest.pack_sequence_as(sources, [
-                None if deferred.holds_no_copy(v) else next(found)
-                for v in flat])
+            grads = tf.nest.pack_sequence_as(sources, held_gradients(
+                flat, lambda held: original(
+                    self, target, [local_copy(v) for v in held], *args,
+                    **kwargs)))
         else:
             grads = original(self, target, sources, *args, **kwargs)
         for variable, grad in zip(tf.nest.flatten(sources),

@@ -119,6 +119,16 @@ class CheckpointManager:
             name.rstrip("/") for name in tf.io.gfile.listdir(root)
             if name.startswith("pp_rank_") and tf.train.latest_checkpoint(
                 os.path.join(root, name.rstrip("/"))))
+        if self._stages > 1 and staged and len(staged) != self._stages:
+            raise ValueError(
+                f"CheckpointManager: {root!r} holds checkpoints of "
+                f"{len(staged)} pipeline stages ({', '.join(staged)}), and "
+                f"this job runs partitions={self._stages} (one stage per "
+                "process); a stage's checkpoint holds its own layers only. "
+                f"Restore with partitions={len(staged)}, or move between "
+                "partition counts with whole weights: "
+                "`model.save_weights(path)` there and "
+                "`model.load_weights(path)` here.")
         if (self._stages > 1) != bool(staged) and (
                 staged or tf.train.latest_checkpoint(root)):
             raise ValueError(
@@ -176,13 +186,14 @@ class CheckpointManager:
         # Nobody goes on (and maybe restores) before the files exist.
         mine = (topology.pp_rank, topology.tp_rank)
         views = comms.allgather((topology.dp_rank, mine, path))
-        return next(p for dp, shard, p in views if dp == 0 and shard == mine)
+        return next(p for dp, shard, p in views
+                    if dp == 0 and shard == mine)
 
     def _agreed_path(self, save_path, comms):
         """Shards (tensor parallelism, one stage per process): every
-        rank's path to restore, checked
-        together (every rank raises, or none: a rank restoring alone would
-        wait for the others in its first step's collectives)."""
+        rank's path to restore, checked together (every rank raises, or
+        none: a rank restoring alone would wait for the others in its
+        first step's collectives)."""
         try:
             path, error = save_path or self.latest_checkpoint, None
         except ValueError as e:
@@ -207,7 +218,8 @@ class CheckpointManager:
             raise ValueError(
                 f"CheckpointManager.restore: the "
                 f"{'pipeline' if self._stages > 1 else 'tensor-parallel'} "
-                f"ranks found different checkpoints ({', '.join(names)}; 'None': "
+                "ranks found different checkpoints "
+                f"({', '.join(names)}; 'None': "
                 f"none in its directory under {self.root!r}), e.g. after a "
                 "save interrupted between ranks or a directory not shared "
                 "by every process. Give every process the same "

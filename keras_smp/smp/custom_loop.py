@@ -76,19 +76,42 @@ def across_processes():
     return runtime is not None and runtime.mode == "multi_process"
 
 
-# The DistributedModels called in steps with one stage per process.
-_models_across = weakref.WeakSet()
+# The DistributedModels called in steps with one stage per process, in
+# the order of their first call (the same on every process).
+_models_across = []
 
 
 def note_model_across(model):
     """Notes a `DistributedModel` called in a step with one stage per
     process (`models_across`)."""
-    _models_across.add(model)
+    if not any(ref() is model for ref in _models_across):
+        _models_across.append(weakref.ref(model))
 
 
 def models_across():
-    """The `DistributedModel`s called in steps with one stage per process."""
-    return list(_models_across)
+    """The `DistributedModel`s called in steps with one stage per
+    process, in the order of their first call."""
+    return [m for m in (ref() for ref in _models_across) if m is not None]
+
+
+# {(trace graph, id(model), call slot)}: backwards built in the step
+_backwards = set()
+
+
+def note_backward(model, slot):
+    """Notes that the backward of `model`'s `slot`-th call is built; a
+    second (a persistent tape asked twice, a gradient of a gradient) is
+    refused: its transfers would take the first's collective keys."""
+    key = (tf.compat.v1.get_default_graph(), id(model), slot)
+    if key in _backwards:
+        raise NotImplementedError(
+            "@smp.step with one stage per process differentiates each "
+            "model call once: the step took a second gradient through "
+            f"call {slot} of {model.name!r} (a persistent tape asked twice, "
+            "or a gradient of a gradient). Take all gradients from one "
+            "`tape.gradient` / `optimizer.get_gradients` call, or leave "
+            "local_devices unset.")
+    _backwards.add(key)
 
 
 # {(trace graph, id(model)): the model's calls so far in that trace}
@@ -466,8 +489,11 @@ def _gather_over_replicas(t):
 
 _step_indices = iter(range(10**6))
 # Instance keys of a step's argument broadcast (`_from_first_stage`): per
-# step and tensor argument, a header's key and one per size bucket.
-_ARGS_BASE, _ARGS_PER_STEP, _MAX_ARGS = 1_000_000, 64 * 128, 64
+# step, tensor argument and dtype (a retrace with another dtype takes
+# other keys), a header's key and one per size bucket.
+_ARGS_BASE, _MAX_ARGS, _DTYPES = 1_000_000, 64, 32
+_ARGS_PER_STEP = _MAX_ARGS * _DTYPES * 128
+_MAX_STEPS = (2**31 - 1 - _ARGS_BASE) // _ARGS_PER_STEP
 
 
 def _from_first_stage(bound, index):
@@ -502,10 +528,16 @@ def _from_first_stage(bound, index):
                     f"@smp.step with one stage per process broadcasts at "
                     f"most {_MAX_ARGS} tensor arguments from the first "
                     "stage; pass fewer (a tuple of tensors counts each).")
-            base = _ARGS_BASE + index * _ARGS_PER_STEP + position * 128
-            if base + _ARGS_PER_STEP >= 2**31:
-                raise ValueError("keras-smp: too many @smp.step functions "
-                                 "in one program.")
+            if index >= _MAX_STEPS:
+                raise ValueError(
+                    f"keras-smp: this program decorated {index + 1} "
+                    f"@smp.step functions; with one stage per process at "
+                    f"most {_MAX_STEPS} can broadcast their arguments. "
+                    "Decorate each step function once (at module level), "
+                    "not inside a loop.")
+            base = _ARGS_BASE + index * _ARGS_PER_STEP + (
+                position * _DTYPES
+                + t.dtype.as_datatype_enum % _DTYPES) * 128
             keys = (lambda b: lambda i: b + i)(base)
             position += 1
             if first:
@@ -617,6 +649,7 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
         results = []
         if not _step_depth[0]:
             _calls.clear()
+            _backwards.clear()
         _step_depth[0] += 1
         before = list(_by_position)
         try:

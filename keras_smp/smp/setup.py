@@ -14,6 +14,8 @@ Two layouts, chosen from the config and the job:
   shapes without storage (`keras_smp.runtime.deferred`).
 """
 
+import weakref
+
 import tensorflow as tf
 
 from keras_smp import runtime as runtime_lib
@@ -51,8 +53,9 @@ def init(config=None):
     only its stage's weights (and its optimizer's slots for them), the
     step's `model(x)` returns the model's outputs on every process of the
     pipeline, and gradients of other stages' weights are `None` (Keras'
-    `apply_gradients` skips them). Every process of a pipeline must be
-    given the same batch. See docs/custom-loop.md.
+    `apply_gradients` skips them). The step's tensor arguments are the
+    first stage's process's (broadcast to the pipeline's other
+    processes). See docs/custom-loop.md.
 
     Returns:
         The validated `SMPConfig`.
@@ -72,15 +75,30 @@ def init(config=None):
     return custom_loop.init(config)
 
 
+# {trace graph: {id(model): its reducer}}: one per model and trace, so
+# two optimizer steps in one traced function take different keys.
+_reducers = weakref.WeakKeyDictionary()
+
+
 def _stage_reducer(variables):
     """The sum over the stage processes of the pipeline whose model holds
-    `variables` (for the optimizer's global norm and finite check), or
-    `None`."""
+    `variables` (for the optimizer's global norm), or `None`."""
     ids = {id(v) for v in variables}
-    for model in custom_loop.models_across():
-        if any(id(w) in ids for w in model.trainable_variables):
-            return model._smp_stage_reducer()
-    return None
+    models = [m for m in custom_loop.models_across()
+              if any(id(w) in ids for w in m.trainable_variables)]
+    if len(models) > 1:
+        raise NotImplementedError(
+            "One optimizer applies the weights of several DistributedModels "
+            f"({', '.join(repr(m.name) for m in models)}) in a custom loop "
+            "with one stage per process; give each model its own "
+            "optimizer.")
+    if not models:
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    per_graph = _reducers.setdefault(graph, {})
+    if id(models[0]) not in per_graph:
+        per_graph[id(models[0])] = models[0]._smp_stage_reducer()
+    return per_graph[id(models[0])]
 
 
 def _start_stage_per_process(config):

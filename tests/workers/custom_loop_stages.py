@@ -25,6 +25,12 @@ replica its contiguous share), 4 microbatches; then a forward-only step
                                  batches to the step (as a dataset shuffled
                                  with seed=smp.rank() would): the first
                                  stage's are used
+    --frozen-embedding           the embedding (stage 0) is frozen: its
+                                 process trains nothing, builds no backward
+                                 and still takes part in the global norm
+    --frozen-head                the Dense layers (stage 1) are frozen, the
+                                 embedding trains: the step is refused (its
+                                 process would relay gradients), REFUSED
     --shared                     a Dense layer called in both stages
                                  (manual partitions): the step is refused
                                  (prints REFUSED and the error, every rank)
@@ -46,6 +52,8 @@ parser.add_argument("--save-model", default=None)
 parser.add_argument("--regularized", action="store_true")
 parser.add_argument("--shared", action="store_true")
 parser.add_argument("--other-data", action="store_true")
+parser.add_argument("--frozen-embedding", action="store_true")
+parser.add_argument("--frozen-head", action="store_true")
 args = parser.parse_args()
 
 import numpy as np  # noqa: E402
@@ -95,6 +103,8 @@ class Model(Base):
         self.embed, self.pool, self.hidden, self.head = layers()
         if args.shared:
             self.mid = keras.layers.Dense(16)
+        self.embed.trainable = not args.frozen_embedding
+        self.hidden.trainable = self.head.trainable = not args.frozen_head
 
     def call(self, ids):
         if args.shared:  # self.hidden's Dense(16) called in both stages
@@ -163,7 +173,7 @@ def evaluate(ids, labels):
     return loss_fn(labels, logits) + added(model), logits
 
 
-if args.shared:
+if args.shared or args.frozen_head:
     try:
         train_step(*batch(0))
     except NotImplementedError as e:
