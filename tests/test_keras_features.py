@@ -78,9 +78,10 @@ CASES = ("arrays", "tf.data", "generator", "PyDataset",
          "arrays_seeded_per_rank", "PyDataset_seeded_per_rank")
 
 
-# In one process, the cases split over 2 processes: all of them took 206 s
-# of a 300 s timeout with 2 pipelines of 2 stages (Intel Xeon, 2 cores, the
-# suite's other file running beside), too close on a slower CPU.
+# The cases split over 2 runs: all of them in one run took 206 s of a 300 s
+# timeout in one process with 2 pipelines of 2 stages, and 184 s across 2
+# processes (Intel Xeon, 2 cores, the suite's other file running beside),
+# too close on a slower CPU.
 HALVES = (CASES[:9], CASES[9:] + ("inference",))
 
 
@@ -150,15 +151,19 @@ def test_keras_features_in_one_process(mode, half, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("half", [1, 2])
 @pytest.mark.parametrize("mode", ["mp", "mp_dp"])
-def test_keras_features_across_processes(mode, tmp_path):
+def test_keras_features_across_processes(mode, half, tmp_path):
     # mp: one pipeline stage per process; mp_dp: data parallel processes.
-    launch(2, [WORKER, mode, str(tmp_path)], timeout=300)
+    # In halves: all the cases in one launch took 184 s here and hit the
+    # launcher's 280 s limit on a CI machine (285 s).
+    only = HALVES[half - 1]
+    launch(2, [WORKER, mode, str(tmp_path), ",".join(only)], timeout=300)
     for rank in range(2):
         with open(os.path.join(tmp_path, f"rank{rank}.json")) as f:
             report = json.load(f)
-        _check(report, chief=rank == 0)
-        if mode == "mp":
+        _check(report, only, chief=rank == 0)
+        if mode == "mp" and "inference" in only:
             row = report["other_stage_layer"]
             assert [list(w) for w in row["whole"]] == [
                 [8, 16], [16], [16, 16], [16], [16, 3], [3]], row
