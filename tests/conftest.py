@@ -81,38 +81,89 @@ def env(lean=True, **extra):
 TIMEOUT_SCALE = float(os.environ.get("KERAS_SMP_TEST_TIMEOUT_SCALE", "1.6"))
 
 
+# Workers are forked from a server that has imported TensorFlow and Keras
+# (tests/forkserver.py, which says what a fork keeps and how that is
+# handled): about 7 s of CPU less per worker process. Only `run_python` and
+# `launch` with this interpreter and `lean` use it; KERAS_SMP_TEST_FORK=0
+# turns it off, `fork=False` for one call (a process whose memory a test
+# measures).
+FORK_CLIENT = os.path.join(ROOT, "tests", "fork_python.py")
+FORK_SERVERS = []  # this pytest process's servers' socket paths
+
+
+def _python(python, lean, fork):
+    """(command prefix that runs `python`, environment it needs)."""
+    if fork and lean and python is None and FORK_SERVERS:
+        return ([sys.executable, "-S", "-E", FORK_CLIENT, sys.executable],
+                {"KERAS_SMP_TEST_FORKSERVER": ",".join(FORK_SERVERS)})
+    return [python or sys.executable], {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_servers(worker_tmpdir):
+    """Two fork servers per pytest process (each its own hash seed: ranks
+    0 and 1 of a job use different ones); see `FORK_SERVERS`."""
+    if os.environ.get("KERAS_SMP_TEST_FORK", "1") == "0":
+        print("KERAS_SMP_TEST_FORK=0: every worker a fresh interpreter")
+        yield []
+        return
+    servers = []
+    for i in range(2):
+        path = os.path.join(str(worker_tmpdir), f"forkserver{i}.sock")
+        log = open(os.path.join(str(worker_tmpdir), f"forkserver{i}.log"),
+                   "wb")
+        servers.append((path, log, subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tests", "forkserver.py"),
+             path], env=env(OPENBLAS_NUM_THREADS="1"), cwd=ROOT,
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)))
+    # Until a server listens, its clients run a fresh interpreter.
+    FORK_SERVERS[:] = [path for path, _, _ in servers]
+    yield FORK_SERVERS
+    FORK_SERVERS[:] = []
+    for _, log, proc in servers:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
 def run_python(args, timeout=240, extra_env=None, check=True, python=None,
-               lean=True):
+               lean=True, fork=True):
     """Runs `python ARGS` with the package importable; returns the result
-    (`lean`: see `env`; `timeout` in seconds, times `TIMEOUT_SCALE`)."""
-    return _run_python(args, timeout * TIMEOUT_SCALE, extra_env, check,
-                       python, lean)
+    (`lean`: see `env`; `timeout` in seconds, times `TIMEOUT_SCALE`;
+    `fork`: see `FORK_CLIENT`)."""
+    command, fork_env = _python(python, lean, fork)
+    return _run_python(command + list(args), timeout * TIMEOUT_SCALE,
+                       dict(fork_env, **(extra_env or {})), check, lean)
 
 
-def _run_python(args, timeout, extra_env, check, python, lean):
+def _run_python(command, timeout, extra_env, check, lean):
     proc = subprocess.run(
-        [python or sys.executable] + list(args),
-        env=env(lean=lean, **(extra_env or {})),
+        command, env=env(lean=lean, **extra_env),
         cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
-            f"python {' '.join(args)} exited {proc.returncode}\n"
+            f"{' '.join(command)} exited {proc.returncode}\n"
             f"--- stdout ---\n{proc.stdout[-4000:]}\n"
             f"--- stderr ---\n{proc.stderr[-4000:]}")
     return proc
 
 
 def launch(n, args, timeout=300, extra_env=None, check=True, launcher_args=(),
-           python=None, lean=True):
+           python=None, lean=True, fork=True):
     """Runs `keras-smp launch -n N -- python ARGS` (real worker processes;
     `lean`: see `env`; `timeout` as in `run_python`: the launcher stops
-    the workers 20 s before it)."""
-    python = python or sys.executable
+    the workers 20 s before it; `fork`: see `FORK_CLIENT`)."""
+    worker, fork_env = _python(python, lean, fork)
     timeout *= TIMEOUT_SCALE
     return _run_python(
-        ["-m", "keras_smp.launch", "-n", str(n), "--timeout",
-         str(int(timeout - 20)), *launcher_args, "--", python, *args],
-        timeout, extra_env, check, python, lean)
+        [python or sys.executable, "-m", "keras_smp.launch", "-n", str(n),
+         "--timeout", str(int(timeout - 20)), *launcher_args, "--", *worker,
+         *args],
+        timeout, dict(fork_env, **(extra_env or {})), check, lean)
 
 
 def fit_model(out, *flags):
