@@ -79,6 +79,13 @@ def env(lean=True, **extra):
 # per-test `timeout` of setup.cfg still bounds every test).
 # KERAS_SMP_TEST_TIMEOUT_SCALE overrides it.
 TIMEOUT_SCALE = float(os.environ.get("KERAS_SMP_TEST_TIMEOUT_SCALE", "1.6"))
+# ... but not past setup.cfg's per-test `timeout` (600 s) less 30 s, where
+# the limit was below it: the launcher's own message names a stuck worker.
+PER_TEST_LIMIT = 600
+
+
+def _scaled(timeout):
+    return max(timeout, min(timeout * TIMEOUT_SCALE, PER_TEST_LIMIT - 30))
 
 
 # Workers are forked from a server that has imported TensorFlow and Keras
@@ -116,7 +123,8 @@ def fork_servers(worker_tmpdir):
             [sys.executable, os.path.join(ROOT, "tests", "forkserver.py"),
              path], env=env(OPENBLAS_NUM_THREADS="1"), cwd=ROOT,
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)))
-    # Until a server listens, its clients run a fresh interpreter.
+    # Until a server listens (its socket file exists), its clients run a
+    # fresh interpreter.
     FORK_SERVERS[:] = [path for path, _, _ in servers]
     yield FORK_SERVERS
     FORK_SERVERS[:] = []
@@ -136,7 +144,7 @@ def run_python(args, timeout=240, extra_env=None, check=True, python=None,
     (`lean`: see `env`; `timeout` in seconds, times `TIMEOUT_SCALE`;
     `fork`: see `FORK_CLIENT`)."""
     command, fork_env = _python(python, lean, fork)
-    return _run_python(command + list(args), timeout * TIMEOUT_SCALE,
+    return _run_python(command + list(args), _scaled(timeout),
                        dict(fork_env, **(extra_env or {})), check, lean)
 
 
@@ -158,11 +166,11 @@ def launch(n, args, timeout=300, extra_env=None, check=True, launcher_args=(),
     `lean`: see `env`; `timeout` as in `run_python`: the launcher stops
     the workers 20 s before it; `fork`: see `FORK_CLIENT`)."""
     worker, fork_env = _python(python, lean, fork)
-    timeout *= TIMEOUT_SCALE
+    timeout = _scaled(timeout)
     return _run_python(
         [python or sys.executable, "-m", "keras_smp.launch", "-n", str(n),
-         "--timeout", str(int(timeout - 20)), *launcher_args, "--", *worker,
-         *args],
+         "--timeout", str(max(10, int(timeout - 20))), *launcher_args, "--",
+         *worker, *args],
         timeout, dict(fork_env, **(extra_env or {})), check, lean)
 
 

@@ -64,7 +64,8 @@ def main():
     message = encode({"argv": args, "env": dict(os.environ),
                       "cwd": os.getcwd()})
     sent = socket.send_fds(conn, [message], [0, 1, 2])
-    conn.sendall(message[sent:])
+    if sent < len(message):  # (a send of nothing could meet a closed peer)
+        conn.sendall(message[sent:])
     reply = read_message(conn)
     if reply is None or "fallback" in reply:
         conn.close()
@@ -79,12 +80,7 @@ def main():
 
     for signum in RELAYED:
         signal.signal(signum, relay)
-    while True:
-        try:
-            result = read_message(conn)
-            break
-        except InterruptedError:  # pragma: no cover (PEP 475 retries)
-            continue
+    result = read_message(conn)
     if result is None:
         sys.stderr.write("fork_python: the fork server went away\n")
         os._exit(1)

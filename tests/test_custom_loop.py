@@ -433,17 +433,20 @@ def stage_runs(tmp_path_factory):
     x 2 replicas (`get_gradients`; `save_model` at the end), and 2
     processes with regularizers on both stages (and their reference)."""
     root = tmp_path_factory.mktemp("custom_loop_stages")
-    run_python([STAGES, "--reference", "--out", f"{root}/ref"])
-    run_python([STAGES, "--reference", "--regularized", "--out",
+    fit = "--keras-fit"  # every run ends with a step of Keras' `fit`
+    run_python([STAGES, "--reference", fit, "--out", f"{root}/ref"])
+    run_python([STAGES, "--reference", "--regularized", fit, "--out",
                 f"{root}/ref_regularized"])
-    launch(2, [STAGES, "--grads", "tape", "--other-data", "--out",
+    launch(2, [STAGES, "--grads", "tape", "--other-data", fit, "--out",
                f"{root}/2"])
-    launch(4, [STAGES, "--out", f"{root}/4", "--save-model",
+    launch(4, [STAGES, fit, "--out", f"{root}/4", "--save-model",
                f"{root}/saved"], timeout=400)
-    launch(2, [STAGES, "--regularized", "--out", f"{root}/regularized"])
-    run_python([STAGES, "--reference", "--frozen-embedding", "--out",
+    launch(2, [STAGES, "--regularized", fit, "--out",
+               f"{root}/regularized"])
+    run_python([STAGES, "--reference", "--frozen-embedding", fit, "--out",
                 f"{root}/ref_frozen"])
-    launch(2, [STAGES, "--frozen-embedding", "--out", f"{root}/frozen"])
+    launch(2, [STAGES, "--frozen-embedding", fit, "--out",
+               f"{root}/frozen"])
     return root
 
 
@@ -485,6 +488,20 @@ def test_one_stage_per_process_custom_loop_matches_full_batch_training(
             atol=1e-6)
         _assert_held_equal_reference(r, ref)
         assert r["iterations"] == 3
+        # Then Keras' `fit` under smp.init's strategy (the same optimizer,
+        # its state continued): one step of plain Keras' on the global
+        # batch, in the same bounds.
+        np.testing.assert_allclose(r["fit_loss"], ref["fit_loss"],
+                                   rtol=1e-5)
+        _assert_held_equal_reference(
+            dict(held=r["held_after_fit"]),
+            dict(weights=ref["held_after_fit"]))
+        assert r["held_after_fit"].keys() == r["held"].keys()
+        moved = max(float(np.max(np.abs(np.subtract(r["held_after_fit"][k],
+                                                     r["held"][k]))))
+                    for k in r["held"])
+        frozen = run == "frozen" and r["pp_rank"] == 0
+        assert moved == 0 if frozen else moved > 1e-3, moved  # `fit` trained
         # Nothing of the other stage here: its weights have no storage,
         # the optimizer no slots for them (Adam: 2 per weight held).
         held = set(r["held"])
@@ -493,7 +510,6 @@ def test_one_stage_per_process_custom_loop_matches_full_batch_training(
         own = sum(r["sizes"][k] for k in held)
         slots = sum(n for k, n in r["slots"].items()
                     if k.endswith(("_momentum", "_velocity")))
-        frozen = run == "frozen" and r["pp_rank"] == 0
         assert slots == (0 if frozen else 2 * own), (r["slots"], own)
     # The stages partition the model; replicas of a stage hold the same.
     by_stage = {}

@@ -54,6 +54,8 @@ parser.add_argument("--shared", action="store_true")
 parser.add_argument("--other-data", action="store_true")
 parser.add_argument("--frozen-embedding", action="store_true")
 parser.add_argument("--frozen-head", action="store_true")
+# At the end, one step of Keras' own `fit` (compiled with the same optimizer).
+parser.add_argument("--keras-fit", action="store_true")
 args = parser.parse_args()
 
 import numpy as np  # noqa: E402
@@ -115,6 +117,21 @@ class Model(Base):
         return self.head(self.hidden(self.pool(self.embed(ids))))
 
 
+def keras_fit(model):
+    """One step of Keras' `fit` on a global batch of its own (the same on
+    every process): its loss and the weights this process holds after."""
+    rng = np.random.RandomState(1000)
+    x, y = (rng.randint(0, 20, (GLOBAL, 6)).astype("int32"),
+            rng.randint(0, 3, GLOBAL).astype("int32"))
+    model.compile(optimizer=opt, loss=loss_fn)
+    history = model.fit(x, y, batch_size=GLOBAL, epochs=1, shuffle=False,
+                        verbose=0)
+    return dict(fit_loss=history.history["loss"][0],
+                held_after_fit={v.path: v.numpy().tolist()
+                                for v in model.weights
+                                if v.value.shape.num_elements()})
+
+
 def added(model):
     """The losses the layers added in the model's last call (and the
     weight regularizers'), as a Keras custom loop adds them."""
@@ -141,6 +158,8 @@ if args.reference:
     out["eval_loss"] = float(loss_fn(y, logits) + added(model))
     out["predictions"] = logits.numpy().tolist()
     out["weights"] = {v.path: v.numpy().tolist() for v in model.weights}
+    if args.keras_fit:
+        out.update(keras_fit(model))
     os.makedirs(args.out, exist_ok=True)
     with open(f"{args.out}/reference.json", "w") as f:
         json.dump(out, f)
@@ -218,6 +237,8 @@ out.update(
     iterations=int(opt.iterations.numpy()))
 if args.save_model:
     model.save_model(args.save_model)
+if args.keras_fit:  # `fit` under smp.init's strategy, one stage per process
+    out.update(keras_fit(model))
 os.makedirs(args.out, exist_ok=True)
 with open(f"{args.out}/rank{smp.rank()}.json", "w") as f:
     json.dump(out, f)
