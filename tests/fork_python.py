@@ -3,8 +3,8 @@
 Usage: `python -S -E fork_python.py REAL_PYTHON ARGS...`. Runs ARGS in a
 worker forked by one of the servers named in KERAS_SMP_TEST_FORKSERVER
 (comma-separated socket paths; the worker's rank, from TF_CONFIG, picks
-one), relays SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 to it,
-and exits as it did. Where no server answers, or the server cannot fork
+one), relays SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 to its
+process group, and exits as it did. Where no server answers, or the server cannot fork
 this request, it becomes `REAL_PYTHON ARGS` (`exec`: the same process).
 """
 
@@ -47,11 +47,14 @@ def encode(message):
 
 
 def _fallback(python, args):
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)  # (exec keeps masks)
     os.execv(python, [python, *args])
 
 
 def main():
     python, args = sys.argv[1], sys.argv[2:]
+    # Held until the worker exists to take them (or this becomes `python`).
+    signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)
     paths = [p for p in os.environ.get(
         "KERAS_SMP_TEST_FORKSERVER", "").split(",") if p]
     if not paths:
@@ -72,14 +75,15 @@ def main():
         _fallback(python, args)
     pid = reply["pid"]
 
-    def relay(signum, _frame):
+    def relay(signum, _frame):  # to the worker's process group
         try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
+            os.killpg(pid, signum)
+        except (ProcessLookupError, PermissionError):
             pass
 
     for signum in RELAYED:
         signal.signal(signum, relay)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)
     result = read_message(conn)
     if result is None:
         sys.stderr.write("fork_python: the fork server went away\n")

@@ -33,8 +33,10 @@ What a fork keeps from the server, and how that is handled:
   safely). A script that sets a TensorFlow variable itself before its
   `import tensorflow` gets it only where TensorFlow reads it later
   (`TF_DETERMINISTIC_OPS`: checked by tests/test_forkserver.py).
-- Processes: each worker is its own process group (SIGKILLed as a group
-  when its client goes away) and dies with the server (PR_SET_PDEATHSIG).
+- Processes: each worker leads its own process group, to which the client
+  relays signals and which the server SIGKILLs when the client goes away;
+  the worker itself (not its children) dies with the server
+  (PR_SET_PDEATHSIG).
 - The hash seed: each pytest process starts two servers (each its own
   random seed) and the client picks one by its rank's parity
   (`TF_CONFIG`'s task index), so ranks 0 and 1 of a job never share a
@@ -68,7 +70,8 @@ from fork_python import read_message
 # starts or TensorFlow, Keras or NumPy is imported): a request that differs
 # from the server in one runs in a fresh interpreter.
 STARTUP_PREFIXES = ("PYTHON", "TF_", "XLA_", "KERAS_", "NPY_", "OMP_", "MKL_",
-                    "CUDA_", "LD_", "MALLOC_", "OPENBLAS_", "HOME")
+                    "CUDA_", "LD_", "MALLOC_", "OPENBLAS_", "HOME", "LANG",
+                    "LC_")
 # ... except these: a fork applies the first two itself, the launcher's
 # TF_CONFIG and keras-smp's own settings are read after the fork, and the
 # server runs OpenBLAS on 1 thread whatever the request says (deliberately:
@@ -211,7 +214,19 @@ def start(conn, own, listener, selector, workers):
     sys.stdout.flush()
     sys.stderr.flush()
     signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as e:  # (out of memory, of processes): a fresh one
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)
+        print(f"forkserver: fork failed: {e}", file=sys.stderr, flush=True)
+        try:
+            conn.sendall(encode({"fallback": f"fork failed: {e}"}))
+        except OSError:
+            pass
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+        return None
     if pid == 0:
         selector.close()
         listener.close()
@@ -264,13 +279,18 @@ def run_worker(request):
     os.environ.update(request["env"])
     tempfile.tempdir = None  # TMPDIR as the request's environment says
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
-    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    # The encodings and error handlers `python` chose at the server's start
+    # (the same locale: STARTUP_PREFIXES), on the request's descriptors.
+    sys.stdin = io.TextIOWrapper(
+        io.BufferedReader(io.FileIO(0, "r", closefd=False)),
+        encoding=sys.__stdin__.encoding, errors=sys.__stdin__.errors)
     for name, fd in (("stdout", 1), ("stderr", 2)):
         raw = io.FileIO(fd, "w", closefd=False)
         stream = raw if unbuffered else io.BufferedWriter(raw)
+        original = getattr(sys, f"__{name}__")
         setattr(sys, name, io.TextIOWrapper(
             stream, write_through=unbuffered,
-            errors="backslashreplace" if name == "stderr" else None,
+            encoding=original.encoding, errors=original.errors,
             line_buffering=name == "stderr" and not unbuffered))
     sys.__stdout__, sys.__stderr__, sys.__stdin__ = (
         sys.stdout, sys.stderr, sys.stdin)

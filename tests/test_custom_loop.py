@@ -430,8 +430,9 @@ def stage_runs(tmp_path_factory):
     """Plain Keras on the whole batch (one process), then @smp.step with
     one stage per process: 2 processes (gradients from a tape; the second
     stage's process passes other batches, the first stage's count), 2 stages
-    x 2 replicas (`get_gradients`; `save_model` at the end), and 2
-    processes with regularizers on both stages (and their reference)."""
+    x 2 replicas (`get_gradients`; `save_model` after the custom loop), 2
+    processes with regularizers on both stages, 2 with the embedding frozen
+    (and their references); every run ends with a step of Keras' `fit`."""
     root = tmp_path_factory.mktemp("custom_loop_stages")
     fit = "--keras-fit"  # every run ends with a step of Keras' `fit`
     run_python([STAGES, "--reference", fit, "--out", f"{root}/ref"])

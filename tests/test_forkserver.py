@@ -4,13 +4,12 @@
 before the script's globals go), tracebacks from the script on, death by
 the same signal; signals to the client reach the worker; a killed client
 takes its worker with it; what a fork cannot honour runs in a fresh
-interpreter. Each check runs the script both ways and compares.
+interpreter. The first checks run a script both ways and compare.
 """
 
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -63,14 +62,20 @@ sys.exit(int(code))
 def _both(tmp_path, *args, **extra):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
-    env_ = dict(FORK_TEST_VALUE="v", TMPDIR=str(tmp_path), **extra)
+    env_ = dict(dict(FORK_TEST_VALUE="v", TMPDIR=str(tmp_path),
+                     PYTHONUNBUFFERED="1"), **extra)
     return [run_python([str(script), *args], timeout=60, check=False,
                        extra_env=env_, fork=fork) for fork in (True, False)]
 
 
-@pytest.mark.parametrize("code", ["0", "3", "raise", "interrupt", "sigkill"])
-def test_forked_worker_runs_as_a_fresh_python(tmp_path, code):
-    forked, fresh = _both(tmp_path, code)
+@pytest.mark.parametrize("code,buffered", [
+    ("0", False), ("0", True), ("3", False), ("raise", True),
+    ("interrupt", True), ("sigkill", False)])
+def test_forked_worker_runs_as_a_fresh_python(tmp_path, code, buffered):
+    # buffered: without PYTHONUNBUFFERED (the launcher sets it; run_python
+    # does not); "sigkill" unbuffered, or nothing would be flushed.
+    forked, fresh = _both(tmp_path, code,
+                          PYTHONUNBUFFERED="" if buffered else "1")
     assert forked.stdout.splitlines()[0] == "forked True", forked.stdout
     assert fresh.stdout.splitlines()[0] == "forked False", fresh.stdout
     assert forked.stdout.splitlines()[1:] == fresh.stdout.splitlines()[1:]
@@ -87,7 +92,7 @@ def test_forked_worker_runs_as_a_fresh_python(tmp_path, code):
 def test_what_a_fork_cannot_honour_runs_in_a_fresh_python(tmp_path):
     # A start-up variable the server was not started with; a missing
     # script (python's own message and status).
-    forked, fresh = _both(tmp_path, "0", TF_ENABLE_ONEDNN_OPTS="0")
+    forked, fresh = _both(tmp_path, "0", TF_FORKSERVER_TEST_ONLY="1")
     assert forked.stdout.splitlines()[0] == "forked False", forked.stdout
     missing = [run_python([str(tmp_path / "none.py")], check=False,
                           fork=fork) for fork in (True, False)]
@@ -132,11 +137,14 @@ def _start_sleeper():
 
 
 def _gone(pid, within=10):
+    """True once `pid` has exited (a zombie waiting to be reaped counts)."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except (FileNotFoundError, ProcessLookupError):
             return True
         time.sleep(0.1)
     return False
@@ -173,9 +181,12 @@ def test_a_killed_client_takes_its_worker_and_its_children():
 
 
 def test_the_client_without_a_server_is_python(tmp_path):
+    # No KERAS_SMP_TEST_FORKSERVER: the client execs `python` (its pid).
     command, _ = _python(None, True, True)
-    out = subprocess.run(command + ["-c", "import sys; print(sys.argv)", "x"],
-                         env=env(), cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == "['-c', 'x']", out
-    assert command[:1] == [sys.executable]
+    proc = subprocess.Popen(
+        command + ["-c", "import os, sys; print(os.getpid(), sys.argv, "
+                   "'tensorflow' in sys.modules)", "x"],
+        env=env(), cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert out.split(" ", 1) == [str(proc.pid), "['-c', 'x'] False\n"], out

@@ -8,7 +8,7 @@ applies row by row) averaged over the sequence, two `Dense` layers;
 seeded initializers, so every run starts from the same weights. Adam with
 `global_clipnorm`, 3 steps on a fixed global batch of 32 rows (each
 replica its contiguous share), 4 microbatches; then a forward-only step
-(no gradients).
+(no gradients) and Keras' `evaluate` after `compile`.
 
     --grads get_gradients|tape   how the step takes its gradients
     --out DIR                    rank{R}.json (or reference.json)
@@ -16,7 +16,9 @@ replica its contiguous share), 4 microbatches; then a forward-only step
                                  before the first step (the model has no
                                  weights yet) when it holds a checkpoint
     --stop-at K                  save a checkpoint after step K and exit
-    --save-model DIR             model.save_model(DIR) at the end
+    --save-model DIR             model.save_model(DIR) after those
+    --keras-fit                  then one step of Keras' `fit` (the same
+                                 optimizer) on a batch of its own
     --regularized                an activity regularizer on the embedding
                                  (stage 0) and a kernel regularizer on the
                                  hidden layer (stage 1): the step adds
