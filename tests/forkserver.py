@@ -200,17 +200,8 @@ def start(conn, own, listener, selector, workers):
         print(f"forkserver: bad request: {e}", file=sys.stderr, flush=True)
         return None
     reason = why_not_fork(request, own) if len(fds) == 3 else "no fds"
-    if reason is not None:  # logged: the server's log says what ran fresh
-        print(f"forkserver: fresh interpreter for {request['argv'][:2]}: "
-              f"{reason}", file=sys.stderr, flush=True)
-        try:
-            conn.sendall(encode({"fallback": reason}))
-        except OSError:
-            pass
-        conn.close()
-        for fd in fds:
-            os.close(fd)
-        return None
+    if reason is not None:
+        return _fresh(conn, fds, request, reason)
     sys.stdout.flush()
     sys.stderr.flush()
     signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)
@@ -218,15 +209,7 @@ def start(conn, own, listener, selector, workers):
         pid = os.fork()
     except OSError as e:  # (out of memory, of processes): a fresh one
         signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)
-        print(f"forkserver: fork failed: {e}", file=sys.stderr, flush=True)
-        try:
-            conn.sendall(encode({"fallback": f"fork failed: {e}"}))
-        except OSError:
-            pass
-        conn.close()
-        for fd in fds:
-            os.close(fd)
-        return None
+        return _fresh(conn, fds, request, f"fork failed: {e}")
     if pid == 0:
         selector.close()
         listener.close()
@@ -251,6 +234,21 @@ def start(conn, own, listener, selector, workers):
         conn.sendall(encode({"pid": pid}))
     except OSError:  # the client is gone already: so is its worker
         _kill(pid)
+    return None
+
+
+def _fresh(conn, fds, request, reason):
+    """Tells the client to run `python` itself; logged (the server's log
+    says what ran fresh and why). Returns None (no worker)."""
+    print(f"forkserver: fresh interpreter for {request['argv'][:2]}: "
+          f"{reason}", file=sys.stderr, flush=True)
+    try:
+        conn.sendall(encode({"fallback": reason}))
+    except OSError:
+        pass
+    conn.close()
+    for fd in fds:
+        os.close(fd)
     return None
 
 
