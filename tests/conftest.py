@@ -90,7 +90,8 @@ def _scaled(timeout):
 
 # Workers are forked from a server that has imported TensorFlow and Keras
 # (tests/forkserver.py, which says what a fork keeps and how that is
-# handled): about 7 s of CPU less per worker process. Only `run_python` and
+# handled): no TensorFlow import per worker (2.4 s wall idle and warm
+# here, more on busy cores; the suite 45 -> 35-37 min). Only `run_python` and
 # `launch` with this interpreter and `lean` use it; KERAS_SMP_TEST_FORK=0
 # turns it off, `fork=False` for one call (a process whose memory a test
 # measures).
