@@ -471,6 +471,93 @@ def loss_scale_after_non_finite_step(optimizer):
     optimizer._stateful_handle_non_finite_grads()
 
 
+def loss_scale_read_when_applied():
+    """Makes a `LossScaleOptimizer` not built yet scale losses by its scale
+    variable, not by the number `initial_scale` (idempotent; checked
+    against `LossScaleOptimizer.scale_loss` and `build`).
+
+    Keras builds the optimizer at its first `apply`. Its `scale_loss`
+    before that multiplies by `initial_scale`, a constant: in a step
+    traced once (`@tf.function`, `@smp.step`) before the optimizer is
+    built, as an SMP custom loop's first step is (the model's weights
+    are made in it), every later step would scale by that constant while
+    `apply` unscales by the current scale, which halves at each skipped
+    step. Here the first `scale_loss` makes the two variables Keras'
+    `build` would make (`step_counter`, `dynamic_scale`, the same
+    specification, outside any graph being traced), and `build` then
+    takes them instead of making them again, so the optimizer's variables
+    and their order are Keras' own.
+    """
+    import tensorflow as tf
+    from keras.src import initializers
+    from keras.src import ops
+    from keras.src.optimizers import loss_scale_optimizer
+
+    cls = loss_scale_optimizer.LossScaleOptimizer
+    if getattr(cls.scale_loss, "_smp_patched", False):
+        return
+    original_scale, original_build = cls.scale_loss, cls.build
+
+    def scale_variables(self):
+        early = self.__dict__.get("_smp_early_scale")
+        if early is None:
+            with tf.init_scope():
+                early = {
+                    "step_counter": self.add_variable(
+                        shape=(), dtype="int",
+                        initializer=initializers.Zeros(),
+                        aggregation="none", name="step_counter"),
+                    "dynamic_scale": self.add_variable(
+                        shape=(), dtype="float32",
+                        initializer=initializers.Constant(
+                            self.initial_scale),
+                        aggregation="none", name="dynamic_scale")}
+            object.__setattr__(self, "_smp_early_scale", early)
+        return early
+
+    def scale_loss(self, loss):
+        if self.built:
+            return original_scale(self, loss)
+        return ops.multiply(loss, scale_variables(self)["dynamic_scale"])
+
+    def build(self, var_list):
+        early = dict(self.__dict__.pop("_smp_early_scale", None) or {})
+        if not early:
+            return original_build(self, var_list)
+
+        def add_variable(shape, initializer="zeros", dtype=None,
+                         aggregation="none", layout=None, name=None):
+            if name in early:  # made ahead by `scale_loss`
+                return early.pop(name)
+            return type(self).add_variable(
+                self, shape, initializer=initializer, dtype=dtype,
+                aggregation=aggregation, layout=layout, name=name)
+
+        object.__setattr__(self, "add_variable", add_variable)
+        try:
+            return original_build(self, var_list)
+        finally:
+            object.__delattr__(self, "add_variable")
+
+    scale_loss._smp_patched = True
+    cls.scale_loss = functools.wraps(original_scale)(scale_loss)
+    cls.build = functools.wraps(original_build)(build)
+
+
+def loss_scale_apply_in_cross_replica_context(optimizer, grads,
+                                              trainable_variables):
+    """A `LossScaleOptimizer`'s `apply` where its TensorFlow path refuses
+    to run ("apply() must be called in a replica context"): outside
+    `strategy.run` under a current strategy, as an SMP custom loop applies
+    its gradients. Checks the gradients (`check_finite`), then unscales
+    and applies them or skips the step, updating the scale, as Keras'
+    other backends do (`_common_apply`)."""
+    if not optimizer.built:
+        optimizer.build(trainable_variables)
+        optimizer.built = True
+    optimizer._common_apply(grads, trainable_variables)
+
+
 # The private steps of `keras.optimizers.Optimizer.apply` (TensorFlow
 # backend) that keras-smp wraps, by role.
 _OPTIMIZER_STEPS = {

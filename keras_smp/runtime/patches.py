@@ -1289,17 +1289,22 @@ def _wrap_apply_own_stage(base, keras):
     if getattr(original, "_smp_own_stage", False):
         return
 
+    import tensorflow as tf
+
+    from keras_smp.runtime import keras_private
+
+    def own_stage_apply(self, grads, trainable_variables):
+        if (isinstance(self, keras.optimizers.LossScaleOptimizer)
+                and tf.distribute.in_cross_replica_context()):
+            # Keras' TensorFlow path applies it in a replica context only;
+            # every stage process takes the same finite decision
+            # (`check_finite` sums over the stages) and skips together.
+            return keras_private.loss_scale_apply_in_cross_replica_context(
+                self, grads, trainable_variables)
+        return original(self, grads, trainable_variables)
+
     @functools.wraps(original)
     def apply(self, grads, trainable_variables=None):
-        if _own_stage_only[0] and isinstance(
-                self, keras.optimizers.LossScaleOptimizer):
-            # (Keras' own applies it in a replica context only.)
-            raise NotImplementedError(
-                "A LossScaleOptimizer (mixed_float16's loss scaling) in a "
-                "custom loop with one stage per process (smp.init's "
-                "local_devices=1) is not supported yet. Use the "
-                "'mixed_bfloat16' policy (no loss scaling), train with "
-                "`model.fit`, or leave local_devices unset.")
         if _own_stage_only[0] and trainable_variables is not None:
             grads, trainable_variables = list(grads), list(
                 trainable_variables)
@@ -1325,7 +1330,8 @@ def _wrap_apply_own_stage(base, keras):
                         # of the stages' sums, and the step counted, as
                         # in `fit`.
                         return step_without_gradients(self)
-                    return original(self, grads, trainable_variables)
+                    return own_stage_apply(self, grads, trainable_variables)
+            return own_stage_apply(self, grads, trainable_variables)
         return original(self, grads, trainable_variables)
 
     apply._smp_own_stage = True
@@ -2082,6 +2088,7 @@ def install():
         keras_private.on_loss_scaling(_keeps_loss_value, _custom_loop_loss)
         keras_private.before_unbuilt_optimizer_applies(
             _build_across_replicas)
+        keras_private.loss_scale_read_when_applied()
         _patch_files(keras)
         _patch_get_gradients(keras)
         _patch_apply_own_stage(keras)

@@ -6,6 +6,11 @@ the pipelined custom loop (partitions=2, microbatches=4, gradients from
 Keras/TF training on the whole batch, and the loss history. With
 "tape_added_losses", layers of both stages have activity regularizers and
 both loops add `sum(model.losses)` to the loss, as Keras custom loops do.
+With "loss_scale", mixed_float16 and a LossScaleOptimizer on both (the
+steps scale their losses with `optimizer.scale_loss`; the pipelined
+loop's optimizer is built by its first `apply_gradients`, after its step
+was traced; the plain one's before), and step 1 made to overflow in
+both loops (the scale set to 2^40; 2^10 again for step 2): both skip it.
 """
 
 import json
@@ -15,6 +20,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 GRADS = sys.argv[1]  # "get_gradients", "tape" or "tape_added_losses"
 ADDED = GRADS == "tape_added_losses"
+SCALED = GRADS == "loss_scale"
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -26,6 +32,8 @@ ACTIVITY = [keras.regularizers.L2(1e-2) if ADDED else None,
             keras.regularizers.L1(1e-2) if ADDED else None]
 
 smp.init({"partitions": 2, "microbatches": 4})
+if SCALED:
+    keras.mixed_precision.set_global_policy("mixed_float16")
 
 x = np.random.RandomState(0).randn(32, 8).astype("float32")
 y = np.random.RandomState(1).randint(0, 3, 32)
@@ -56,6 +64,14 @@ initial = model.get_weights()
 plain.set_weights(initial)
 opt = keras.optimizers.SGD(0.1, momentum=0.9)
 plain_opt = keras.optimizers.SGD(0.1, momentum=0.9)
+if SCALED:
+    opt, plain_opt = (keras.optimizers.LossScaleOptimizer(
+        o, initial_scale=2.0 ** 10) for o in (opt, plain_opt))
+    plain_opt.build(plain.trainable_variables)  # (Keras' own scale_loss)
+
+
+def scaled(optimizer, loss):
+    return optimizer.scale_loss(loss) if SCALED else loss
 
 
 @smp.step
@@ -67,11 +83,13 @@ def get_grads(inputs, labels):
             if ADDED:
                 assert len(model.losses) == 2, model.losses
                 loss += tf.add_n(model.losses)
-        grads = tape.gradient(loss, model.trainable_variables)
+            scaled_loss = scaled(opt, loss)
+        grads = tape.gradient(scaled_loss, model.trainable_variables)
     else:
         logits = model(inputs, training=True)
         loss = loss_fn(labels, logits)
-        grads = opt.get_gradients(loss, model.trainable_variables)
+        grads = opt.get_gradients(scaled(opt, loss),
+                                  model.trainable_variables)
     return grads, loss, logits
 
 
@@ -90,23 +108,34 @@ def plain_step(inputs, labels):
         loss = loss_fn(labels, logits)
         if ADDED:
             loss += tf.add_n(plain.losses)
-    grads = tape.gradient(loss, plain.trainable_variables)
+        scaled_loss = scaled(plain_opt, loss)
+    grads = tape.gradient(scaled_loss, plain.trainable_variables)
     plain_opt.apply_gradients(zip(grads, plain.trainable_variables))
     return loss, logits
 
 
-losses, plain_losses, logit_diff = [], [], 0.0
-for _ in range(3):
+losses, plain_losses, logit_diff, logit_size, scales = [], [], 0.0, 0.0, []
+for step in range(3):
+    if SCALED and step:  # step 1: far above float16's range, both skip
+        for o in (opt, plain_opt):
+            o.dynamic_scale.assign(2.0 ** (40 if step == 1 else 10))
     loss, logits = train_step(x, y)
     ploss, plogits = plain_step(x, y)
     losses.append(float(loss))
     plain_losses.append(float(ploss))
     logit_diff = max(logit_diff, float(np.abs(logits - plogits).max()))
+    logit_size = max(logit_size, float(np.abs(plogits).max()))
+    if SCALED:
+        scales.append([float(o.dynamic_scale.numpy())
+                       for o in (opt, plain_opt)])
 weight_diff = max(float(np.abs(a - b).max())
                   for a, b in zip(model.get_weights(), plain.get_weights()))
 moved = max(float(np.abs(a - b).max())
             for a, b in zip(model.get_weights(), initial))
 print("RESULT " + json.dumps({
     "weight_diff": weight_diff, "logit_diff": logit_diff, "losses": losses,
-    "plain_losses": plain_losses, "moved": moved,
+    "plain_losses": plain_losses, "moved": moved, "scales": scales,
+    "iterations": [int(o.iterations.numpy()) for o in (opt, plain_opt)],
+    "magnitude": max(float(np.abs(w).max()) for w in plain.get_weights()),
+    "logit_magnitude": logit_size,
     "stages": model.num_stages, "microbatches": model.num_microbatches}))

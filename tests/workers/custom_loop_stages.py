@@ -33,12 +33,22 @@ replica its contiguous share), 4 microbatches; then a forward-only step
     --frozen-head                the Dense layers (stage 1) are frozen, the
                                  embedding trains: the step is refused (its
                                  process would relay gradients), REFUSED
+    --loss-scale                 mixed_float16 and a LossScaleOptimizer
+                                 (the step scales its loss); an `Amplify`
+                                 layer ends the first stage (manual
+                                 partitions), whose gradient overflows at
+                                 step 1's scale while the second stage's
+                                 does not: every stage must skip it. The
+                                 reference records where its gradients
+                                 are finite ("finite"); every run, the
+                                 scale after each step ("scales")
     --shared                     a Dense layer called in both stages
                                  (manual partitions): the step is refused
                                  (prints REFUSED and the error, every rank)
 """
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -58,6 +68,7 @@ parser.add_argument("--frozen-embedding", action="store_true")
 parser.add_argument("--frozen-head", action="store_true")
 # At the end, one step of Keras' own `fit` (compiled with the same optimizer).
 parser.add_argument("--keras-fit", action="store_true")
+parser.add_argument("--loss-scale", action="store_true")
 args = parser.parse_args()
 
 import numpy as np  # noqa: E402
@@ -66,12 +77,28 @@ if not args.reference:
     import keras_smp as smp
 
     smp.init({"partitions": 2, "microbatches": 4, "local_devices": 1,
-              "auto_partition": not args.shared})
+              "auto_partition": not (args.shared or args.loss_scale)})
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+if args.loss_scale:
+    keras.mixed_precision.set_global_policy("mixed_float16")
+
 GLOBAL, STEPS = 32, 3
+AMP = 256.0
+
+
+class Amplify(keras.layers.Layer):
+    """The identity, whose backward multiplies the gradient by AMP in the
+    layer's compute dtype (float16 under mixed_float16): a gradient above
+    65504 / AMP overflows there, in the first stage only."""
+
+    def call(self, x):
+        @tf.custom_gradient
+        def identity(t):
+            return tf.identity(t), lambda g: g * tf.cast(AMP, g.dtype)
+        return identity(x)
 
 
 def batch(step):
@@ -99,6 +126,8 @@ def layers():
 
 
 Base = keras.Model if args.reference else smp.DistributedModel
+partition = (lambda i: contextlib.nullcontext()) if args.reference else (
+    lambda i: smp.partition(i))
 
 
 class Model(Base):
@@ -107,6 +136,8 @@ class Model(Base):
         self.embed, self.pool, self.hidden, self.head = layers()
         if args.shared:
             self.mid = keras.layers.Dense(16)
+        if args.loss_scale:
+            self.amplify = Amplify()
         self.embed.trainable = not args.frozen_embedding
         self.hidden.trainable = self.head.trainable = not args.frozen_head
 
@@ -116,6 +147,11 @@ class Model(Base):
                 h = self.mid(self.hidden(self.pool(self.embed(ids))))
             with smp.partition(1):
                 return self.head(self.mid(h))
+        if args.loss_scale:  # the amplifier in stage 0
+            with partition(0):
+                h = self.amplify(self.pool(self.embed(ids)))
+            with partition(1):
+                return self.head(self.hidden(h))
         return self.head(self.hidden(self.pool(self.embed(ids))))
 
 
@@ -144,22 +180,54 @@ model = Model()
 # The global norm spans both stages' gradients (clipped at step 1 at
 # least: its norm is 0.5-1).
 opt = keras.optimizers.Adam(0.05, global_clipnorm=0.3)
+if args.loss_scale:
+    # Loss scales set before steps 1 and 2 (measured in the reference,
+    # which records where its gradients are finite): at 2^16 the first
+    # stage's gradients overflow in `Amplify` (they did from 2^14, not at
+    # 2^12) while the second stage's stay finite (they overflowed at 2^20,
+    # not 2^19), so a skip that every stage must take though only the
+    # first stage's gradients show it; at 2^10, 4x below either, a step
+    # applied everywhere. Each is 4x or more from a boundary: a
+    # microbatch's per-row gradients have the batch's magnitudes.
+    opt = keras.optimizers.LossScaleOptimizer(
+        opt, initial_scale=2.0 ** 10, dynamic_growth_steps=2)
+    SCALES = {1: 2.0 ** 16, 2: 2.0 ** 10}
+
+
+def scaled(loss):
+    return opt.scale_loss(loss) if args.loss_scale else loss
+
+
 loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 out = {"losses": []}
 
 if args.reference:
     for step in range(STEPS):
         x, y = batch(step)
+        if args.loss_scale and step in SCALES:
+            opt.dynamic_scale.assign(SCALES[step])
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x)) + added(model)
-        grads = tape.gradient(loss, model.trainable_variables)
+            scaled_loss = scaled(loss)
+        grads = tape.gradient(scaled_loss, model.trainable_variables)
+        if args.loss_scale:  # which stages' gradients are finite
+            out.setdefault("finite", []).append([
+                bool(all(np.isfinite(tf.convert_to_tensor(g)).all()
+                         for g, v in zip(grads, model.trainable_variables)
+                         if (v.path.startswith("model/embedding/"))
+                         == (stage == 0)))
+                for stage in (0, 1)])
         opt.apply_gradients(zip(grads, model.trainable_variables))
         out["losses"].append(float(loss))
+        if args.loss_scale:
+            out.setdefault("scales", []).append(
+                float(opt.dynamic_scale.numpy()))
     x, y = batch(STEPS)
     logits = model(x)
     out["eval_loss"] = float(loss_fn(y, logits) + added(model))
     out["predictions"] = logits.numpy().tolist()
     out["weights"] = {v.path: v.numpy().tolist() for v in model.weights}
+    out["iterations"] = int(opt.iterations.numpy())
     if args.keras_fit:
         out.update(keras_fit(model))
     os.makedirs(args.out, exist_ok=True)
@@ -174,10 +242,11 @@ def get_grads(ids, labels):
         with tf.GradientTape() as tape:
             logits = model(ids, training=True)
             loss = loss_fn(labels, logits) + added(model)
-        return tape.gradient(loss, model.trainable_variables), loss
+            scaled_loss = scaled(loss)
+        return tape.gradient(scaled_loss, model.trainable_variables), loss
     logits = model(ids, training=True)
     loss = loss_fn(labels, logits) + added(model)
-    return opt.get_gradients(loss, model.trainable_variables), loss
+    return opt.get_gradients(scaled(loss), model.trainable_variables), loss
 
 
 @tf.function
@@ -212,8 +281,13 @@ rows = GLOBAL // smp.dp_size()
 lo = smp.dp_rank() * rows
 for step in range(start, STEPS):
     x, y = batch(step)
+    if args.loss_scale and step in SCALES:
+        opt.dynamic_scale.assign(SCALES[step])
     out["losses"].append(float(train_step(x[lo:lo + rows],
                                           y[lo:lo + rows])))
+    if args.loss_scale:
+        out.setdefault("scales", []).append(
+            float(opt.dynamic_scale.numpy()))
     if step + 1 == args.stop_at:
         manager.save(checkpoint_number=step + 1)
         print(f"rank {smp.rank()}: saved at step {step + 1}, stopping")
