@@ -635,14 +635,19 @@ def test_one_stage_per_process_checkpoint_resumes_in_fresh_processes(
 @pytest.mark.parametrize("flag,says", [
     ("--shared", "weights used by several stages (model/dense_2/bias"),
     ("--frozen-head", "Pipeline stage(s) [1] of DistributedModel 'model' "
-     "train no weight")])
+     "train no weight"),
+    ("--subset", "leaves out every trainable weight of pipeline stage(s) "
+     "[0] of DistributedModel 'model'")])
 def test_one_stage_per_process_refuses_what_it_does_not_carry(
         tmp_path, flag, says):
     # A layer called in both stages: its weights' gradient would stay in
     # parts on the two processes. A frozen last stage after a trained
     # one: its process would have to relay gradients without a backward
-    # of its own (it waited until the timeout). Every rank raises as the
-    # step is traced (no rank waits for another's collective).
+    # of its own (it waited until the timeout). A gradient of the second
+    # stage's weights only: the first stage's process built no backward,
+    # and the second waited for it to receive its input gradient until the
+    # collective timeout. Every rank raises as the step is traced (no rank
+    # waits for another's collective).
     out = launch(2, [STAGES, flag, "--out", str(tmp_path)]).stdout
     assert out.count("REFUSED") == 2, out[-3000:]
     assert says in out and "local_devices" in out

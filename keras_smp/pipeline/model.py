@@ -883,6 +883,34 @@ class DistributedModel(keras.Model):
             return list(stored[1])
         return super().losses
 
+    def _smp_check_gradient_sources(self, ids):
+        """Refuses a gradient call in `@smp.step` with one stage per
+        process whose sources (`ids`, of variables) hold some of this
+        model's trainable weights but none of a stage that builds its
+        backward: that stage's process would build none, and its
+        neighbours would wait for its transfers. Every process sees the
+        same sources, so every process raises."""
+        graph = self.staged_graph
+        backward = self._smp_across_backward(graph)
+        trained = [[w for w in graph.stage_weights(s) if w.trainable]
+                   for s in range(graph.num_stages)]
+        if not any(id(w) in ids for weights in trained for w in weights):
+            return  # not this model's gradient
+        missing = [s for s, weights in enumerate(trained)
+                   if backward[s] and weights
+                   and not any(id(w) in ids for w in weights)]
+        if missing:
+            raise ValueError(
+                f"A gradient in @smp.step with one stage per process "
+                f"(smp.init's local_devices=1) leaves out every trainable "
+                f"weight of pipeline stage(s) {missing} of DistributedModel "
+                f"{self.name!r} (such as {trained[missing[0]][0].path!r}): "
+                "their processes would build no backward, and the other "
+                "stages would wait for them until the collective timeout. "
+                "Take the gradient of `model.trainable_variables` in one "
+                "call; to leave weights untrained, set `layer.trainable = "
+                "False` before the first step.")
+
     def _smp_check_across_step(self, graph):
         """What `@smp.step` with one stage per process does not carry yet,
         refused on every rank as the step is traced (decided from the

@@ -210,10 +210,25 @@ def local_copy(variable, of_value=False):
     return value if of_value else variable
 
 
+# Called with the sources of every gradient `held_gradients` takes, before
+# it takes it (`check_gradient_sources`).
+_source_checks = []
+
+
+def check_gradient_sources(check):
+    """From now on `check(sources)` runs before `held_gradients` takes a
+    gradient (`smp.init` with one stage per process: a gradient call
+    leaving out a stage's weights is refused as the step is traced)."""
+    if check not in _source_checks:
+        _source_checks.append(check)
+
+
 def held_gradients(sources, gradients):
     """Gradients of `sources` (a flat list) with another pipeline stage's
     weights' `None` (one stage per process: they have no storage here):
     `gradients(held)` computes those of the others, in order."""
+    for check in _source_checks:
+        check(sources)
     held = [v for v in sources if not deferred.holds_no_copy(v)]
     found = iter(gradients(held) if held else [])
     return [None if deferred.holds_no_copy(v) else next(found)

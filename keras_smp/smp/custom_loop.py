@@ -94,6 +94,19 @@ def models_across():
     return [m for m in (ref() for ref in _models_across) if m is not None]
 
 
+def check_gradient_sources(sources):
+    """Refuses, inside `@smp.step` with one stage per process, a gradient
+    call whose sources leave out every trainable weight of a stage that
+    must build its backward (its neighbours would wait for its transfers
+    until the collective timeout): the same sources on every process, so
+    every process raises as the step is traced."""
+    if not in_step():
+        return
+    ids = {id(v) for v in sources}
+    for model in models_across():
+        model._smp_check_gradient_sources(ids)
+
+
 # {(trace graph, id(model), call slot)}: backwards built in the step
 _backwards = set()
 
@@ -192,6 +205,8 @@ def init(config=None, *, start=None):
         _init_horovod(runtime.topology)
     if runtime.mode == "multi_process":
         from keras_smp.pipeline.transport import StageLinks
+
+        sparse.check_gradient_sources(check_gradient_sources)
 
         # The first stage's batch to every stage process of its pipeline.
         replica = topology.dp_rank * topology.tp_size + topology.tp_rank

@@ -42,6 +42,10 @@ replica its contiguous share), 4 microbatches; then a forward-only step
                                  reference records where its gradients
                                  are finite ("finite"); every run, the
                                  scale after each step ("scales")
+    --subset                     the step differentiates the Dense
+                                 layers' weights only (stage 1), leaving
+                                 the embedding (stage 0) out: refused on
+                                 every rank (REFUSED)
     --shared                     a Dense layer called in both stages
                                  (manual partitions): the step is refused
                                  (prints REFUSED and the error, every rank)
@@ -63,6 +67,7 @@ parser.add_argument("--stop-at", type=int, default=None)
 parser.add_argument("--save-model", default=None)
 parser.add_argument("--regularized", action="store_true")
 parser.add_argument("--shared", action="store_true")
+parser.add_argument("--subset", action="store_true")
 parser.add_argument("--other-data", action="store_true")
 parser.add_argument("--frozen-embedding", action="store_true")
 parser.add_argument("--frozen-head", action="store_true")
@@ -236,6 +241,12 @@ if args.reference:
     raise SystemExit(0)
 
 
+def trained():
+    """The weights the step differentiates (and the optimizer applies)."""
+    return model.trainable_variables[1:] if args.subset else (
+        model.trainable_variables)
+
+
 @smp.step
 def get_grads(ids, labels):
     if args.grads == "tape":
@@ -243,17 +254,17 @@ def get_grads(ids, labels):
             logits = model(ids, training=True)
             loss = loss_fn(labels, logits) + added(model)
             scaled_loss = scaled(loss)
-        return tape.gradient(scaled_loss, model.trainable_variables), loss
+        return tape.gradient(scaled_loss, trained()), loss
     logits = model(ids, training=True)
     loss = loss_fn(labels, logits) + added(model)
-    return opt.get_gradients(scaled(loss), model.trainable_variables), loss
+    return opt.get_gradients(scaled(loss), trained()), loss
 
 
 @tf.function
 def train_step(ids, labels):
     grads, loss = get_grads(ids, labels)
     grads = [g.accumulate() for g in grads]
-    opt.apply_gradients(zip(grads, model.trainable_variables))
+    opt.apply_gradients(zip(grads, trained()))
     return loss.reduce_mean()
 
 
@@ -263,11 +274,11 @@ def evaluate(ids, labels):
     return loss_fn(labels, logits) + added(model), logits
 
 
-if args.shared or args.frozen_head:
+if args.shared or args.frozen_head or args.subset:
     try:
         train_step(*batch(0))
-    except NotImplementedError as e:
-        print(f"rank {smp.rank()} REFUSED {e}")
+    except (NotImplementedError, ValueError) as e:
+        print(f"rank {smp.rank()} REFUSED {type(e).__name__}: {e}")
     raise SystemExit(0)
 
 ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
