@@ -267,3 +267,59 @@ def test_ring_pieces_in_training_match_single_device(tmp_path, reference,
         assert int(got["pieces_traced"]) > int(got["buckets_traced"]) > 0, (
             int(got["pieces_traced"]), int(got["buckets_traced"]))
         assert_same_training(got, ref)
+
+
+def test_python_scalars_of_optimizer_variables_in_callbacks():
+    # A callback logging `float(self.model.optimizer.learning_rate)` or
+    # `int(...iterations)` (a common pattern) failed under any
+    # tf.distribute strategy: Keras converts the variable's value, a
+    # MirroredVariable, which has no `float()` ("float() argument must be
+    # a string or a real number, not 'MirroredVariable'"). Under an
+    # SMPStrategy they read as on one device: a pipeline and 2 replicas in
+    # one process, against plain Keras; a tensor of more dimensions still
+    # refuses, as Keras does.
+    code = """
+import os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import json, keras, numpy as np, keras_smp
+
+class Log(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        opt = self.model.optimizer
+        seen.append([float(opt.learning_rate), int(opt.iterations)])
+        try:
+            float(self.model.weights[0])
+        except TypeError as e:
+            seen.append(str(e).split(". Got")[0])
+
+for mode in ("plain", "pipeline", "replicas"):
+    seen = []
+    strategy = (tf.distribute.get_strategy() if mode == "plain" else
+                keras_smp.SMPStrategy(partitions=2, microbatches=2)
+                if mode == "pipeline" else
+                keras_smp.SMPStrategy(local_devices=2))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                                  keras.layers.Dense(1)])
+        if mode == "pipeline":
+            model = keras_smp.DistributedModel(model)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(np.ones((16, 4)), np.ones((16, 1)), batch_size=8, epochs=2,
+              verbose=0, callbacks=[Log()])
+    print("SEEN", mode, json.dumps(seen))
+"""
+    out = run_python(["-c", code]).stdout
+    seen = {line.split()[1]: json.loads(line.split(None, 2)[2])
+            for line in out.splitlines() if line.startswith("SEEN")}
+    assert sorted(seen) == ["pipeline", "plain", "replicas"], out
+    # The rate (a float32 variable), the step counts after each epoch, and
+    # Keras' own refusal of a kernel.
+    refusal = "Only scalar arrays can be converted to Python scalars"
+    rate = float(np.float32(0.01))
+    assert seen["plain"] == [[rate, 2], refusal, [rate, 4], refusal]
+    assert seen["pipeline"] == seen["plain"]
+    assert seen["replicas"] == seen["plain"]

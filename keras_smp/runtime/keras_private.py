@@ -471,6 +471,42 @@ def loss_scale_after_non_finite_step(optimizer):
     optimizer._stateful_handle_non_finite_grads()
 
 
+def python_scalars_of_distributed_variables():
+    """Makes `float(v)` and `int(v)` of a scalar Keras variable that a
+    `tf.distribute` strategy holds (its `value` a `MirroredVariable`:
+    an optimizer's `learning_rate` and `iterations` under an
+    `SMPStrategy`) return its value, as they do on one device (idempotent;
+    checked against `keras.src.backend.common.variables.Variable`'s
+    `__float__` and `__int__`).
+
+    Keras converts `float(self.value)`, which TensorFlow's distributed
+    variables do not support ("float() argument must be a string or a
+    real number, not 'MirroredVariable'"): a callback logging
+    `float(self.model.optimizer.learning_rate)` failed under any
+    strategy. Read eagerly, as `v.numpy()` reads it (a graph being traced
+    keeps Keras' own behaviour, as does a variable of more dimensions).
+    """
+    import tensorflow as tf
+    from keras.src.backend.common import variables
+
+    cls = variables.Variable
+    for name, convert in (("__float__", float), ("__int__", int)):
+        original = getattr(cls, name)
+        if getattr(original, "_smp_patched", False):
+            continue
+
+        def scalar(self, original=original, convert=convert):
+            if (self.ndim == 0 and tf.executing_eagerly()
+                    and isinstance(self.value,
+                                   tf.distribute.DistributedValues)):
+                return convert(self.numpy())
+            return original(self)
+
+        scalar = functools.wraps(original)(scalar)
+        scalar._smp_patched = True
+        setattr(cls, name, scalar)
+
+
 def loss_scale_read_when_applied():
     """Makes a `LossScaleOptimizer` not built yet scale losses by its scale
     variable, not by the number `initial_scale` (idempotent; checked

@@ -2089,6 +2089,7 @@ def install():
         keras_private.before_unbuilt_optimizer_applies(
             _build_across_replicas)
         keras_private.loss_scale_read_when_applied()
+        keras_private.python_scalars_of_distributed_variables()
         _patch_files(keras)
         _patch_get_gradients(keras)
         _patch_apply_own_stage(keras)
