@@ -1075,9 +1075,36 @@ def test_plain_keras_file_loaded_in_the_scope_trains_on_as_on_one_device(
     assert int(ref["iterations"]) == 6
     for got in (load(one), load(two, 0), load(two, 1)):
         assert list(got["stage_layers"]) == [1, 2], got
+        assert int(got["loaded_iterations"]) == 2  # loaded state, at once
         assert int(got["iterations"]) == 6
         np.testing.assert_array_equal(got["accuracy"], ref["accuracy"])
         assert_same_training(got, ref, keys=("loss", "predict"))
+    # Saved again, the DistributedModel's file holds the optimizer state
+    # (Keras saved the optimizer once, under the wrapped model's path,
+    # and load_model dropped it: "Skipping variable loading for
+    # optimizer"): before its first fit, the loaded state (2 steps), and
+    # after it the trained one, equal to plain Keras' (Adam's moments in
+    # float32 bounds; one stage per process: rank 0's streamed file).
+    code = (
+        "import json, sys, keras, keras_smp\n"
+        "for path in sys.argv[1:]:\n"
+        "    o = keras.models.load_model(path).optimizer\n"
+        "    print('OPT', json.dumps([v.numpy().tolist()"
+        " for v in o.variables]))\n")
+    out = run_python(["-c", code] + [str(d / f) for d in (one, two)
+                                      for f in ("wrapped.keras",
+                                                "trained.keras")]).stdout
+    states = [json.loads(line[4:]) for line in out.splitlines()
+              if line.startswith("OPT ")]
+    assert len(states) == 4, out[-3000:]
+    want = [ref[f"o{i}"] for i in range(len(states[1]))]
+    for wrapped, trained in (states[:2], states[2:]):
+        assert wrapped[0] == 2 and trained[0] == 6, (wrapped[0], trained[0])
+        assert any(np.any(np.array(v)) for v in wrapped[2:])  # moments
+        assert len(trained) == len(want)
+        for got_v, want_v in zip(trained, want):
+            np.testing.assert_allclose(got_v, want_v, rtol=RTOL,
+                                       atol=scaled_atol(want_v))
     # Left unwrapped: fit, and building its optimizer, name the fix.
     fit_error, build_error = load(one)["errors"]
     assert "plain Sequential under an SMPStrategy with partitions=2" in (

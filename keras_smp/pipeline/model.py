@@ -106,9 +106,10 @@ class DistributedModel(keras.Model):
     - `DistributedModel(model)`, wrapping a Sequential or functional model
       (its layers and weights are shared, not copied; a Sequential model
       without an `Input` is built when this model is, from the data; a
-      compiled model's compile is kept, so
-      `DistributedModel(keras.models.load_model(path))` in the scope
-      trains on with the loaded optimizer state; `compile` replaces it);
+      compiled model's compile is taken over (the wrapped model is left
+      uncompiled), so `DistributedModel(keras.models.load_model(path))`
+      in the scope trains on with the loaded optimizer state, which
+      `iterations` and a save show at once; `compile` replaces it);
     - `DistributedModel(model)`, wrapping a subclassed `keras.Model` (built
       or not): its `call` is traced into layers when the model is built
       (the first `fit` or `evaluate`, or `build(input_shape)`), then
@@ -208,6 +209,23 @@ class DistributedModel(keras.Model):
                 # replaces it. (DistributedModel's: a subclass may
                 # override `compile`.)
                 DistributedModel.compile(self, **compiled)
+                keras_private.hand_over_compile(inner)
+                self._smp_build_loaded_optimizer()
+
+    def _smp_build_loaded_optimizer(self):
+        """Builds the optimizer of a wrapped model that
+        `keras.models.load_model` loaded in the scope (its saved state
+        waits for a build on partitioned weights: `patches._patch_loading`)
+        as soon as the weights are partitioned, so that `iterations`,
+        the slots and a save before the first `fit` hold the loaded state
+        (they read 0, and a save wrote none). With one stage per process,
+        other stages' weights get deferred slots, as `fit` builds it."""
+        optimizer = getattr(self, "optimizer", None)
+        if (optimizer is None or optimizer.built or self._smp_graph is None
+                or "_smp_saved_state" not in vars(optimizer)):
+            return
+        self._smp_residency()  # (other stages' weights: deferred slots)
+        optimizer.build(self.trainable_variables)
 
     def _smp_wrap_functional(self):
         """Partitions the wrapped Sequential or functional model's graph."""

@@ -289,6 +289,18 @@ def compile_arguments(model):
                 auto_scale_loss=False)
 
 
+def hand_over_compile(model):
+    """Leaves `model` uncompiled after another model took its compile
+    (`compile_arguments`, a `DistributedModel` wrapping it): the optimizer
+    then belongs to one model only. Keras saves an object two models hold
+    once, at the first path it walks (sorted attribute names:
+    `inner_model/optimizer` before `optimizer`), so the wrapper's own
+    `optimizer` path held nothing and `keras.models.load_model` dropped
+    the optimizer state ("Skipping variable loading for optimizer")."""
+    model.optimizer = None
+    model.compiled = False
+
+
 def compiled_metrics(model):
     """The compiled metrics container, or None."""
     return getattr(model, "_compile_metrics", None)

@@ -13,7 +13,11 @@ process with 2 logical CPUs: `--local-devices 2`, or one stage per
 process under `keras-smp launch -n 2`) load FILE in the scope, wrap it and
 train the same 4 steps; with `--local-devices` also the errors of a
 loaded model left unwrapped. Writes DIR/rank{R}.npz: weights, losses,
-the optimizer's step count and the predictions.
+the optimizer's step count (also right after wrapping:
+"loaded_iterations"), its variables (reference: "o{I}") and the
+predictions; the trained model is saved again to DIR/trained.keras
+(pipeline: `model.save` of the DistributedModel, before its first `fit`
+too: DIR/wrapped.keras).
 """
 
 import argparse
@@ -78,6 +82,10 @@ else:
         model = keras_smp.DistributedModel(keras.models.load_model(args.file))
     result["stage_layers"] = np.array(
         [len(model.staged_graph.stage_nodes(s)) for s in range(2)])
+    # The loaded optimizer state, before any step.
+    result["loaded_iterations"] = np.array(
+        int(model.optimizer.iterations.numpy()))
+    model.save(os.path.join(args.out, "wrapped.keras"))
 
 history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
 result.update({f"w{i}": w for i, w in enumerate(model.get_weights())})
@@ -85,5 +93,9 @@ result["loss"] = np.array(history.history["loss"])
 result["accuracy"] = np.array(history.history["accuracy"])
 result["iterations"] = np.array(int(model.optimizer.iterations.numpy()))
 result["predict"] = model.predict(x, batch_size=32, verbose=0)
+if args.mode == "reference":
+    result.update({f"o{i}": v.numpy()
+                   for i, v in enumerate(model.optimizer.variables)})
+model.save(os.path.join(args.out, "trained.keras"))
 np.savez(os.path.join(args.out, f"rank{rank}.npz"), **result)
 print(f"rank {rank} done", flush=True)
