@@ -909,14 +909,13 @@ class DistributedModel(keras.Model):
         neighbours would wait for its transfers. Every process sees the
         same sources, so every process raises."""
         graph = self.staged_graph
-        backward = self._smp_across_backward(graph)
         trained = [[w for w in graph.stage_weights(s) if w.trainable]
                    for s in range(graph.num_stages)]
         if not any(id(w) in ids for weights in trained for w in weights):
             return  # not this model's gradient
+        # (A stage with a trainable weight always builds its backward.)
         missing = [s for s, weights in enumerate(trained)
-                   if backward[s] and weights
-                   and not any(id(w) in ids for w in weights)]
+                   if weights and not any(id(w) in ids for w in weights)]
         if missing:
             raise ValueError(
                 f"A gradient in @smp.step with one stage per process "

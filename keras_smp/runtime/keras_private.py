@@ -534,7 +534,8 @@ def loss_scale_read_when_applied():
     `build` would make (`step_counter`, `dynamic_scale`, the same
     specification, outside any graph being traced), and `build` then
     takes them instead of making them again, so the optimizer's variables
-    and their order are Keras' own.
+    and their order are Keras' own. Not in a replica function
+    (`strategy.run`), where Keras' own `scale_loss` runs.
     """
     import tensorflow as tf
     from keras.src import initializers
@@ -564,7 +565,10 @@ def loss_scale_read_when_applied():
         return early
 
     def scale_loss(self, loss):
-        if self.built:
+        if self.built or (tf.distribute.has_strategy()
+                          and not tf.distribute.in_cross_replica_context()):
+            # (In a replica function, as Keras does: a replica thread's
+            # `init_scope` would leave the strategy's scope.)
             return original_scale(self, loss)
         return ops.multiply(loss, scale_variables(self)["dynamic_scale"])
 
@@ -600,8 +604,11 @@ def loss_scale_apply_in_cross_replica_context(optimizer, grads,
     its gradients. Checks the gradients (`check_finite`), then unscales
     and applies them or skips the step, updating the scale, as Keras'
     other backends do (`_common_apply`)."""
+    from keras.src import backend
+
     if not optimizer.built:
-        optimizer.build(trainable_variables)
+        with backend.name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(trainable_variables)
         optimizer.built = True
     optimizer._common_apply(grads, trainable_variables)
 

@@ -98,13 +98,16 @@ def check_gradient_sources(sources):
     """Refuses, inside `@smp.step` with one stage per process, a gradient
     call whose sources leave out every trainable weight of a stage that
     must build its backward (its neighbours would wait for its transfers
-    until the collective timeout): the same sources on every process, so
-    every process raises as the step is traced."""
+    until the collective timeout), for each `DistributedModel` called in
+    the step being traced: the same sources on every process, so every
+    process raises as the step is traced."""
     if not in_step():
         return
     ids = {id(v) for v in sources}
+    graph = tf.compat.v1.get_default_graph()
     for model in models_across():
-        model._smp_check_gradient_sources(ids)
+        if (graph, id(model)) in _calls:  # called in this step's trace
+            model._smp_check_gradient_sources(ids)
 
 
 # {(trace graph, id(model), call slot)}: backwards built in the step

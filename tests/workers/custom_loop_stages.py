@@ -192,10 +192,11 @@ if args.loss_scale:
     # 2^12) while the second stage's stay finite (they overflowed at 2^20,
     # not 2^19), so a skip that every stage must take though only the
     # first stage's gradients show it; at 2^10, 4x below either, a step
-    # applied everywhere. Each is 4x or more from a boundary: a
-    # microbatch's per-row gradients have the batch's magnitudes.
+    # applied everywhere (and the scale doubled: growth after every
+    # finite step). Each is 4x or more from a boundary: a microbatch's
+    # per-row gradients have the batch's magnitudes.
     opt = keras.optimizers.LossScaleOptimizer(
-        opt, initial_scale=2.0 ** 10, dynamic_growth_steps=2)
+        opt, initial_scale=2.0 ** 10, dynamic_growth_steps=1)
     SCALES = {1: 2.0 ** 16, 2: 2.0 ** 10}
 
 
