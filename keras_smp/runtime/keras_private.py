@@ -562,6 +562,8 @@ def loss_scale_read_when_applied():
                             self.initial_scale),
                         aggregation="none", name="dynamic_scale")}
             object.__setattr__(self, "_smp_early_scale", early)
+            for name, variable in early.items():  # (as `build` sets them)
+                object.__setattr__(self, name, variable)
         return early
 
     def scale_loss(self, loss):

@@ -294,6 +294,10 @@ lo = smp.dp_rank() * rows
 for step in range(start, STEPS):
     x, y = batch(step)
     if args.loss_scale and step in SCALES:
+        if not hasattr(opt, "dynamic_scale"):
+            # Resumed: the scale variable is made (and restored from the
+            # checkpoint) by the first `scale_loss`; the step makes it.
+            opt.scale_loss(tf.zeros([]))
         opt.dynamic_scale.assign(SCALES[step])
     out["losses"].append(float(train_step(x[lo:lo + rows],
                                           y[lo:lo + rows])))
