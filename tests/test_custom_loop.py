@@ -592,6 +592,43 @@ def test_one_stage_per_process_loss_scaling_skips_together(stage_runs):
 
 
 @pytest.mark.slow
+def test_one_stage_per_process_loss_scale_resumes_from_a_checkpoint(
+        tmp_path):
+    # mixed_float16 with a LossScaleOptimizer, one stage per process:
+    # stopped after step 2 (a checkpoint per stage), resumed in fresh
+    # processes. The scale (2^15 after step 1's skip), its growth counter
+    # and Adam's state are restored with each stage's checkpoint (the
+    # scale variable is made by the first `scale_loss`, before the
+    # optimizer is built): step 2 overflows again and is skipped, as in
+    # uninterrupted training.
+    run_python([STAGES, "--reference", "--loss-scale", "--scale-once",
+                "--out", f"{tmp_path}/ref"])
+    ref = _reference(tmp_path)
+    assert ref["scales"] == [2.0 ** 11, 2.0 ** 15, 2.0 ** 14]
+    assert ref["iterations"] == 1
+    ckpt = f"{tmp_path}/ckpt"
+    flags = ["--loss-scale", "--scale-once", "--ckpt", ckpt]
+    first = launch(2, [STAGES, *flags, "--stop-at", "2", "--out",
+                       f"{tmp_path}/a"])
+    assert first.stdout.count("saved at step 2") == 2
+    launch(2, [STAGES, *flags, "--out", f"{tmp_path}/b"])
+    for rank in range(2):
+        r = _read(f"{tmp_path}/b", rank)
+        assert r["start"] == 2
+        assert r["scales"] == ref["scales"][2:]
+        assert r["iterations"] == ref["iterations"]
+        # four float16 ulps, as test_one_stage_per_process_loss_scaling_
+        # skips_together (measured 3.7e-4 of magnitude)
+        np.testing.assert_allclose(r["losses"], ref["losses"][2:],
+                                   rtol=2e-3)
+        for k, v in r["held"].items():
+            want = np.array(ref["weights"][k])
+            np.testing.assert_allclose(
+                v, want, rtol=2e-3, atol=2e-3 * float(np.abs(want).max()),
+                err_msg=k)
+
+
+@pytest.mark.slow
 def test_one_stage_per_process_save_model_is_the_whole_model(stage_runs):
     # Loaded in a fresh process without keras-smp: the whole model's
     # weights, predicting what plain Keras predicts.

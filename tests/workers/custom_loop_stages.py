@@ -42,6 +42,11 @@ replica its contiguous share), 4 microbatches; then a forward-only step
                                  reference records where its gradients
                                  are finite ("finite"); every run, the
                                  scale after each step ("scales")
+    --scale-once                 with --loss-scale: step 2 keeps the
+                                 scale step 1's skip left (2^15: skipped
+                                 too), so a run resumed from a checkpoint
+                                 saved after step 1 (`--stop-at 2`)
+                                 trains on the restored scale
     --subset                     the step differentiates the Dense
                                  layers' weights only (stage 1), leaving
                                  the embedding (stage 0) out: refused on
@@ -74,6 +79,8 @@ parser.add_argument("--frozen-head", action="store_true")
 # At the end, one step of Keras' own `fit` (compiled with the same optimizer).
 parser.add_argument("--keras-fit", action="store_true")
 parser.add_argument("--loss-scale", action="store_true")
+# (with --loss-scale: the scale is set before step 1 only)
+parser.add_argument("--scale-once", action="store_true")
 args = parser.parse_args()
 
 import numpy as np  # noqa: E402
@@ -198,6 +205,8 @@ if args.loss_scale:
     opt = keras.optimizers.LossScaleOptimizer(
         opt, initial_scale=2.0 ** 10, dynamic_growth_steps=1)
     SCALES = {1: 2.0 ** 16, 2: 2.0 ** 10}
+    if args.scale_once:  # step 2 at the halved 2^15: skipped again
+        del SCALES[2]
 
 
 def scaled(loss):
