@@ -224,7 +224,9 @@ def test_model_call_arguments_a_step_cannot_trace_are_refused(tf_smp):
     with pytest.raises(TypeError, match=r"received also positional argument 2 "
                        r"\(True\)"):
         positional(x)
-    np.testing.assert_allclose(plain(x).merge(), model(x), rtol=1e-6)
+    # Microbatches of 2 rows against 8: other kernel shapes, float32 rounding.
+    np.testing.assert_allclose(plain(x).merge(), model(x), rtol=RTOL,
+                               atol=scaled_atol(model(x)))
 
 
 def test_init_again_with_the_same_config_or_a_clear_error(tf_smp):

@@ -54,8 +54,10 @@ keras_file = os.path.join(tempfile.mkdtemp(), "model.keras")
 keras_smp.assemble_checkpoint(path, keras_file, model=model)
 exported = keras.models.load_model(keras_file)
 x = np.ones((2, 4), "float32")
+# Within float32 rounding: the pipeline runs other kernel shapes
+# (microbatches), which round differently on some CPUs.
 np.testing.assert_allclose(exported.predict(x, verbose=0),
-                           model.predict(x, verbose=0), rtol=1e-6)
+                           model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 ```
 """
 
