@@ -28,7 +28,10 @@ With `--custom-loop`, the same model trains in SMP custom loops instead of
 `fit` (same steps and batch): plain = a `tf.GradientTape` loop in 1
 process; P stages = `smp.init(local_devices=1)` and `@smp.step`, one stage
 per process; "P, 1 proc" = `smp.init`'s default layout (each process a
-whole replica, its P stages on logical devices), in one process:
+whole replica, its P stages on logical devices), in one process; "P, kept"
+= P stages with `@smp.step(sum_gradients=False)`, every microbatch's
+gradients returned by the step (what keras-smp did before it summed them
+inside the step):
 
     python benchmarks/memory_scaling.py --custom-loop --stages 2 4
 
@@ -164,7 +167,7 @@ def custom_loop_worker(args):
             opt.apply_gradients(zip(grads, model.trainable_variables))
             return loss
     else:
-        @smp.step
+        @smp.step(sum_gradients=not args.keep)
         def get_grads(xb, yb):
             loss = mse(yb, model(xb, training=True))
             return opt.get_gradients(loss, model.trainable_variables), loss
@@ -216,6 +219,7 @@ def main():
                    help="7 of the layers in a nested backbone model; also "
                    "run each P with the backbone whole on stage 0")
     p.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--custom-loop", action="store_true",
                    help="SMP custom loops (smp.init, @smp.step) instead of "
                    "fit: one stage per process (local_devices=1) beside "
@@ -240,7 +244,9 @@ def main():
         print("custom loops: plain = tf.GradientTape; P stages = smp.init("
               "local_devices=1), @smp.step; 'P, 1 proc' = smp.init's default "
               "layout (every process a whole replica, its P stages on "
-              "logical devices), in 1 process")
+              "logical devices), in 1 process; 'P, kept' = P stages, "
+              "@smp.step(sum_gradients=False): every microbatch's "
+              f"gradients kept; microbatches {args.microbatches}")
     if args.nested:
         me.append("--nested")
         print("layers 1-7 in a nested Sequential (backbone), layer 8 the "
@@ -272,7 +278,8 @@ def main():
                     if args.nested and P == 2 else []) + (
                     # (one process: P of them would all-reduce the whole
                     # model's gradients over gRPC every step)
-                    [(f"{P}, 1 proc", ("--mode", "replicas"), 1)]
+                    [(f"{P}, 1 proc", ("--mode", "replicas"), 1),
+                     (f"{P}, kept", ("--keep",), P)]
                     if args.custom_loop else [])):
                 peaks = stages(*extra, n=n)
                 worst = max(peaks) - base

@@ -244,7 +244,7 @@ _sources = _Sources()
 
 @contextlib.contextmanager
 def noting_sources():
-    """Within: the variable of each sparse gradient that
+    """Within: the variable of each gradient (sparse or dense) that
     `optimizer.get_gradients` (`note_source`) or `tf.GradientTape.gradient`
     returns is recorded; yields `source(gradient)`, the variable of a
     gradient noted (or `None`)."""
@@ -278,9 +278,10 @@ def noting_sources():
 
 
 def note_source(grad, variable):
-    """Notes that the sparse gradient `grad` is `variable`'s (inside
-    `noting_sources`; the gradient is kept alive with it)."""
-    if _sources.noted is not None and isinstance(grad, tf.IndexedSlices):
+    """Notes that the gradient `grad` (sparse or dense) is `variable`'s
+    (inside `noting_sources`; the gradient is kept alive with it)."""
+    if _sources.noted is not None and isinstance(
+            grad, (tf.IndexedSlices, tf.Tensor)):
         _sources.noted[id(grad)] = (grad, variable)
 
 

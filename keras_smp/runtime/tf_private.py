@@ -67,6 +67,13 @@ def mirrored(components):
     return distribute_values.Mirrored(tuple(components))
 
 
+def add_control_input(op, dependency):
+    """Makes the graph operation `op` run only after `dependency` (an
+    operation of the same graph, built later than `op`, which
+    `tf.control_dependencies` cannot express)."""
+    op._add_control_input(dependency)
+
+
 def ordering_token(device):
     """A resource on `device` whose handle, passed as a collective's
     `ordering_token`, runs that device's collectives in program order.

@@ -56,6 +56,7 @@ from keras_smp.config import SMPConfig
 from keras_smp.pipeline import microbatch
 from keras_smp.runtime import process
 from keras_smp.runtime import sparse
+from keras_smp.runtime import tf_private
 
 _step_depth = [0]
 # The trainable variables of the `DistributedModel`s called in the step
@@ -466,6 +467,50 @@ class StepOutput:
         return tf.IndexedSlices(values, indices, parts[0].dense_shape)
 
 
+class _GradientSum(StepOutput):
+    """The `StepOutput` of a gradient `@smp.step` added up over the
+    microbatches (`sum_gradients`): the sum, without each microbatch's."""
+
+    def __init__(self, total, count, variable, axis=0):
+        self._total, self._count, self.axis = total, count, axis
+        self._name = getattr(variable, "path", None) or getattr(
+            variable, "name", "?")
+        self._by_position = False
+
+    def __repr__(self):
+        return (f"StepOutput(the sum of {self._count} microbatches' "
+                f"gradients of {self._name})")
+
+    @property
+    def outputs(self):
+        return self._tensors()
+
+    def _tensors(self):
+        raise ValueError(
+            f"StepOutput: this value is the gradient of {self._name}, which "
+            f"@smp.step added up over the {self._count} microbatches as "
+            "they were computed (one microbatch's gradient in memory at a "
+            f"time, not {self._count}): it has no per-microbatch values. "
+            "Use accumulate(), reduce_mean() or reduce_sum(); for each "
+            "microbatch's gradient, decorate the step with "
+            "@smp.step(sum_gradients=False).")
+
+    def reduce_sum(self):
+        total = self._total
+        return _over_replicas(total, "Id") if _replica_sync() else total
+
+    def reduce_mean(self):
+        mean = self._total / self._count
+        return _over_replicas(mean) if _replica_sync() else mean
+
+    def accumulate(self, method="variable", var=None):
+        if method not in ("variable", "add_n", "accumulate_n"):
+            raise ValueError(
+                f"StepOutput.accumulate: unknown method={method!r}; use "
+                "'variable', 'add_n' or 'accumulate_n'.")
+        return self.reduce_mean()
+
+
 def _same_count(values):
     """Checks (when not known when traced) that every replica holds as
     many rows of a sparse gradient as this one: `[assertion]` or `[]`."""
@@ -588,6 +633,58 @@ def _after(done, results):
     return tf.nest.map_structure(wait, results, expand_composites=False)
 
 
+def _sum_gradients(results, source, made):
+    """`results` (one per microbatch) with each dense gradient summed.
+
+    A returned leaf that is, in every microbatch, the gradient
+    (`source`) of one same variable becomes the microbatches' sum, held
+    by the first microbatch's results (`None` in the others'): the step
+    returns one tensor, not one per microbatch. Microbatch i's gradient
+    is computed only after the sum of the earlier ones (a control input
+    on the operation that makes it, among the operations `made[i]` its
+    call built), so at most one microbatch's gradient of a weight is
+    alive beside the sum. The sum adds in microbatch order, as
+    `accumulate` does. (No cycle: every other edge of the graph runs
+    from an operation to a later one; the added ones run from a sum to
+    a later microbatch's operation.)
+
+    Returns (results, summed): `summed[j]` is the variable of leaf `j`
+    where it was summed, else `None`.
+    """
+    flat = [tf.nest.flatten(r) for r in results]
+    summed = []
+    for j, leaves in enumerate(zip(*flat)):
+        variables = [source(g) if isinstance(g, tf.Tensor) else None
+                     for g in leaves]
+        if (variables[0] is None
+                or any(v is not variables[0] for v in variables)
+                or len({id(g) for g in leaves}) < len(leaves)):
+            summed.append(None)
+            continue
+        total = leaves[0]
+        for i in range(1, len(leaves)):
+            maker = _maker(leaves[i], made[i])
+            if maker is not None:
+                tf_private.add_control_input(maker, total.op)
+            total = total + leaves[i]
+        flat[0][j] = total
+        for f in flat[1:]:
+            f[j] = None
+        summed.append(variables[0])
+    return ([tf.nest.pack_sequence_as(r, f) for r, f in zip(results, flat)],
+            summed)
+
+
+def _maker(tensor, ops):
+    """The operation among `ops` that computes `tensor` (through
+    `Identity`s), or `None`."""
+    op = tensor.op
+    while (op.type == "Identity" and op.inputs
+           and op.inputs[0].op in ops):
+        op = op.inputs[0].op
+    return op if op in ops else None
+
+
 def _split(value, m, axis, name):
     if value is None or isinstance(value, (int, float, bool, str)):
         return [value] * m
@@ -610,7 +707,7 @@ def _split(value, m, axis, name):
 
 
 def step(func=None, *, input_signature=None, non_split_inputs=None,
-         input_split_axes=None):
+         input_split_axes=None, sum_gradients=True):
     """Runs a forward/backward function once per microbatch (SMP's `smp.step`).
 
     Tensor arguments are split along their batch axis into the config's
@@ -626,6 +723,16 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
         non_split_inputs: names of arguments passed whole to every
             microbatch.
         input_split_axes: `{argument name: batch axis}` (default 0).
+        sum_gradients: whether a returned gradient (a dense one, as
+            `optimizer.get_gradients` or a `tf.GradientTape` gave it) is
+            added up over the microbatches inside the step, each
+            microbatch's gradient of a weight computed after the sum of
+            the earlier ones: one microbatch's gradient is then alive at a
+            time, not `microbatches` of them (the memory of the stage's
+            gradients twice, at most, however many microbatches). Its
+            `StepOutput` then has the sum only: `accumulate()`,
+            `reduce_mean()` and `reduce_sum()` work, `outputs`, `merge()`
+            and the others raise. `False` keeps every microbatch's.
 
     Example: see `keras_smp.smp.custom_loop`.
     """
@@ -633,7 +740,7 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
         return functools.partial(
             step, input_signature=input_signature,
             non_split_inputs=non_split_inputs,
-            input_split_axes=input_split_axes)
+            input_split_axes=input_split_axes, sum_gradients=sum_gradients)
     whole = set(non_split_inputs or ())
     axes = dict(input_split_axes or {})
     signature = inspect.signature(func)
@@ -670,14 +777,18 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
             _backwards.clear()
         _step_depth[0] += 1
         before = list(_by_position)
+        graph = tf.compat.v1.get_default_graph()
+        made = []  # the operations each microbatch's call built
         try:
             with sparse.noting_sources() as source:
                 for i in range(m):
+                    start = len(graph.get_operations())
                     with tf.name_scope(f"microbatch{i}"):
                         call = bound.signature.bind_partial()
                         call.arguments.update(
                             {n: per_arg[n][i] for n in bound.arguments})
                         results.append(func(*call.args, **call.kwargs))
+                    made.append(set(graph.get_operations()[start:]))
                 # Which returned values are sparse gradients (from
                 # `optimizer.get_gradients` or a tape) of position
                 # embeddings.
@@ -686,12 +797,16 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
                              and id(source(r)) in free for r in leaves)
                          for leaves in zip(*[tf.nest.flatten(r)
                                              for r in results])]
+                if sum_gradients and m > 1:
+                    results, summed = _sum_gradients(results, source, made)
+                else:
+                    summed = [None] * len(marks)
         finally:
             _step_depth[0] -= 1
             _by_position[:] = before
         # (Beside the outputs, for this trace: a tf.function turns Python
         # values into tensors.)
-        traced[tf.compat.v1.get_default_graph()] = marks
+        traced[graph] = (marks, summed)
         return _after(received, results)
 
     traced = weakref.WeakKeyDictionary()  # {trace's graph: marks}
@@ -715,11 +830,11 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
         results = compiled(*args, **kwargs)
         axis = merge_axis(args, kwargs)
         flat = [tf.nest.flatten(r) for r in results]
-        marks = traced.get(
-            compiled.get_concrete_function(*args, **kwargs).graph)
-        if marks is None or len(marks) != len(flat[0]):
-            marks = [False] * len(flat[0])  # (not expected)
+        marks, summed = traced[
+            compiled.get_concrete_function(*args, **kwargs).graph]
         return tf.nest.pack_sequence_as(results[0], [
+            _GradientSum(flat[0][j], len(flat), summed[j], axis=axis)
+            if summed[j] is not None else
             StepOutput([f[j] for f in flat], axis=axis,
                        by_position=marks[j])
             for j in range(len(flat[0]))])

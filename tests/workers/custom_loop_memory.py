@@ -1,0 +1,76 @@
+"""Peak resident memory of an SMP custom loop with many microbatches.
+
+`smp.init`'s default layout (2 stages on logical devices of this one
+process), 8 microbatches, 4 x Dense(2048) without biases (64 MB of float32
+weights), SGD, a batch of 16 rows (activations are small): the weights'
+gradients dominate what a step adds. `--keep` decorates the step with
+`sum_gradients=False` (every microbatch's gradient returned, as before
+keras-smp summed them inside the step).
+
+Prints `RESULT {json}`: the process's peak resident set (VmHWM) after the
+model is built and after 2 steps, in MB, the weights' size, the losses and
+a digest of the trained weights.
+"""
+
+import json
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import keras_smp as smp
+
+WIDTH, LAYERS, MICROBATCHES = 2048, 4, 8
+
+
+def peak_mb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def main():
+    keep = "--keep" in sys.argv[1:]
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    smp.init({"partitions": 2, "microbatches": MICROBATCHES})
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = smp.DistributedModel(keras.Sequential(
+        [keras.Input((WIDTH,))]
+        + [keras.layers.Dense(WIDTH, use_bias=False, activation="tanh")
+           for _ in range(LAYERS)]))
+    opt = keras.optimizers.SGD(0.1)
+    rng = np.random.RandomState(0)
+    x = rng.randn(16, WIDTH).astype("float32")
+    y = rng.randn(16, WIDTH).astype("float32")
+
+    @smp.step(sum_gradients=not keep)
+    def grads(x, y):
+        loss = keras.ops.mean((model(x, training=True) - y) ** 2)
+        return opt.get_gradients(loss, model.trainable_variables), loss
+
+    @tf.function
+    def train(x, y):
+        g, loss = grads(x, y)
+        opt.apply_gradients(zip([t.accumulate() for t in g],
+                                model.trainable_variables))
+        return loss.reduce_mean()
+
+    model(x[:2])  # the weights, before any step
+    built = peak_mb()
+    losses = [float(train(x, y)) for _ in range(2)]
+    weights = [v.numpy() for v in model.trainable_variables]
+    print("RESULT " + json.dumps({
+        "built_mb": built, "peak_mb": peak_mb(), "losses": losses,
+        "weights_mb": sum(w.nbytes for w in weights) / 2**20,
+        "digest": [float(np.sum(w, dtype="float64")) for w in weights],
+        "magnitude": max(float(np.max(np.abs(w))) for w in weights)}),
+        flush=True)
+
+
+if __name__ == "__main__":
+    main()
