@@ -44,6 +44,7 @@ Inside a step, `model(x)` runs the model stage by stage, each stage on its
 device, and TensorFlow's executor overlaps the microbatches' stages.
 """
 
+import contextlib
 import functools
 import inspect
 import weakref
@@ -323,7 +324,9 @@ def after_first_call(model):
 
 
 class StepOutput:
-    """One value returned by an `@smp.step` function, per microbatch.
+    """One value returned by an `@smp.step` function, per microbatch (a
+    weight's gradient: the microbatches' sum, see `step`'s
+    `sum_gradients`).
 
     Args:
         outputs: the value of each microbatch, in microbatch order.
@@ -471,10 +474,9 @@ class _GradientSum(StepOutput):
     """The `StepOutput` of a gradient `@smp.step` added up over the
     microbatches (`sum_gradients`): the sum, without each microbatch's."""
 
-    def __init__(self, total, count, variable, axis=0):
+    def __init__(self, total, count, name, axis=0):
         self._total, self._count, self.axis = total, count, axis
-        self._name = getattr(variable, "path", None) or getattr(
-            variable, "name", "?")
+        self._name = name
         self._by_position = False
 
     def __repr__(self):
@@ -488,9 +490,9 @@ class _GradientSum(StepOutput):
     def _tensors(self):
         raise ValueError(
             f"StepOutput: this value is the gradient of {self._name}, which "
-            f"@smp.step added up over the {self._count} microbatches as "
-            "they were computed (one microbatch's gradient in memory at a "
-            f"time, not {self._count}): it has no per-microbatch values. "
+            f"@smp.step added up over the {self._count} microbatch"
+            f"{'es' if self._count != 1 else ''} as they were computed (one microbatch's gradient in memory at a "
+            "time, not one per microbatch): it has no per-microbatch values. "
             "Use accumulate(), reduce_mean() or reduce_sum(); for each "
             "microbatch's gradient, decorate the step with "
             "@smp.step(sum_gradients=False).")
@@ -642,23 +644,28 @@ def _sum_gradients(results, source, made):
     returns one tensor, not one per microbatch. Microbatch i's gradient
     is computed only after the sum of the earlier ones (a control input
     on the operation that makes it, among the operations `made[i]` its
-    call built), so at most one microbatch's gradient of a weight is
-    alive beside the sum. The sum adds in microbatch order, as
-    `accumulate` does. (No cycle: every other edge of the graph runs
-    from an operation to a later one; the added ones run from a sum to
-    a later microbatch's operation.)
+    call built), so a weight's gradients alive at once are the sum so
+    far, one microbatch's gradient and the next sum. The sum adds in
+    microbatch order, as `accumulate()` did, on the gradient's device.
 
-    Returns (results, summed): `summed[j]` is the variable of leaf `j`
-    where it was summed, else `None`.
+    No cycle: the operations of microbatch i's call are built after
+    every operation the sum of the earlier microbatches depends on (the
+    earlier calls' operations, through the earlier added inputs too),
+    and TensorFlow only adds edges from an operation to one built later,
+    so none of them is an ancestor of that sum.
+
+    Returns (results, summed): `summed[j]` is the name of the variable
+    of leaf `j` where it was summed, else `None`.
     """
     flat = [tf.nest.flatten(r) for r in results]
     summed = []
     for j, leaves in enumerate(zip(*flat)):
         variables = [source(g) if isinstance(g, tf.Tensor) else None
                      for g in leaves]
-        if (variables[0] is None
+        if (variables[0] is None or isinstance(variables[0], tf.Tensor)
                 or any(v is not variables[0] for v in variables)
                 or len({id(g) for g in leaves}) < len(leaves)):
+            # (not a weight's gradient: a tensor's, one `tape.watch`ed)
             summed.append(None)
             continue
         total = leaves[0]
@@ -666,11 +673,14 @@ def _sum_gradients(results, source, made):
             maker = _maker(leaves[i], made[i])
             if maker is not None:
                 tf_private.add_control_input(maker, total.op)
-            total = total + leaves[i]
+            device = leaves[i].device
+            with tf.device(device) if device else contextlib.nullcontext():
+                total = total + leaves[i]
         flat[0][j] = total
         for f in flat[1:]:
             f[j] = None
-        summed.append(variables[0])
+        summed.append(getattr(variables[0], "path", None)
+                      or getattr(variables[0], "name", "?"))
     return ([tf.nest.pack_sequence_as(r, f) for r, f in zip(results, flat)],
             summed)
 
@@ -712,7 +722,8 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
 
     Tensor arguments are split along their batch axis into the config's
     `microbatches`; every value the function returns becomes a
-    `StepOutput` holding one value per microbatch. The function is a
+    `StepOutput` holding one value per microbatch (a weight's gradient:
+    their sum, see `sum_gradients`). The function is a
     `tf.function`; inside it `model(x)` of a `DistributedModel` runs stage
     by stage on the stages' devices, and gradients come from
     `optimizer.get_gradients(loss, params)` or a `tf.GradientTape`.
@@ -723,16 +734,17 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
         non_split_inputs: names of arguments passed whole to every
             microbatch.
         input_split_axes: `{argument name: batch axis}` (default 0).
-        sum_gradients: whether a returned gradient (a dense one, as
-            `optimizer.get_gradients` or a `tf.GradientTape` gave it) is
-            added up over the microbatches inside the step, each
-            microbatch's gradient of a weight computed after the sum of
-            the earlier ones: one microbatch's gradient is then alive at a
-            time, not `microbatches` of them (the memory of the stage's
-            gradients twice, at most, however many microbatches). Its
-            `StepOutput` then has the sum only: `accumulate()`,
-            `reduce_mean()` and `reduce_sum()` work, `outputs`, `merge()`
-            and the others raise. `False` keeps every microbatch's.
+        sum_gradients: whether a returned gradient (a weight's dense
+            gradient, as `optimizer.get_gradients` or a `tf.GradientTape`
+            gave it) is added up over the microbatches inside the step,
+            each microbatch's gradient of a weight computed after the sum
+            of the earlier ones: one microbatch's gradient is then alive
+            at a time beside the sum, not `microbatches` of them, however
+            many microbatches. Its `StepOutput` then has the sum only:
+            `accumulate()`, `reduce_mean()` and `reduce_sum()` work;
+            `outputs`, `merge()`, `concat()` and `stack()` raise (with 1
+            microbatch too). `False` keeps every microbatch's gradient,
+            as SMP did.
 
     Example: see `keras_smp.smp.custom_loop`.
     """
@@ -797,7 +809,7 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
                              and id(source(r)) in free for r in leaves)
                          for leaves in zip(*[tf.nest.flatten(r)
                                              for r in results])]
-                if sum_gradients and m > 1:
+                if sum_gradients:
                     results, summed = _sum_gradients(results, source, made)
                 else:
                     summed = [None] * len(marks)
@@ -830,8 +842,14 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
         results = compiled(*args, **kwargs)
         axis = merge_axis(args, kwargs)
         flat = [tf.nest.flatten(r) for r in results]
-        marks, summed = traced[
-            compiled.get_concrete_function(*args, **kwargs).graph]
+        graph = compiled.get_concrete_function(*args, **kwargs).graph
+        if graph not in traced:
+            raise RuntimeError(
+                f"@smp.step {func.__name__}: its trace left no record of "
+                "which values are gradients (keras-smp bug: please report "
+                "it); decorate it with @smp.step(sum_gradients=False) "
+                "meanwhile.")
+        marks, summed = traced[graph]
         return tf.nest.pack_sequence_as(results[0], [
             _GradientSum(flat[0][j], len(flat), summed[j], axis=axis)
             if summed[j] is not None else

@@ -1,15 +1,16 @@
 """Peak resident memory of an SMP custom loop with many microbatches.
 
 `smp.init`'s default layout (2 stages on logical devices of this one
-process), 8 microbatches, 4 x Dense(2048) without biases (64 MB of float32
+process), or with `--stages` one stage per process (`local_devices=1`, run
+by `keras-smp launch -n 2`), 8 microbatches, 4 x Dense(2048) without biases (64 MB of float32
 weights), SGD, a batch of 16 rows (activations are small): the weights'
 gradients dominate what a step adds. `--keep` decorates the step with
 `sum_gradients=False` (every microbatch's gradient returned, as before
 keras-smp summed them inside the step).
 
-Prints `RESULT {json}`: the process's peak resident set (VmHWM) after the
-model is built and after 2 steps, in MB, the weights' size, the losses and
-a digest of the trained weights.
+Each process prints `RESULT {json}`: its rank, its peak resident set (VmHWM) after the
+model is built and after 2 steps, in MB, the size of its weights, the
+losses, and each trained weight's sum and sum of magnitudes.
 """
 
 import json
@@ -33,9 +34,11 @@ def peak_mb():
 
 def main():
     keep = "--keep" in sys.argv[1:]
+    stages = "--stages" in sys.argv[1:]
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    smp.init({"partitions": 2, "microbatches": MICROBATCHES})
+    smp.init({"partitions": 2, "microbatches": MICROBATCHES,
+              **({"local_devices": 1} if stages else {})})
     import keras
 
     keras.utils.set_random_seed(0)
@@ -60,15 +63,23 @@ def main():
                                 model.trainable_variables))
         return loss.reduce_mean()
 
-    model(x[:2])  # the weights, before any step
+    @smp.step
+    def forward(x):
+        return model(x, training=False)
+
+    forward(x)  # the weights (this process's), before a training step
     built = peak_mb()
     losses = [float(train(x, y)) for _ in range(2)]
-    weights = [v.numpy() for v in model.trainable_variables]
+    # This process's weights (with one stage per process: its stage's).
+    # (Another stage's weight has no elements here.)
+    weights = [v.numpy() for v in model.trainable_variables
+               if v.value.shape.num_elements()]
     print("RESULT " + json.dumps({
-        "built_mb": built, "peak_mb": peak_mb(), "losses": losses,
+        "rank": smp.rank(), "built_mb": built, "peak_mb": peak_mb(), "losses": losses,
         "weights_mb": sum(w.nbytes for w in weights) / 2**20,
         "digest": [float(np.sum(w, dtype="float64")) for w in weights],
-        "magnitude": max(float(np.max(np.abs(w))) for w in weights)}),
+        "abs_sum": [float(np.sum(np.abs(w), dtype="float64"))
+                    for w in weights]}),
         flush=True)
 
 
