@@ -470,6 +470,12 @@ class StepOutput:
         return tf.IndexedSlices(values, indices, parts[0].dense_shape)
 
 
+class _NoMicrobatchValues(ValueError, AttributeError):
+    """What `outputs`, `merge()`, `concat()` and `stack()` of a gradient
+    `@smp.step` summed raise (an `AttributeError` too, so `hasattr(g,
+    "outputs")` is `False`)."""
+
+
 class _GradientSum(StepOutput):
     """The `StepOutput` of a gradient `@smp.step` added up over the
     microbatches (`sum_gradients`): the sum, without each microbatch's."""
@@ -488,11 +494,12 @@ class _GradientSum(StepOutput):
         return self._tensors()
 
     def _tensors(self):
-        raise ValueError(
+        raise _NoMicrobatchValues(
             f"StepOutput: this value is the gradient of {self._name}, which "
             f"@smp.step added up over the {self._count} microbatch"
-            f"{'es' if self._count != 1 else ''} as they were computed (one microbatch's gradient in memory at a "
-            "time, not one per microbatch): it has no per-microbatch values. "
+            f"{'es' if self._count != 1 else ''} as they were computed "
+            "(one microbatch's gradient in memory at a time, not one per "
+            "microbatch): it has no per-microbatch values. "
             "Use accumulate(), reduce_mean() or reduce_sum(); for each "
             "microbatch's gradient, decorate the step with "
             "@smp.step(sum_gradients=False).")
@@ -821,7 +828,8 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
         traced[graph] = (marks, summed)
         return _after(received, results)
 
-    traced = weakref.WeakKeyDictionary()  # {trace's graph: marks}
+    # {trace's graph: (marks, summed)}
+    traced = weakref.WeakKeyDictionary()
     compiled = tf.function(run, input_signature=input_signature)
 
     def merge_axis(args, kwargs):

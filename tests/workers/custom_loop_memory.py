@@ -1,19 +1,21 @@
 """Peak resident memory of an SMP custom loop with many microbatches.
 
 `smp.init`'s default layout (2 stages on logical devices of this one
-process), or with `--stages` one stage per process (`local_devices=1`, run
-by `keras-smp launch -n 2`), 8 microbatches, 4 x Dense(2048) without biases (64 MB of float32
-weights), SGD, a batch of 16 rows (activations are small): the weights'
-gradients dominate what a step adds. `--keep` decorates the step with
-`sum_gradients=False` (every microbatch's gradient returned, as before
-keras-smp summed them inside the step).
+process), or with `--stages` one stage per process (`local_devices=1`,
+run by `keras-smp launch -n 2`); 8 microbatches, 4 x Dense(2048) without
+biases (64 MB of float32 weights), SGD, a batch of 16 rows (activations
+are small): the weights' gradients dominate what a step adds. `--keep`
+decorates the step with `sum_gradients=False` (every microbatch's
+gradient returned, as before keras-smp summed them inside the step).
 
-Each process prints `RESULT {json}`: its rank, its peak resident set (VmHWM) after the
-model is built and after 2 steps, in MB, the size of its weights, the
-losses, and each trained weight's sum and sum of magnitudes.
+Each process prints `RESULT {json}`: its rank; its peak resident set
+(VmHWM, MB) once a forward step has made its weights and after 2 training
+steps; the size of its weights; the losses; each trained weight's sum and
+sum of magnitudes.
 """
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -21,15 +23,12 @@ import tensorflow as tf
 
 import keras_smp as smp
 
+# VmHWM, read as the memory benchmarks read it.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+    os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
+from measure import peak_mb  # noqa: E402
+
 WIDTH, LAYERS, MICROBATCHES = 2048, 4, 8
-
-
-def peak_mb():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def main():
@@ -75,7 +74,8 @@ def main():
     weights = [v.numpy() for v in model.trainable_variables
                if v.value.shape.num_elements()]
     print("RESULT " + json.dumps({
-        "rank": smp.rank(), "built_mb": built, "peak_mb": peak_mb(), "losses": losses,
+        "rank": smp.rank(), "built_mb": built, "peak_mb": peak_mb(),
+        "losses": losses,
         "weights_mb": sum(w.nbytes for w in weights) / 2**20,
         "digest": [float(np.sum(w, dtype="float64")) for w in weights],
         "abs_sum": [float(np.sum(np.abs(w), dtype="float64"))
