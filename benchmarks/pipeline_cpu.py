@@ -31,7 +31,9 @@ the last run on the CI machine: benchmarks/results_pipeline_cpu.txt.
 
     python benchmarks/pipeline_cpu.py            # ~30 minutes on 2 cores
     python benchmarks/pipeline_cpu.py --quick    # m = 1, 4, 8 only
-    python benchmarks/pipeline_cpu.py --xla --dp-only   # data parallel
+    python benchmarks/pipeline_cpu.py --xla --dp-only   # data parallel:
+        # buckets whole and in 4 pieces, gradients sent as bfloat16 and
+        # float16 (allreduce_compression)
     python benchmarks/pipeline_cpu.py --schedules 1f1b zb_h1 \
         interleaved_1f1b zb_v --microbatch-counts 2 4 8
 
@@ -88,6 +90,8 @@ def worker(args):
 
         extra = ({} if args.allreduce_pieces is None
                  else {"allreduce_pieces": args.allreduce_pieces})
+        if args.allreduce_compression:
+            extra["allreduce_compression"] = args.allreduce_compression
         strategy = keras_smp.SMPStrategy(collective_timeout_seconds=300,
                                          allreduce=args.allreduce, **extra)
     if args.mode in ("pipeline", "serial"):
@@ -264,42 +268,49 @@ def _torch_version(python):
 
 
 def dp_only(me, repeats):
-    """Data parallelism in 2 serial processes with the ring all-reduce's
-    buckets whole (`allreduce_pieces=1`, the default) and in 4 pieces in
-    flight, beside the whole model in 1 process and half the batch in 1
-    process (each process's share of the compute), in `repeats` rounds;
-    the two data-parallel runs swap order every round."""
+    """Data parallelism in 2 serial processes, beside the whole model in 1
+    process and half the batch in 1 process (each process's share of the
+    compute), in `repeats` rounds: the ring all-reduce's buckets whole
+    (`allreduce_pieces=1`, the default) and in 4 pieces in flight, and
+    the gradients sent as bfloat16 and as float16
+    (`allreduce_compression`); the data-parallel runs take turns going
+    first, round by round."""
     import statistics
 
     if repeats < 1:
         raise SystemExit(f"--repeats must be >= 1; received {repeats}.")
     whole, half = f"1 process, batch {BATCH}", f"1 process, batch {BATCH // 2}"
-    runs = {whole: [], half: [], "dp, allreduce_pieces=1": [],
-            "dp, allreduce_pieces=4": []}
+    variants = {
+        "dp, allreduce_pieces=1": ["--allreduce-pieces", "1"],
+        "dp, allreduce_pieces=4": ["--allreduce-pieces", "4"],
+        "dp, compression=bfloat16": ["--allreduce-compression", "bfloat16"],
+        "dp, compression=float16": ["--allreduce-compression", "float16"],
+    }
+    runs = {whole: [], half: [], **{k: [] for k in variants}}
     dp = [sys.executable, "-m", "keras_smp.launch", "-n", "2", "--timeout",
           "800", "--"] + me + ["--mode", "dp"]
+    names = list(variants)
     for r in range(repeats):
         runs[whole].append(run(me + ["--mode", "single"]))
         runs[half].append(run(
             me + ["--mode", "single", "--batch", str(BATCH // 2)]))
-        for pieces in ((1, 4) if r % 2 == 0 else (4, 1)):
-            runs[f"dp, allreduce_pieces={pieces}"].append(
-                run(dp + ["--allreduce-pieces", str(pieces)]))
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            runs[name].append(run(dp + variants[name]))
         print(f"round {r + 1}: " + ", ".join(
             f"{k} {v[-1]:.0f}" for k, v in runs.items()), flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
     base = med[whole]
-    print(f"{'run':>24} {'median ms/step':>15} {'vs 1 process':>13}")
+    print(f"{'run':>26} {'median ms/step':>15} {'vs 1 process':>13}")
     for k, v in med.items():
-        print(f"{k:>24} {v:>15.0f} {base / v:>12.2f}x")
-    one, four = med["dp, allreduce_pieces=1"], med["dp, allreduce_pieces=4"]
-    print(f"dp all-reduce cost above half the compute: pieces=1 "
-          f"{one - med[half]:.0f} ms, pieces=4 {four - med[half]:.0f} ms; "
-          f"pieces=4 vs pieces=1: {one / four:.2f}x; rounds where pieces=4 "
-          "was faster: " + str(sum(
-              a > b for a, b in zip(runs["dp, allreduce_pieces=1"],
-                                    runs["dp, allreduce_pieces=4"])))
-          + f" of {repeats}")
+        print(f"{k:>26} {v:>15.0f} {base / v:>12.2f}x")
+    one = med["dp, allreduce_pieces=1"]
+    print("dp all-reduce cost above half the compute: " + ", ".join(
+        f"{k[4:]} {med[k] - med[half]:.0f} ms" for k in names))
+    for k in names[1:]:
+        print(f"{k[4:]} vs allreduce_pieces=1 (default): {one / med[k]:.2f}x"
+              f"; rounds where it was faster: "
+              + str(sum(a > b for a, b in zip(runs[names[0]], runs[k])))
+              + f" of {repeats}")
 
 
 def main():
@@ -323,12 +334,15 @@ def main():
                    help=argparse.SUPPRESS)  # a worker's global batch
     p.add_argument("--allreduce-pieces", type=int, default=None,
                    help=argparse.SUPPRESS)
+    p.add_argument("--allreduce-compression", default=None,
+                   help=argparse.SUPPRESS)
     p.add_argument("--dp-only", action="store_true",
                    help="only the baseline and data parallelism: "
-                   "allreduce_pieces 1 and 4, alternating, --repeats times")
+                   "allreduce_pieces 1 and 4, allreduce_compression "
+                   "bfloat16 and float16, taking turns, --repeats times")
     p.add_argument("--repeats", type=int, default=5,
                    help="--dp-only: rounds of (1 process with the whole and "
-                   "with half the batch, dp with pieces 1 and 4)")
+                   "with half the batch, the 4 data-parallel runs)")
     p.add_argument("--hvd-python",
                    default=os.path.join(ROOT, ".venv-hvd", "bin", "python"),
                    help="the Horovod lane's Python (a Horovod DP row)")

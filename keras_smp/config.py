@@ -45,6 +45,7 @@ CONFIG_KEYS: tuple[str, ...] = (
     "allreduce",
     "fusion_threshold_mb",
     "allreduce_pieces",
+    "allreduce_compression",
     "collective_timeout_seconds",
     "local_devices",
     "activation_checkpointing",
@@ -72,6 +73,10 @@ _PIPELINES = {
 _OPTIMIZE = ("memory", "speed")
 _PLACEMENTS = ("cluster", "spread")
 _ALLREDUCE = ("auto", "ring", "hierarchical", "horovod")
+#: `allreduce_compression`'s values besides None: the dtype gradients
+#: travel as (SMP/SageMaker's "fp16"/"bf16" spellings are accepted).
+_COMPRESSIONS = {"bfloat16": "bfloat16", "float16": "float16",
+                 "bf16": "bfloat16", "fp16": "float16"}
 
 
 # --------------------------------------------------------------------------
@@ -181,6 +186,18 @@ def _normalise(values: Mapping[str, Any], origins: Mapping[str, str] | None = No
     )
     out["allreduce_pieces"] = _check_int(
         "allreduce_pieces", values["allreduce_pieces"], 1, origins)
+    compression = values["allreduce_compression"]
+    if compression is not None:
+        if (not isinstance(compression, str)
+                or compression.strip().lower() not in _COMPRESSIONS):
+            raise _bad(
+                "allreduce_compression", compression,
+                "None, 'bfloat16' or 'float16'", origins,
+                "None (the default) sums float32 gradients exactly; "
+                "'bfloat16' sends them at half the bytes with float32's "
+                "range (see docs/gradient-sync.md).")
+        compression = _COMPRESSIONS[compression.strip().lower()]
+    out["allreduce_compression"] = compression
     out["collective_timeout_seconds"] = _check_float(
         "collective_timeout_seconds", values["collective_timeout_seconds"], origins,
         strictly_positive=True,
@@ -239,6 +256,14 @@ def _normalise(values: Mapping[str, Any], origins: Mapping[str, str] | None = No
                 "'allreduce' (horovod=True implies allreduce='horovod') or set "
                 "horovod=False to use the built-in all-reduce."
             )
+    if out["allreduce"] == "horovod" and compression == "bfloat16":
+        raise ValueError(
+            "Conflicting keras-smp config: allreduce_compression='bfloat16'"
+            f"{_where('allreduce_compression', origins)} with the Horovod "
+            f"backend (allreduce='horovod'{_where('allreduce', origins)} or "
+            "horovod=True): Horovod's allreduce carries no bfloat16. Use "
+            "allreduce_compression='float16' (what hvd.Compression.fp16 "
+            "sends), or allreduce='ring' / 'hierarchical'.")
     return out
 
 
@@ -341,6 +366,18 @@ class SMPConfig:
             `benchmarks/pipeline_cpu.py --dp-only`); int >= 1, 1 (the
             default) keeps buckets whole. GPUs keep buckets whole (NCCL
             needs one launch order on every rank).
+        allreduce_compression: `None` (the default: gradients are summed
+            in their own dtype), `"bfloat16"` or `"float16"`: each
+            replica's float32 (or float64) dense gradient is rounded to
+            that dtype for the data-parallel all-reduce, summed in it
+            and cast back: half the bytes on the wire, at the cost of
+            rounding each gradient to 8 (bfloat16) or 11 (float16)
+            significant bits, so training no longer matches one device
+            to float32 precision. `"bfloat16"` keeps float32's range;
+            `"float16"` overflows above 65504 (a `LossScaleOptimizer`
+            then skips the step). Sparse gradients, 16-bit gradients,
+            the sums of a weight shared by pipeline stages, metrics and
+            losses stay exact. `"bf16"` and `"fp16"` are accepted.
         collective_timeout_seconds: Timeout for collectives, > 0.
         local_devices: Devices driven by each process (int >= 1), or None to
             use all visible GPUs, or on CPU 1 device (`partitions` logical
@@ -392,6 +429,7 @@ class SMPConfig:
     allreduce: str = "auto"
     fusion_threshold_mb: float = 64.0
     allreduce_pieces: int = 1
+    allreduce_compression: str | None = None
     collective_timeout_seconds: float = 300.0
     local_devices: int | None = None
     activation_checkpointing: bool | tuple = False

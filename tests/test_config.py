@@ -39,6 +39,7 @@ def test_defaults():
         "allreduce": "auto",
         "fusion_threshold_mb": 64.0,
         "allreduce_pieces": 1,
+        "allreduce_compression": None,
         "collective_timeout_seconds": 300.0,
         "local_devices": None,
         "activation_checkpointing": False,
@@ -231,6 +232,10 @@ BAD_VALUES = [
     ("allreduce_pieces", 2.5),
     ("allreduce_pieces", True),
     ("allreduce_pieces", "4"),
+    ("allreduce_compression", "int8"),
+    ("allreduce_compression", "float32"),
+    ("allreduce_compression", True),
+    ("allreduce_compression", 16),
     ("collective_timeout_seconds", 0),
     ("collective_timeout_seconds", -5.0),
     ("collective_timeout_seconds", "300"),
@@ -303,6 +308,28 @@ def test_horovod_with_other_allreduce(allreduce):
         build(horovod=True, allreduce=allreduce)
     msg = str(info.value)
     assert "horovod=True" in msg and repr(allreduce) in msg and "allreduce" in msg
+
+
+@pytest.mark.parametrize("given, stored", [
+    (None, None), ("bfloat16", "bfloat16"), ("float16", "float16"),
+    ("bf16", "bfloat16"), ("FP16", "float16"), (" bfloat16 ", "bfloat16")])
+def test_allreduce_compression_values(given, stored):
+    assert build(allreduce_compression=given).allreduce_compression == stored
+    env = {"SMP_CONFIG": json.dumps({"allreduce_compression": given})}
+    assert SMPConfig.build(environ=env).allreduce_compression == stored
+
+
+def test_allreduce_compression_bfloat16_with_horovod_is_refused():
+    for options in ({"horovod": True}, {"allreduce": "horovod"}):
+        with pytest.raises(ValueError) as info:
+            build(allreduce_compression="bfloat16", **options)
+        msg = str(info.value)
+        assert "carries no bfloat16" in msg
+        assert "allreduce_compression='float16'" in msg
+    # what hvd.Compression.fp16 sends is accepted
+    config = build(horovod=True, allreduce_compression="fp16")
+    assert config.allreduce == "horovod"
+    assert config.allreduce_compression == "float16"
 
 
 def test_alias_conflict():
@@ -560,6 +587,7 @@ def test_every_option_but_the_timeout_must_agree():
                "default_partition": 0, "contiguous": False, "horovod": True,
                "placement_strategy": "spread", "allreduce": "ring",
                "fusion_threshold_mb": 1.0, "allreduce_pieces": 4,
+               "allreduce_compression": "bfloat16",
                "activation_checkpointing": True,
                "virtual_stages": 3, "tensor_parallel_degree": 2}
     base = {"partitions": 4}

@@ -91,7 +91,9 @@ def test_smp_hybrid_horovod_example_trains(workers):
                                   "keras_smp.smp.comms",
                                   "keras_smp.smp.checkpoint",
                                   "keras_smp.pipeline.shards",
-                                  "keras_smp.runtime.sparse", "save_model",
+                                  "keras_smp.runtime.sparse",
+                                  "keras_smp.distribute.compression",
+                                  "save_model",
                                   "save_weights", "save(", "export(",
                                   "compile", "get_layer", "__getattr__",
                                   "set_activation_checkpointing"])

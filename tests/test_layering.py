@@ -55,6 +55,7 @@ LAYERS = {
     2: [
         "keras_smp.distribute", "keras_smp.distribute.allreduce",
         "keras_smp.distribute.fusion", "keras_smp.distribute.horovod",
+        "keras_smp.distribute.compression",
         "keras_smp.pipeline.backward", "keras_smp.pipeline.microbatch",
         "keras_smp.pipeline.runtime", "keras_smp.pipeline.transport",
         "keras_smp.pipeline.graph", "keras_smp.pipeline.step",

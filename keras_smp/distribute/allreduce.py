@@ -27,6 +27,7 @@ were ready earlier.
 import tensorflow as tf
 
 from keras_smp import runtime
+from keras_smp.distribute import compression as compression_lib
 from keras_smp.distribute import fusion
 from keras_smp.distribute.groups import ReplicaLayout
 from keras_smp.runtime import tf_private
@@ -121,6 +122,9 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             long; by default a new range of the process-wide allocator.
             Every process of the job must get the same keys for the same
             groups (see `keras_smp.runtime.keys`).
+        compression: None, "bfloat16" or "float16": gradient sums (within
+            `keras_smp.runtime.summing_gradients`) send their float32 and
+            float64 values as that dtype (`keras_smp.distribute.compression`).
     """
 
     _ALGORITHMS = ("ring", "hierarchical")
@@ -128,7 +132,7 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
     def __init__(self, devices, layout, algorithm="ring",
                  fusion_threshold_bytes=64 * 2**20, options=None,
                  collective_keys=None, stage_devices=None, group_keys=None,
-                 pieces=1):
+                 pieces=1, compression=None):
         options = options or tf.distribute.experimental.CommunicationOptions()
         super().__init__(devices=devices, group_size=layout.size,
                          options=options, collective_keys=collective_keys)
@@ -136,7 +140,14 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             raise ValueError(
                 f"{type(self).__name__} supports {self._ALGORITHMS}; "
                 f"received algorithm={algorithm!r}.")
+        if compression is not None and compression not in compression_lib.DTYPES:
+            raise ValueError(
+                f"{type(self).__name__}: compression must be None or one of "
+                f"{compression_lib.DTYPES}; received {compression!r}.")
         self.algorithm = algorithm
+        self.compression = compression
+        # Gradients sent compressed so far (traced, all replicas).
+        self.compressed_traced = 0
         self.layout = layout
         self.fusion_threshold_bytes = int(fusion_threshold_bytes)
         # Hierarchical: buckets are cut into up to this many chunks whose
@@ -340,6 +351,17 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
     def _all_reduce_dense(self, values, replica_id, stage, options):
         values = [tf.convert_to_tensor(v) for v in values]
+        dtypes = [v.dtype for v in values]
+        wire = self.compression if runtime.gradients_being_summed() else None
+        if wire is not None:
+            self.compressed_traced += sum(
+                compression_lib.compresses(v, wire) for v in values)
+            values = [compression_lib.to_wire(v, wire) for v in values]
+        return [compression_lib.from_wire(v, dtype) for v, dtype in zip(
+            self._all_reduce_wire(values, replica_id, stage, options),
+            dtypes)]
+
+    def _all_reduce_wire(self, values, replica_id, stage, options):
         # Values of shapes unknown when traced (a length left unknown) go
         # one by one; the others in buckets.
         known = [i for i, v in enumerate(values)

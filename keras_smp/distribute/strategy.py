@@ -302,7 +302,8 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
             devices=self.worker_devices, layout=replica_layout,
             fusion_threshold_bytes=int(config.fusion_threshold_mb * 2**20),
             options=options, collective_keys=collective_keys,
-            stage_devices=layout.devices, group_keys=grad_keys)
+            stage_devices=layout.devices, group_keys=grad_keys,
+            compression=config.allreduce_compression)
         self._smp_horovod = None
         if algorithm == "horovod":
             from keras_smp.distribute import horovod

@@ -131,5 +131,28 @@ def keep_sparse():
     return bool(_sparse_as_is)
 
 
+_summing_gradients = []
+
+
+@contextlib.contextmanager
+def summing_gradients():
+    """Within: the data-parallel all-reduces sum gradients (the optimizer's
+    gradient sync), which `allreduce_compression` may send as 16-bit
+    floats (`keras_smp.distribute.compression`); every other all-reduce
+    (metrics, losses, moving statistics) is exact. Process-wide, as
+    `sparse_gradients_as_is`."""
+    _summing_gradients.append(True)
+    try:
+        yield
+    finally:
+        _summing_gradients.pop()
+
+
+def gradients_being_summed():
+    """Whether `summing_gradients` is active."""
+    return bool(_summing_gradients)
+
+
 __all__ = ["Runtime", "current", "of", "keep_sparse",
-           "sparse_gradients_as_is"]
+           "sparse_gradients_as_is", "summing_gradients",
+           "gradients_being_summed"]

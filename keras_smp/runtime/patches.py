@@ -1647,7 +1647,8 @@ def _patch_optimizer(keras):
                 # Sum the replicas' gradients first, clip the sum (as one
                 # device would), and skip the all-reduce of the update.
                 present = [i for i, g in enumerate(grads) if g is not None]
-                with runtime_package.sparse_gradients_as_is():
+                with runtime_package.sparse_gradients_as_is(), \
+                        runtime_package.summing_gradients():
                     variables = list(trainable_variables)
                     summed = sparse.all_reduce(
                         functools.partial(context.all_reduce,
@@ -1681,7 +1682,8 @@ def _patch_optimizer(keras):
             # rows, which only an optimizer linear in the gradient (SGD)
             # applies as it applies them one by one.
             with (contextlib.nullcontext() if rows_sum_linearly(self)
-                  else runtime_package.sparse_gradients_as_is()):
+                  else runtime_package.sparse_gradients_as_is()), \
+                    runtime_package.summing_gradients():
                 context = tf.distribute.get_replica_context()
                 if context is None or not sparse.active():
                     return all_reduce(self, grads_and_vars)

@@ -54,6 +54,7 @@ import tensorflow as tf
 from keras_smp import state
 from keras_smp import tensor
 from keras_smp.config import SMPConfig
+from keras_smp.distribute import compression
 from keras_smp.pipeline import microbatch
 from keras_smp.runtime import process
 from keras_smp.runtime import sparse
@@ -277,9 +278,16 @@ _instance_keys = iter(range(300_000, 10**9))
 _eager_instance_keys = iter(range(1_100_000_000, 2_100_000_000))
 
 
-def _over_replicas(t, final_op="Div"):
-    """The replicas' sum of `t` (`final_op="Id"`) or their mean."""
+def _over_replicas(t, final_op="Div", gradient=False):
+    """The replicas' sum of `t` (`final_op="Id"`) or their mean; a
+    `gradient` travels as `allreduce_compression` says (summed in that
+    dtype, divided after it is cast back)."""
     size, timeout = _replica_sync()
+    wire = state.config().allreduce_compression if gradient else None
+    if compression.compresses(t, wire):
+        out = _over_replicas(compression.to_wire(t, wire), "Id")
+        out = compression.from_wire(out, t.dtype)
+        return out / tf.cast(size, t.dtype) if final_op == "Div" else out
     if tf.executing_eagerly():
         return tf.raw_ops.CollectiveReduceV2(
             input=t, group_size=size, group_key=_initialised["group_key"],
@@ -434,7 +442,8 @@ class StepOutput:
         else:
             total = tf.add_n(ts)
         mean = total / len(ts)
-        return _over_replicas(mean) if _replica_sync() else mean
+        return (_over_replicas(mean, gradient=True) if _replica_sync()
+                else mean)
 
     def _accumulate_sparse(self):
         """`accumulate` of sparse gradients (`tf.IndexedSlices`), kept
@@ -517,7 +526,9 @@ class _GradientSum(StepOutput):
             raise ValueError(
                 f"StepOutput.accumulate: unknown method={method!r}; use "
                 "'variable', 'add_n' or 'accumulate_n'.")
-        return self.reduce_mean()
+        mean = self._total / self._count
+        return (_over_replicas(mean, gradient=True) if _replica_sync()
+                else mean)
 
 
 def _same_count(values):
