@@ -24,8 +24,10 @@ import os
 import numpy as np
 import pytest
 
+from conftest import HVD_PYTHON
 from conftest import RTOL
 from conftest import WORKERS
+from conftest import hvd_env_or_skip
 from conftest import launch
 from conftest import run_python
 
@@ -33,14 +35,17 @@ U = {"bfloat16": 2.0**-8, "float16": 2.0**-11, None: 0.0}
 WORKER = os.path.join(WORKERS, "compressed_sync.py")
 
 
-def _train(out, mode, config=None, clip=False, processes=2):
+def _train(out, mode, config=None, clip=False, processes=2, horovod=False):
     args = [WORKER, "--out", str(out), "--mode", mode,
             "--config", json.dumps(config or {})] + (
                 ["--clip"] if clip else [])
+    os.makedirs(str(out), exist_ok=True)
+    python = HVD_PYTHON if horovod else None
     if processes == 1:
-        run_python(args, timeout=300)
+        run_python(args, timeout=300, python=python)
     else:
-        launch(processes, args, timeout=300)
+        launch(processes, args, timeout=300, python=python,
+               **({"launcher_args": ("--horovod",)} if horovod else {}))
     ranks = []
     for r in range(processes):
         with np.load(os.path.join(str(out), f"rank{r}.npz")) as f:
@@ -101,3 +106,20 @@ def test_compressed_gradients_stay_within_the_wire_dtypes_rounding(
         f"{case}: the gradients do not look compressed (errors {errors})")
     if mode == "fit":  # every weight's gradient went compressed
         assert ranks[0]["compressed"] >= 6, ranks[0]["compressed"]
+
+
+@pytest.mark.slow
+def test_horovod_sends_float16_compressed_gradients(tmp_path):
+    # The Horovod lane (its own TensorFlow): its own one-device reference.
+    hvd_env_or_skip()
+    reference = _train(tmp_path / "reference", "reference", processes=1,
+                       horovod=True)[0]
+    ranks = _train(tmp_path / "hvd", "fit",
+                   {"allreduce": "horovod", "allreduce_compression": "float16"},
+                   horovod=True)
+    for k in ranks[0]:
+        np.testing.assert_array_equal(ranks[1][k], ranks[0][k], err_msg=k)
+    errors = _errors(ranks[0], reference)
+    u = U["float16"]
+    assert u / 16 < max(errors) <= 2 * u, errors
+    assert ranks[0]["compressed"] >= 6
