@@ -192,7 +192,7 @@ def _normalise(values: Mapping[str, Any], origins: Mapping[str, str] | None = No
                 or compression.strip().lower() not in _COMPRESSIONS):
             raise _bad(
                 "allreduce_compression", compression,
-                "None, 'bfloat16' or 'float16'", origins,
+                "None, 'bfloat16' or 'float16' ('bf16', 'fp16')", origins,
                 "None (the default) sums float32 gradients exactly; "
                 "'bfloat16' sends them at half the bytes with float32's "
                 "range (see docs/gradient-sync.md).")
@@ -368,16 +368,19 @@ class SMPConfig:
             needs one launch order on every rank).
         allreduce_compression: `None` (the default: gradients are summed
             in their own dtype), `"bfloat16"` or `"float16"`: each
-            replica's float32 (or float64) dense gradient is rounded to
-            that dtype for the data-parallel all-reduce, summed in it
-            and cast back: half the bytes on the wire, at the cost of
-            rounding each gradient to 8 (bfloat16) or 11 (float16)
-            significant bits, so training no longer matches one device
-            to float32 precision. `"bfloat16"` keeps float32's range;
-            `"float16"` overflows above 65504 (a `LossScaleOptimizer`
-            then skips the step). Sparse gradients, 16-bit gradients,
-            the sums of a weight shared by pipeline stages, metrics and
-            losses stay exact. `"bf16"` and `"fp16"` are accepted.
+            replica's float32 dense gradient is rounded to that dtype for
+            the data-parallel all-reduce, summed in it and cast back:
+            half the bytes on the wire, at the cost of rounding each
+            gradient to 8 (bfloat16) or 11 (float16) significant bits, so
+            training no longer matches one device to float32 precision.
+            `"bfloat16"` keeps float32's range; with `"float16"` a
+            gradient or sum above 65504 becomes infinite (a
+            `LossScaleOptimizer` checks each replica's gradients before
+            they are summed: it does not skip that step) and small ones
+            lose precision. Gradients kept sparse, other
+            dtypes, the sums of a weight shared by pipeline stages,
+            metrics and losses stay exact. `"bf16"` and `"fp16"` are
+            accepted (see docs/gradient-sync.md).
         collective_timeout_seconds: Timeout for collectives, > 0.
         local_devices: Devices driven by each process (int >= 1), or None to
             use all visible GPUs, or on CPU 1 device (`partitions` logical

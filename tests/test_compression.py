@@ -6,16 +6,25 @@ device. For each weight, the error of the compressed run against the
 reference is measured relative to the weight's largest total update
 (|w - w_ref|max / |w_ref - w0|max):
 
-- bound: 2u, u the unit roundoff of the wire dtype (bfloat16 2^-8,
-  float16 2^-11). Each step's gradient is a sum of 2 replicas' shares,
-  each rounded to the wire dtype, then the sum rounded (3 roundings of at
-  most u/2 of the shares' magnitudes, which here have one sign mostly:
-  <= 1.5u of the update per step), plus float32 noise. Observed (Intel
-  Xeon and AMD EPYC): 0.4-0.7u.
+Modes: data parallel over 2 processes, 2 processes x 2 local replicas
+on 2 emulated hosts (hierarchical), 2 pipelines of 2 stages in 2
+processes (with clipping), one stage per process with 2 replicas of each
+(4 processes), an SMP custom loop, and the Horovod lane (float16).
+
+- bound: 3u, u the unit roundoff of the wire dtype (bfloat16 2^-8,
+  float16 2^-11). Each step's gradient is the sum of 2 replicas' shares,
+  each rounded to the wire dtype (relative error <= u each), then the sum
+  rounded (<= u): at most 2u of the shares' magnitudes, which equals 2u of
+  the step's update where the shares have one sign. The 3 steps' updates
+  of a weight mostly have one sign too, and the weights' small drift
+  changes later gradients by a second-order amount: 3u leaves room for
+  both. Observed (Intel Xeon and AMD EPYC): 0.4-0.7u.
 - compression really happened: the largest relative error of the run is
   above u/16, where the uncompressed run's is float32 rounding (observed
   2.4e-6, bound 1e-5 = conftest.RTOL): 2.4e-4 for bfloat16 and 3e-5 for
-  float16 are 10x and 3x that bound.
+  float16 are 10x and 3x that bound. And each rank's all-reduce traced
+  exactly its weights' gradients compressed, once per local replica
+  (`GradientAllReduce.compressed_traced`).
 """
 
 import json
@@ -35,7 +44,8 @@ U = {"bfloat16": 2.0**-8, "float16": 2.0**-11, None: 0.0}
 WORKER = os.path.join(WORKERS, "compressed_sync.py")
 
 
-def _train(out, mode, config=None, clip=False, processes=2, horovod=False):
+def _train(out, mode, config=None, clip=False, processes=2, horovod=False,
+           launcher_args=()):
     args = [WORKER, "--out", str(out), "--mode", mode,
             "--config", json.dumps(config or {})] + (
                 ["--clip"] if clip else [])
@@ -45,7 +55,8 @@ def _train(out, mode, config=None, clip=False, processes=2, horovod=False):
         run_python(args, timeout=300, python=python)
     else:
         launch(processes, args, timeout=300, python=python,
-               **({"launcher_args": ("--horovod",)} if horovod else {}))
+               launcher_args=(("--horovod",) if horovod else ())
+               + tuple(launcher_args))
     ranks = []
     for r in range(processes):
         with np.load(os.path.join(str(out), f"rank{r}.npz")) as f:
@@ -72,41 +83,61 @@ def _errors(got, ref):
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case,mode,config,clip", [
+# (case, mode, config, --clip, processes, launcher arguments, gradients
+# each rank's all-reduce sends compressed: its replicas x its weights,
+# traced once; None where not counted)
+CASES = [
     # data parallel over 2 processes: exact, bfloat16, float16
-    ("dp", "fit", {}, False),
-    ("dp_bfloat16", "fit", {"allreduce_compression": "bfloat16"}, False),
-    ("dp_float16", "fit", {"allreduce_compression": "fp16"}, False),
+    ("dp", "fit", {}, False, 2, (), [0, 0]),
+    ("dp_bfloat16", "fit", {"allreduce_compression": "bfloat16"}, False, 2,
+     (), [6, 6]),
+    ("dp_float16", "fit", {"allreduce_compression": "fp16"}, False, 2, (),
+     [6, 6]),
+    # 2 processes x 2 local replicas on 2 emulated hosts: hierarchical
+    ("hierarchical_bfloat16", "fit",
+     {"allreduce_compression": "bfloat16", "allreduce": "hierarchical",
+      "local_devices": 2}, False, 2, ("--host-map", "a,b"), [12, 12]),
     # a 2-stage pipeline in each process, replicas across them, with
     # clipping (the gradients are summed before they are clipped)
     ("hybrid_clip_bfloat16", "fit",
      {"allreduce_compression": "bfloat16", "partitions": 2,
-      "microbatches": 2, "local_devices": 2}, True),
+      "microbatches": 2, "local_devices": 2}, True, 2, (), [6, 6]),
+    # one stage per process, 2 replicas of each (4 processes): stage 0
+    # holds 1 layer (2 weights), stage 1 two
+    ("stages_bfloat16", "fit",
+     {"allreduce_compression": "bfloat16", "partitions": 2,
+      "microbatches": 2}, False, 4, (), [2, 4, 2, 4]),
     # SMP custom loop: StepOutput.accumulate() averages over the replicas
     ("custom_loop_bfloat16", "custom_loop",
-     {"allreduce_compression": "bfloat16"}, False),
-])
+     {"allreduce_compression": "bfloat16"}, False, 2, (), None),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,mode,config,clip,processes,launcher,counts",
+                         CASES, ids=[c[0] for c in CASES])
 def test_compressed_gradients_stay_within_the_wire_dtypes_rounding(
-        tmp_path, reference, case, mode, config, clip):
-    ranks = _train(tmp_path, mode, config, clip)
+        tmp_path, reference, case, mode, config, clip, processes, launcher,
+        counts):
+    ranks = _train(tmp_path, mode, config, clip, processes,
+                   launcher_args=launcher)
     wire = {"fp16": "float16"}.get(config.get("allreduce_compression"),
                                    config.get("allreduce_compression"))
     for got in ranks[1:]:  # every replica applies the same update
         for k in ranks[0]:
-            np.testing.assert_array_equal(got[k], ranks[0][k], err_msg=k)
+            if k.startswith("w"):
+                np.testing.assert_array_equal(got[k], ranks[0][k],
+                                              err_msg=k)
+    if counts is not None:
+        assert [int(r["compressed"]) for r in ranks] == counts
     errors = _errors(ranks[0], reference)
     u = U[wire]
     if wire is None:
         assert max(errors) <= RTOL, errors
-        assert ranks[0]["compressed"] == 0
         return
-    assert max(errors) <= 2 * u, (case, errors)
+    assert max(errors) <= 3 * u, (case, errors)
     assert max(errors) > u / 16, (
         f"{case}: the gradients do not look compressed (errors {errors})")
-    if mode == "fit":  # every weight's gradient went compressed
-        assert ranks[0]["compressed"] >= 6, ranks[0]["compressed"]
-
 
 @pytest.mark.slow
 def test_horovod_sends_float16_compressed_gradients(tmp_path):
@@ -121,5 +152,5 @@ def test_horovod_sends_float16_compressed_gradients(tmp_path):
         np.testing.assert_array_equal(ranks[1][k], ranks[0][k], err_msg=k)
     errors = _errors(ranks[0], reference)
     u = U["float16"]
-    assert u / 16 < max(errors) <= 2 * u, errors
-    assert ranks[0]["compressed"] >= 6
+    assert u / 16 < max(errors) <= 3 * u, errors
+    assert [int(r["compressed"]) for r in ranks] == [6, 6]

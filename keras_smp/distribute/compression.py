@@ -1,13 +1,13 @@
 """Compressed gradient all-reduce: gradients sent as 16-bit floats.
 
 `SMPStrategy(allreduce_compression="bfloat16")` (or `"float16"`) rounds
-each replica's float32 (or float64) dense gradient to that dtype for the
+each replica's float32 dense gradient to that dtype for the
 data-parallel all-reduce, sums it in that dtype and casts the sum back:
 half the bytes to serialise, copy and send, as Horovod's
 `hvd.Compression.fp16` and PyTorch DDP's `bf16_compress_hook` do. Only
 gradient sums are compressed (`keras_smp.runtime.summing_gradients`);
-sparse gradients, gradients already 16-bit or narrower, integer values,
-metrics and losses travel as they are.
+sparse gradients kept sparse, gradients of other dtypes (16-bit,
+float64), integer values, metrics and losses travel as they are.
 
 Example:
 
@@ -24,6 +24,7 @@ assert back.dtype == tf.float32
 # bfloat16 keeps 8 significant bits: 1 + 2**-10 rounds to 1.
 assert back.numpy().tolist() == [1.0, 1.0, 3.0]
 assert compression.to_wire(tf.constant([1, 2]), "bfloat16").dtype == tf.int32
+assert not compression.compresses(tf.constant([1.0], tf.float64), "float16")
 ```
 """
 
@@ -34,10 +35,10 @@ DTYPES = ("bfloat16", "float16")
 
 
 def compresses(t, dtype):
-    """Whether `t` (a dense tensor) travels as `dtype`: a floating tensor
-    wider than it, and `dtype` is set."""
+    """Whether `t` (a dense tensor) travels as `dtype`: a float32 tensor,
+    and `dtype` is set (float64 values, such as exact counts, never)."""
     return (dtype is not None and isinstance(t, tf.Tensor)
-            and t.dtype.is_floating and t.dtype.size > tf.as_dtype(dtype).size)
+            and t.dtype == tf.float32)
 
 
 def to_wire(t, dtype):

@@ -113,9 +113,11 @@ else:
             model = compile_model()
     else:
         model = compile_model()
-    initial = [v.numpy() for v in model.trainable_variables]
+    # (whole weights: with one stage per process a collective that
+    # gathers every stage's; the model's weights are all trainable)
+    initial = model.get_weights()
     model.fit(X, Y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
-    final = [v.numpy() for v in model.trainable_variables]
+    final = model.get_weights()
     if strategy is not None:
         compressed = strategy.gradient_sync.compressed_traced
 
