@@ -11,13 +11,15 @@ on 2 emulated hosts (hierarchical), 2 pipelines of 2 stages in 2
 processes (with clipping), one stage per process with 2 replicas of each
 (4 processes), an SMP custom loop, and the Horovod lane (float16).
 
-- bound: 3u, u the unit roundoff of the wire dtype (bfloat16 2^-8,
-  float16 2^-11). Each step's gradient is the sum of 2 replicas' shares,
-  each rounded to the wire dtype (relative error <= u each), then the sum
-  rounded (<= u): at most 2u of the shares' magnitudes, which equals 2u of
-  the step's update where the shares have one sign. The 3 steps' updates
-  of a weight mostly have one sign too, and the weights' small drift
-  changes later gradients by a second-order amount: 3u leaves room for
+- bound: 3u (4u hierarchical), u the unit roundoff of the wire dtype
+  (bfloat16 2^-8, float16 2^-11). Each step's gradient is the sum of
+  the replicas' shares, each rounded to the wire dtype (relative error
+  <= u each), then the sum rounded (<= u; the hierarchical all-reduce of
+  4 replicas rounds twice: the sum inside a host, then across hosts): at
+  most 2u (3u) of the shares' magnitudes, which equals 2u (3u) of the
+  step's update where the shares have one sign. The 3 steps' updates of
+  a weight mostly have one sign too, and the weights' small drift changes
+  later gradients by a second-order amount: one u more leaves room for
   both. Observed (Intel Xeon and AMD EPYC): 0.4-0.7u.
 - compression really happened: the largest relative error of the run is
   above u/16, where the uncompressed run's is float32 rounding (observed
@@ -88,7 +90,7 @@ def _errors(got, ref):
 # traced once; None where not counted)
 CASES = [
     # data parallel over 2 processes: exact, bfloat16, float16
-    ("dp", "fit", {}, False, 2, (), [0, 0]),
+    ("dp", "fit", {}, False, 2, (), None),
     ("dp_bfloat16", "fit", {"allreduce_compression": "bfloat16"}, False, 2,
      (), [6, 6]),
     ("dp_float16", "fit", {"allreduce_compression": "fp16"}, False, 2, (),
@@ -135,7 +137,8 @@ def test_compressed_gradients_stay_within_the_wire_dtypes_rounding(
     if wire is None:
         assert max(errors) <= RTOL, errors
         return
-    assert max(errors) <= 3 * u, (case, errors)
+    bound = (4 if config.get("allreduce") == "hierarchical" else 3) * u
+    assert max(errors) <= bound, (case, errors)
     assert max(errors) > u / 16, (
         f"{case}: the gradients do not look compressed (errors {errors})")
 

@@ -123,8 +123,8 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
             Every process of the job must get the same keys for the same
             groups (see `keras_smp.runtime.keys`).
         compression: None, "bfloat16" or "float16": gradient sums (within
-            `keras_smp.runtime.summing_gradients`) send their float32 and
-            float64 values as that dtype (`keras_smp.distribute.compression`).
+            `keras_smp.runtime.summing_gradients`) send their float32
+            values as that dtype (`keras_smp.distribute.compression`).
     """
 
     _ALGORITHMS = ("ring", "hierarchical")

@@ -135,17 +135,17 @@ _summing_gradients = []
 
 
 @contextlib.contextmanager
-def summing_gradients(gradients=True):
+def summing_gradients():
     """Within: the data-parallel all-reduces sum gradients (the optimizer's
-    gradient sync), which `allreduce_compression` may send as 16-bit
-    floats (`keras_smp.distribute.compression`); every other all-reduce
-    (metrics, losses, moving statistics) is exact. `gradients=False`
-    marks a sum inside that sync which must stay exact (a count check).
-    Process-wide, as `sparse_gradients_as_is`: it is read when the
-    all-reduce is traced, and TensorFlow traces a step's replicas one
-    thread at a time (a `GradientAllReduce` traced by another thread at
-    the same moment would read it too)."""
-    _summing_gradients.append(gradients)
+    gradient sync), whose float32 values `allreduce_compression` may send
+    as 16-bit floats (`keras_smp.distribute.compression`); every other
+    all-reduce (metrics, losses, moving statistics) is exact. Sums inside
+    the sync that must stay exact are not float32 (the replicas' float64
+    count checks). Process-wide, as `sparse_gradients_as_is`: it is read
+    when the all-reduce is traced, and the replicas of one process trace
+    their steps in turn, in threads of their own (a `GradientAllReduce`
+    traced by another thread at the same moment would read it too)."""
+    _summing_gradients.append(True)
     try:
         yield
     finally:
@@ -153,8 +153,8 @@ def summing_gradients(gradients=True):
 
 
 def gradients_being_summed():
-    """Whether the innermost `summing_gradients` marks gradients."""
-    return bool(_summing_gradients) and _summing_gradients[-1]
+    """Whether `summing_gradients` is active."""
+    return bool(_summing_gradients)
 
 
 __all__ = ["Runtime", "current", "of", "keep_sparse",

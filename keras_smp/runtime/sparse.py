@@ -56,7 +56,6 @@ import threading
 
 import tensorflow as tf
 
-import keras_smp.runtime as runtime_package
 from keras_smp.runtime import deferred
 
 # Ops whose outputs depend on their inputs' shapes only.
@@ -330,13 +329,12 @@ def all_reduce(reduce, grads, variables, context):
     checks = []
     if unknown:
         with tf.device(grads[unknown[0]].values.device):  # (its stage's)
-            # (counts: exact, never compressed with the gradients)
-            with runtime_package.summing_gradients(False):
-                same, mean = same_counts(
-                    [tf.shape(grads[i].indices)[0] for i in unknown],
-                    lambda t: context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                                 t),
-                    replicas)
+            # (float64 counts: exact, never compressed with the gradients,
+            # `keras_smp.distribute.compression.compresses`)
+            same, mean = same_counts(
+                [tf.shape(grads[i].indices)[0] for i in unknown],
+                lambda t: context.all_reduce(tf.distribute.ReduceOp.SUM, t),
+                replicas)
         for k, i in enumerate(unknown):
             checks.append(tf.debugging.Assert(same[k], [
                 f"keras-smp: the data-parallel replicas hold different "
