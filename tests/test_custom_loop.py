@@ -52,9 +52,13 @@ def test_step_keeps_one_microbatch_gradient_at_a_time(layout):
     # and one stage per process (2 processes, 32 MB of weights each). The
     # weights exist before the training steps (a forward step made them).
     # Every microbatch's gradients were returned by the step, alive until
-    # `accumulate()` added them: two steps grew a process's peak resident
-    # set by ~8 x its weights (measured 8.7x in one process, 8.1x - 8.8x
-    # per stage process; Intel Xeon). Summed inside the step, each
+    # `accumulate()` added them: held in Python (the control, `--keep`,
+    # runs its training step eagerly), two steps grow a process's peak
+    # resident set by ~8 x its weights and more (measured 10.4x in one
+    # process, 10.6x per stage
+    # process, AMD EPYC; traced into one graph the same sums measured
+    # 3.9x - 10.8x there, as the executor's order let it free them: too
+    # variable for a control, which failed CI once). Summed inside the step, each
     # microbatch's gradient computed after the earlier ones' sum, a step
     # holds the sum, one microbatch's gradient and the update's
     # temporaries: measured 2.0x and 2.4x - 2.9x. Bounds: 4x for the sum;
