@@ -52,20 +52,18 @@ def test_step_keeps_one_microbatch_gradient_at_a_time(layout):
     # and one stage per process (2 processes, 32 MB of weights each). The
     # weights exist before the training steps (a forward step made them).
     # Every microbatch's gradients were returned by the step, alive until
-    # `accumulate()` added them: held in Python (the control, `--keep`,
-    # runs its training step eagerly), two steps grow a process's peak
-    # resident set by ~8 x its weights and more (measured 10.4x in one
-    # process, 10.6x per stage
-    # process, AMD EPYC; traced into one graph the same sums measured
-    # 3.9x - 10.8x there, as the executor's order let it free them: too
-    # variable for a control, which failed CI once). Summed inside the step, each
-    # microbatch's gradient computed after the earlier ones' sum, a step
-    # holds the sum, one microbatch's gradient and the update's
-    # temporaries: measured 2.0x and 2.4x - 2.9x. Bounds: 4x for the sum;
-    # the old way must cost 3x the weights more, so the test sees the
-    # difference it claims (summing without ordering the microbatches
-    # measured 8x and more: no saving). Memory is each process's measured
-    # VmHWM, not computed from shapes.
+    # `accumulate()` added them. The control (`--keep`) holds them in
+    # Python (its training step runs eagerly): two steps grow a process's
+    # peak resident set by 10.4x its weights in one process, 10.6x per
+    # stage process (AMD EPYC, every run). Traced into one graph, the same
+    # sums measured 3.9x - 10.8x there, as the executor's order let it
+    # free each gradient once added or not: too variable for a control
+    # (it failed CI once). Summed inside the step, each microbatch's
+    # gradient computed after the earlier ones' sum, a step holds the sum,
+    # one microbatch's gradient and the update's temporaries: measured
+    # 2.0x and 2.4x - 2.9x. Bounds: 4x for the sum; the control must cost
+    # 3x the weights more, so the test sees the difference it claims.
+    # Memory is each process's measured VmHWM, not computed from shapes.
     def measure(*flags):
         if layout == "stages":
             out = launch(2, [f"{WORKERS}/custom_loop_memory.py", "--stages",
