@@ -31,7 +31,12 @@ TensorFlow is imported lazily: `import keras_smp` and the rank helpers work
 without it, so launch scripts can read ranks before building anything.
 """
 
-from keras_smp.config import SMPConfig
+from keras_smp.runtime import malloc as _malloc
+
+# Before TensorFlow starts its thread pools: see keras_smp.runtime.malloc.
+_malloc.limit_arenas()
+
+from keras_smp.config import SMPConfig  # noqa: E402
 from keras_smp.pipeline.scope import partition
 from keras_smp.ranks import dp_rank
 from keras_smp.ranks import dp_size

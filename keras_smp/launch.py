@@ -55,6 +55,7 @@ import time
 from typing import Mapping, Optional, Sequence
 
 from keras_smp import rendezvous
+from keras_smp.runtime import malloc
 
 __all__ = ["free_ports", "make_tf_config", "tf_config_for", "worker_env", "run",
            "main"]
@@ -216,14 +217,15 @@ def worker_env(
 
     Returns:
         A new dict with `TF_CONFIG`, `SMP_LAUNCHED=1`, `PYTHONUNBUFFERED=1`,
-        `PYTHONFAULTHANDLER=1` (unless `base_env` sets it) and (if given)
-        `SMP_HOST_MAP` set on top of `base_env`.
+        `PYTHONFAULTHANDLER=1` and `MALLOC_ARENA_MAX=1` (each unless
+        `base_env` sets it, see `keras_smp.runtime.malloc`) and (if
+        given) `SMP_HOST_MAP` set on top of `base_env`.
 
     Example:
 
     >>> env = worker_env([1111, 2222], 0, base_env={})
-    >>> env["SMP_LAUNCHED"], env["PYTHONFAULTHANDLER"]
-    ('1', '1')
+    >>> env["SMP_LAUNCHED"], env["PYTHONFAULTHANDLER"], env["MALLOC_ARENA_MAX"]
+    ('1', '1', '1')
     """
     env = dict(os.environ if base_env is None else base_env)
     env["TF_CONFIG"] = (make_tf_config(ports, index) if workers is None
@@ -233,6 +235,9 @@ def worker_env(
     # A worker killed by a signal (a native crash: SIGSEGV, SIGABRT, ...)
     # prints every thread's Python stack first, so its log says where.
     env.setdefault("PYTHONFAULTHANDLER", "1")
+    # glibc's malloc in one arena from the start (unless set):
+    # keras_smp.runtime.malloc.
+    malloc.worker_env(env)
     if host_map is not None:
         host_map = list(host_map)
         size = len(ports) if workers is None else len(workers)

@@ -93,6 +93,7 @@ def test_smp_hybrid_horovod_example_trains(workers):
                                   "keras_smp.pipeline.shards",
                                   "keras_smp.runtime.sparse",
                                   "keras_smp.distribute.compression",
+                                  "keras_smp.runtime.malloc",
                                   "save_model",
                                   "save_weights", "save(", "export(",
                                   "compile", "get_layer", "__getattr__",

@@ -37,6 +37,7 @@ LAYERS = {
         "keras_smp.ranks", "keras_smp.state", "keras_smp.launch",
         "keras_smp.rendezvous",
         "keras_smp.runtime", "keras_smp.runtime.keys",
+        "keras_smp.runtime.malloc",
         "keras_smp.runtime.calls",
         "keras_smp.runtime.layout", "keras_smp.runtime.placement",
         "keras_smp.distribute.groups", "keras_smp.pipeline",
