@@ -495,10 +495,8 @@ def main():
           "the gradient buffers are the same for every schedule, so the "
           "differences between rows are activations; bound = the same pipelined step run serially "
           "in 1 process, overlapped ideally (microbatches of BATCH/m rows "
-          "make smaller, slower matmuls; with both stages on logical devices "
-          "of one process this overstates the penalty the stage processes "
-          "pay: see docs/performance.md and executed_timeline.py "
-          "--processes 2)")
+          "make smaller, slower matmuls; what the stage processes pay: "
+          "executed_timeline.py --processes 2; see docs/performance.md)")
     for m in ms_list:
         print(f"  m={m:>2}: serial pipelined step with microbatches of "
               f"{BATCH // m} rows: {serial[m]:.0f} ms "
