@@ -65,10 +65,15 @@ def env(lean=True, **extra):
     e["PYTHONPATH"] = os.pathsep.join(
         path + [ROOT, e.get("PYTHONPATH", "")])
     e["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    # As `keras-smp launch` gives its workers (keras_smp.runtime.malloc),
+    # whatever the shell says: the fork servers start with it, so the
+    # launched workers' environment matches theirs and they are forked.
+    e["MALLOC_ARENA_MAX"] = "1"
     for k in ("TF_CONFIG", "SMP_CONFIG", "SMP_HOST_MAP", "SLURM_PROCID"):
         e.pop(k, None)
+    # (`None`: the variable is removed)
     e.update(extra)
-    return e
+    return {k: v for k, v in e.items() if v is not None}
 
 
 # Every worker's time limit (`run_python`, `launch`) is multiplied by this:

@@ -28,10 +28,12 @@ def arenas():
     libc.fclose(f)
     return ctypes.string_at(buf, size.value).decode().count("<heap nr=")
 
+if sys.argv[1] == "tensorflow first":
+    import tensorflow as tf
 import keras_smp
-before = arenas()
 import numpy as np
 import tensorflow as tf
+before = arenas()
 tf.config.threading.set_inter_op_parallelism_threads(2)
 x = tf.constant(np.ones((256, 256), "float32"))
 tf.function(lambda a: tf.reduce_sum(a @ a), jit_compile=True)(x).numpy()
@@ -53,35 +55,55 @@ print("RESULT " + json.dumps({"before": before, "after": after,
 """
 
 
-def _arenas(extra_env=None):
+def _arenas(order, extra_env):
     # A fresh interpreter (not forked from the suite's server): glibc reads
     # MALLOC_ARENA_MAX when the process starts.
-    out = run_python(["-c", ARENAS], extra_env=extra_env, fork=False).stdout
+    out = run_python(["-c", ARENAS, order], extra_env=extra_env,
+                     fork=False).stdout
     return json.loads(out.split("RESULT ", 1)[1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux")
-                    or platform.libc_ver()[0] != "glibc",
-                    reason="glibc's malloc arenas exist on Linux with glibc "
-                           "only; elsewhere keras-smp leaves malloc alone")
-def test_import_keeps_tensorflows_threads_in_one_malloc_arena():
+GLIBC = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+    reason="glibc's malloc arenas exist on Linux with glibc only; "
+           "elsewhere keras-smp leaves malloc alone")
+
+
+@GLIBC
+@pytest.mark.parametrize("order", ["keras_smp first", "tensorflow first"])
+def test_import_keeps_tensorflows_threads_in_one_malloc_arena(order):
     # Without a limit each new thread that allocates gets an arena of its
     # own (glibc's default, up to 8 per core): the control, with the
     # user's MALLOC_ARENA_MAX=16 kept by keras-smp, counts more arenas
     # after TensorFlow's and the 4 threads' allocations. `import keras_smp`
-    # (no MALLOC_ARENA_MAX set) limits glibc to 1: the count stays.
-    limited = _arenas()
+    # (no MALLOC_ARENA_MAX set), before or after `import tensorflow`,
+    # limits glibc to 1: the count stays.
+    limited = _arenas(order, {"MALLOC_ARENA_MAX": None})
     assert limited["env"] is None, limited
     assert limited["after"] == limited["before"], limited
-    control = _arenas({"MALLOC_ARENA_MAX": "16"})
+    control = _arenas(order, {"MALLOC_ARENA_MAX": "16"})
     assert control["after"] >= control["before"] + 4, control
+
+
+def test_a_limit_the_user_set_is_kept():
+    # (Pure Python: only environments that set the limit are passed, so
+    # this pytest process's malloc is not touched.)
+    from keras_smp.runtime import malloc
+
+    for user in ({"MALLOC_ARENA_MAX": "4"},
+                 {"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}):
+        assert malloc.limit_arenas(dict(user)) is False, user
+        assert malloc.worker_env(dict(user)) == user, user
+    assert malloc.worker_env({"GLIBC_TUNABLES": "glibc.cpu.x86_ibt=on"}) == {
+        "GLIBC_TUNABLES": "glibc.cpu.x86_ibt=on", "MALLOC_ARENA_MAX": "1"}
 
 
 def test_launched_workers_get_one_malloc_arena_unless_set():
     # `keras-smp launch` exports MALLOC_ARENA_MAX=1 (glibc applies it from
     # the worker's start); a value the user set is passed on.
     code = "import os; print('ARENAS', os.environ.get('MALLOC_ARENA_MAX'))"
-    out = launch(2, ["-c", code], timeout=60).stdout
+    out = launch(2, ["-c", code], timeout=60,
+                 extra_env={"MALLOC_ARENA_MAX": None}).stdout
     assert out.count("ARENAS 1") == 2, out
     out = launch(2, ["-c", code], timeout=60,
                  extra_env={"MALLOC_ARENA_MAX": "4"}).stdout

@@ -66,7 +66,8 @@ def main():
     # microbatch's gradient, are held in Python until `accumulate()` adds
     # them. Traced into one graph, TensorFlow may free each as soon as it
     # is added, before the next microbatch's gradient exists, or not,
-    # depending on when the other stage's gradients arrive: measured 3.9x
+    # depending on the order its executor runs them (with one stage per
+    # process: on when the other stage's gradients arrive): measured 3.9x
     # to 10.8x the weights on one stage process (AMD EPYC), too variable
     # to show what the measurement sees.
     if not keep:
