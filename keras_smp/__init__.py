@@ -31,8 +31,10 @@ TensorFlow is imported lazily: `import keras_smp` and the rank helpers work
 without it, so launch scripts can read ranks before building anything.
 
 On Linux with glibc, `import keras_smp` limits malloc to one arena, so that
-TensorFlow's threads keep a step's memory mapped from step to step; setting
-`MALLOC_ARENA_MAX` yourself keeps your value (`keras_smp.runtime.malloc`).
+TensorFlow's threads keep a step's memory mapped from step to step (import it
+before TensorFlow runs anything); setting `MALLOC_ARENA_MAX` or
+`GLIBC_TUNABLES=glibc.malloc.arena_max=...` yourself keeps your value
+(`keras_smp.runtime.malloc`).
 """
 
 from keras_smp.runtime import malloc as _malloc

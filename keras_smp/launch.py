@@ -218,8 +218,9 @@ def worker_env(
     Returns:
         A new dict with `TF_CONFIG`, `SMP_LAUNCHED=1`, `PYTHONUNBUFFERED=1`,
         `PYTHONFAULTHANDLER=1` and `MALLOC_ARENA_MAX=1` (each unless
-        `base_env` sets it, see `keras_smp.runtime.malloc`) and (if
-        given) `SMP_HOST_MAP` set on top of `base_env`.
+        `base_env` sets it, or for the latter a `GLIBC_TUNABLES`
+        arena_max; see `keras_smp.runtime.malloc`) and (if given)
+        `SMP_HOST_MAP` set on top of `base_env`.
 
     Example:
 

@@ -21,8 +21,8 @@ anything (as `SMPStrategy` requires anyway). `keras-smp launch` exports
 `MALLOC_ARENA_MAX=1` to its workers, which glibc applies from the
 process's start. Both leave malloc alone when the environment sets
 `MALLOC_ARENA_MAX` or `GLIBC_TUNABLES=glibc.malloc.arena_max=...`: set
-either to choose (`MALLOC_ARENA_MAX=64`, say, is glibc's usual limit on
-a machine of 8 cores or fewer), e.g. where many threads allocate at once
+either to choose (glibc's default allows 8 arenas per core), e.g. where
+many threads allocate at once
 (a wide `tf.data` pipeline) and contend for one arena. Nothing is
 changed on other C libraries or systems.
 
