@@ -47,9 +47,9 @@ WORKER = os.path.join(WORKERS, "compressed_sync.py")
 
 
 def _train(out, mode, config=None, clip=False, processes=2, horovod=False,
-           launcher_args=()):
+           launcher_args=(), scale=1.0):
     args = [WORKER, "--out", str(out), "--mode", mode,
-            "--config", json.dumps(config or {})] + (
+            "--config", json.dumps(config or {}), "--scale", str(scale)] + (
                 ["--clip"] if clip else [])
     os.makedirs(str(out), exist_ok=True)
     python = HVD_PYTHON if horovod else None
@@ -141,6 +141,51 @@ def test_compressed_gradients_stay_within_the_wire_dtypes_rounding(
     assert max(errors) <= bound, (case, errors)
     assert max(errors) > u / 16, (
         f"{case}: the gradients do not look compressed (errors {errors})")
+
+# Loss x 2^20, learning rate / 2^20: the same updates (powers of 2), and
+# gradients beyond float16's 65504.
+SCALE = 2.0**20
+
+
+@pytest.fixture(scope="module")
+def scaled_reference(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("scaled"), "reference",
+                  processes=1, scale=SCALE)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,config,processes", [
+    ("fit", {"allreduce_compression": "float16"}, 2),
+    # 2 stage processes x 2 replicas
+    ("fit", {"allreduce_compression": "float16", "partitions": 2,
+             "microbatches": 2}, 4),
+    ("custom_loop", {"allreduce_compression": "float16"}, 2),
+], ids=["dp", "stages", "custom_loop"])
+def test_float16_sums_that_overflow_are_summed_again_in_float32(
+        tmp_path, scaled_reference, mode, config, processes):
+    ref = scaled_reference
+    # Some gradient entry exceeds float16's range: 3 steps moved a weight
+    # by more than 3 x lr x 65504.
+    lr = 0.1 / SCALE
+    moved = max(np.abs(ref[f"w_{i}"] - ref[f"w0_{i}"]).max()
+                for i in range(6))
+    assert moved > 3 * lr * 65504, moved
+    ranks = _train(tmp_path, mode, config, processes=processes, scale=SCALE)
+    for got in ranks:
+        for k in got:
+            assert np.all(np.isfinite(got[k])), k
+    errors = _errors(ranks[0], ref)
+    if mode == "fit":
+        # Each step's sync overflowed and was summed again in float32:
+        # one device's weights to float32 rounding, as uncompressed.
+        assert max(errors) <= RTOL, errors
+    else:
+        # A custom loop sums each gradient on its own: those that
+        # overflowed in float16 were summed again in float32 (a weight
+        # to float32 rounding), the others stayed compressed.
+        assert min(errors) <= RTOL, errors
+        assert max(errors) <= 3 * U["float16"], errors
+
 
 @pytest.mark.slow
 def test_horovod_sends_float16_compressed_gradients(tmp_path):

@@ -133,6 +133,55 @@ def test_replicas_of_unequal_shares_match_single_device(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("workers,config", [
+    (1, {}), (2, {}), (4, {"partitions": 2, "microbatches": 2})],
+    ids=["local_replicas", "processes", "pipeline_replicas"])
+def test_loss_returning_the_batch_mean_trains_as_on_one_device(
+        tmp_path, reference, workers, config):
+    # A loss function that reduces over the rows itself (one scalar):
+    # Keras divides per-row losses by the replicas, not such a value, so
+    # the replicas' gradients summed to twice one device's (stock Keras
+    # under MirroredStrategy too; measured: weights off by 0.9x their
+    # update after 3 steps). Each part's value now counts as its rows'
+    # values, by its share of them: a last batch of 27 rows, 14/13 over
+    # local replicas, 16/11 over processes; microbatches of 8/8 and 6/5.
+    flags = ["--batch-loss", "--unweighted", "--partial", "--samples", "91"]
+    args = fit_model(tmp_path, *flags, "--config", json.dumps(
+        dict(config, collective_timeout_seconds=120))) + (
+            ["--pipelined"] if "partitions" in config else []) + (
+                ["--local-devices", "2"] if workers == 1 else [])
+    if workers == 1:
+        run_python(args, timeout=300)
+    else:
+        launch(workers, args)
+    ref = reference(*flags)
+    for r in range(workers):
+        got = load(tmp_path, r)
+        assert int(got["replicas"]) == 2
+        assert_same_training(got, ref)
+
+
+@pytest.mark.parametrize("pipelined", [False, True],
+                         ids=["replicas", "microbatches"])
+def test_loss_returning_the_batch_mean_with_sample_weights_is_refused(
+        tmp_path, pipelined):
+    # With sample weights one device multiplies such a value by the
+    # batch's mean weight: a product of two means of the whole batch,
+    # which no sum of the parts' losses gives.
+    args = fit_model(tmp_path, "--batch-loss", "--epochs", "1") + (
+        ["--pipelined", "--config", json.dumps(
+            {"partitions": 2, "microbatches": 2})] if pipelined
+        else ["--local-devices", "2"])
+    proc = run_python(args, timeout=300, check=False)
+    assert proc.returncode != 0
+    parts = ("2 microbatches" if pipelined else "2 replicas")
+    assert ("the loss 'batch_loss' returns one value for the whole batch"
+            in proc.stderr), proc.stderr[-3000:]
+    assert f"splits the batch into {parts} with sample weights" in proc.stderr
+    assert "Return one loss per row instead" in proc.stderr
+
+
+@pytest.mark.slow
 def test_own_steps_of_worker_processes_match_single_device(tmp_path):
     # tests/workers/custom_steps_fit.py: models with steps of their own
     # (a GAN without a call, training two parts with two optimizers; a

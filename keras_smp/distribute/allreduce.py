@@ -351,15 +351,12 @@ class GradientAllReduce(cross_device_ops_lib.CollectiveAllReduce):
 
     def _all_reduce_dense(self, values, replica_id, stage, options):
         values = [tf.convert_to_tensor(v) for v in values]
-        dtypes = [v.dtype for v in values]
         wire = self.compression if runtime.gradients_being_summed() else None
-        if wire is not None:
-            self.compressed_traced += sum(
-                compression_lib.compresses(v, wire) for v in values)
-            values = [compression_lib.to_wire(v, wire) for v in values]
-        return [compression_lib.from_wire(v, dtype) for v, dtype in zip(
-            self._all_reduce_wire(values, replica_id, stage, options),
-            dtypes)]
+        self.compressed_traced += sum(
+            compression_lib.compresses(v, wire) for v in values)
+        return compression_lib.summed(
+            values, wire, lambda values: self._all_reduce_wire(
+                values, replica_id, stage, options))
 
     def _all_reduce_wire(self, values, replica_id, stage, options):
         # Values of shapes unknown when traced (a length left unknown) go

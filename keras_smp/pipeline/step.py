@@ -522,15 +522,21 @@ def _whole_batch_loss(model, y, y_pred, sample_weight, context=None,
     each mean loss counts by the replica's share of its divisor (see
     `runtime.loss_shares`; `rows_share`: the replica's share of the rows,
     `None` when they are equal)."""
+    loss_shares.count_batch_values_per_row(model, y, y_pred)
     divisors = (loss_shares.replica_divisors(model, y, y_pred,
                                              static is not None,
                                              sample_weight is not None)
                 if context is not None else None)
-    if divisors is None:
-        return keras_private.compiled_loss(model)(y, y_pred, sample_weight)
-    loss, _ = loss_shares.shared_loss(
-        model, context, divisors, y, y_pred, sample_weight, None,
-        rows_share=1.0 if rows_share is None else rows_share)
+    with loss_shares.computing_parts(
+            None if context is None else
+            f"{context.num_replicas_in_sync} replicas",
+            sample_weight is not None):
+        if divisors is None:
+            return keras_private.compiled_loss(model)(y, y_pred,
+                                                      sample_weight)
+        loss, _ = loss_shares.shared_loss(
+            model, context, divisors, y, y_pred, sample_weight, None,
+            rows_share=1.0 if rows_share is None else rows_share)
     return loss
 
 
@@ -881,6 +887,8 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
     `static`: whether the batch's size is known (the same in every
     replica)."""
     graph = model.staged_graph
+    loss_shares.count_batch_values_per_row(model, ys[0],
+                                           graph.outputs_struct)
     compiled = keras_private.compiled_loss(model)
     entries = keras_private.compiled_loss_entries(model, ys[0],
                                                   graph.outputs_struct)
@@ -894,8 +902,16 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
     # One microbatch and several replicas: the replica's shares, from the
     # outputs' masks as the model made them (nothing computed ahead).
     once = m == 1 and context is not None
+    parts = " of ".join(
+        ([f"{m} microbatches"] if m > 1 else [])
+        + ([f"{context.num_replicas_in_sync} replicas"] if context is not None
+           else [])) or None
 
     def loss_fn(out, mb):
+        with loss_shares.computing_parts(parts, sample_weight is not None):
+            return microbatch_loss(out, mb)
+
+    def microbatch_loss(out, mb):
         if isinstance(rows, list):
             # Keras weights its per-output loss metrics by the static
             # rows of the predictions: unknown, as for a partial batch of

@@ -133,6 +133,17 @@ def compiled_loss_entries(model, y_true=None, y_pred=None):
     return [(tuple(entry.path), entry.loss) for entry in loss._flat_losses]
 
 
+def rewrap_compiled_losses(model, wrap):
+    """Replaces, in place, the `Loss` of each entry of `model`'s built
+    compiled loss by `wrap(loss)` (which returns `loss` to keep it):
+    Keras' own steps then call the replacements too."""
+    loss = compiled_loss(model)
+    flat = getattr(loss, "_flat_losses", None)
+    if flat:
+        loss._flat_losses = [entry._replace(loss=wrap(entry.loss))
+                             for entry in flat]
+
+
 def compiled_loss_replacing(model, wrap, which):
     """A copy of `model`'s compiled loss (the same per-output loss
     trackers) whose entries whose `Loss` passes `which(loss)` call

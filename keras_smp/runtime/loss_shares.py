@@ -23,6 +23,9 @@ outputs they use and how Keras lays out sample weights is read through
 `keras_private`.
 """
 
+import contextlib
+import threading
+
 import keras
 import tensorflow as tf
 
@@ -57,6 +60,115 @@ def divides_by_weights(loss):
     return (reduction_of(loss) == "mean_with_sample_weight"
             and isinstance(loss, keras.losses.Loss)
             and type(loss).__call__ is keras.losses.Loss.__call__)
+
+
+def count_batch_values_per_row(model, y, y_pred):
+    """Makes `model`'s compiled mean losses count a value that their
+    `call` gives for the whole part of the batch (one scalar: a loss
+    function that reduces itself, `ops.mean(...)`) as every row's value.
+
+    Keras reduces such a scalar as it is: one device gets the batch's
+    mean, but `tf.distribute` replicas do not divide it by their number,
+    as they divide per-row losses (`scale_loss_for_distribution`), so
+    their summed gradients are the replicas' count times one device's
+    (stock Keras under `MirroredStrategy` too), and their shares
+    (`scaled_sample_weights`) cannot weigh it. A value filled over the
+    output's rows is reduced as per-row values are: the mean of equal
+    values is the value on one device, sample weights and Keras masks
+    weigh it as they weigh per-row values, and replicas and microbatches
+    count by their shares. `"sum"` losses and losses with a `__call__`
+    of their own are left as they are. Builds the compiled loss from `y`
+    and `y_pred` if Keras has not; idempotent.
+
+    Example:
+
+    ```python
+    import keras
+    import tensorflow as tf
+    from keras_smp.runtime import keras_private
+    from keras_smp.runtime.loss_shares import count_batch_values_per_row
+
+    def batch_mse(y_true, y_pred):  # reduces over the batch itself
+        return keras.ops.mean((y_true - y_pred) ** 2)
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", loss=batch_mse)
+    x, y = tf.ones([4, 2]), tf.zeros([4, 1])
+    before = float(keras_private.compiled_loss(model)(y, model(x)))
+    count_batch_values_per_row(model, y, model(x))
+    after = keras_private.compiled_loss(model)(y, model(x))
+    assert abs(float(after) - before) <= 1e-6 * abs(before)
+    ```
+    """
+    if keras_private.compiled_loss(model) is None:
+        return
+    keras_private.compiled_loss_entries(model, y, y_pred)  # built
+    keras_private.rewrap_compiled_losses(model, _per_row)
+
+
+class _Parts(threading.local):
+    """What the compiled loss computing in this thread (a replica's) is
+    a part of: `None` (the whole batch), or `(parts, weighted)`."""
+
+    current = None
+
+
+_parts = _Parts()
+
+
+@contextlib.contextmanager
+def computing_parts(parts, weighted):
+    """While the compiled loss computes one of `parts` (a description,
+    e.g. "2 replicas"; None: the whole batch) of a step given sample
+    weights (`weighted`): a loss giving one value for its part then fails
+    where the parts cannot add up to the batch's (`_per_row`)."""
+    before = _parts.current
+    _parts.current = None if parts is None else (parts, weighted)
+    try:
+        yield
+    finally:
+        _parts.current = before
+
+
+def _per_row(loss):
+    """`loss`, or a copy whose `call` fills a scalar value over the
+    output's rows (see `count_batch_values_per_row`)."""
+    if (getattr(loss, "_smp_per_row", False)
+            or not isinstance(loss, keras.losses.Loss)
+            or type(loss).__call__ is not keras.losses.Loss.__call__
+            or reduction_of(loss) not in MEANS + ("mean_with_sample_weight",)):
+        return loss
+    own = loss.call
+
+    def call(y_true, y_pred):
+        values = keras.ops.convert_to_tensor(own(y_true, y_pred))
+        first = keras.tree.flatten(y_pred)[0]
+        if values.shape.rank != 0 or not first.shape.rank:
+            return values
+        if _parts.current is not None:
+            parts, weighted = _parts.current
+            masked = keras_private.keras_mask(first) is not None
+            if weighted or masked:
+                what = "sample weights" if weighted else (
+                    "a Keras mask on its output")
+                raise ValueError(
+                    f"keras-smp: the loss {loss.name!r} returns one value "
+                    "for the whole batch (it reduces over the rows itself), "
+                    f"and this step splits the batch into {parts} with "
+                    f"{what}: Keras multiplies such a value by the batch's "
+                    "mean weight, which the parts' values cannot add up "
+                    "to. Return one loss per row instead (reduce over the "
+                    "other axes only, e.g. `ops.mean(..., axis=-1)`), or "
+                    f"train without {what}.")
+        return tf.fill(tf.shape(first)[:1], values)
+
+    # (a shallow copy: `copy.copy` would serialise the loss, which a
+    # function not registered with Keras cannot be)
+    proxy = object.__new__(type(loss))
+    proxy.__dict__.update(loss.__dict__)
+    proxy.call = call
+    proxy._smp_per_row = True
+    return proxy
 
 
 def weights_at(path, given):

@@ -207,8 +207,13 @@ def _patch_compute_loss(trainer):
         if context is None:
             return original(self, x, y, y_pred, sample_weight,
                             training=training)
-        return _global_share_loss(self, original, context, x, y, y_pred,
-                                  sample_weight, training)
+        from keras_smp.runtime import loss_shares
+
+        with loss_shares.computing_parts(
+                f"{context.num_replicas_in_sync} replicas",
+                sample_weight is not None):
+            return _global_share_loss(self, original, context, x, y, y_pred,
+                                      sample_weight, training)
 
     compute_loss._smp_patched = True
     trainer.compute_loss = compute_loss
@@ -248,6 +253,8 @@ def _global_share_loss(model, original, context, x, y, y_pred,
     from keras_smp.runtime import loss_shares
 
     first = next((t for t in keras.tree.flatten(x) if t is not None), None)
+    if y is not None and y_pred is not None:
+        loss_shares.count_batch_values_per_row(model, y, y_pred)
     if first is None:
         return original(model, x, y, y_pred, sample_weight,
                         training=training)

@@ -285,8 +285,13 @@ def _over_replicas(t, final_op="Div", gradient=False):
     size, timeout = _replica_sync()
     wire = state.config().allreduce_compression if gradient else None
     if compression.compresses(t, wire):
-        out = _over_replicas(compression.to_wire(t, wire), "Id")
-        out = compression.from_wire(out, t.dtype)
+        graph = tf.compat.v1.get_default_graph()
+        (out,) = compression.summed(
+            [t], wire, lambda values: [_over_replicas(values[0], "Id")])
+        if not tf.executing_eagerly():
+            # (a float16 sum summed again in float32 happens in a branch
+            # of its own graph: later collectives wait for the branch)
+            graph._smp_last_collective = out
         return out / tf.cast(size, t.dtype) if final_op == "Div" else out
     if tf.executing_eagerly():
         return tf.raw_ops.CollectiveReduceV2(

@@ -2,6 +2,7 @@
 did, to compare gradient sync with and without `allreduce_compression`.
 
 Usage: compressed_sync.py --out DIR --mode MODE [--config JSON] [--clip]
+                          [--scale S]
 
 MODE:
   reference    plain Keras on one device, global batches of 32 rows
@@ -14,6 +15,9 @@ MODE:
 
 `--clip`: the optimizer clips (`global_clipnorm`, large enough never to
 bind): keras-smp sums the gradients before clipping, another path.
+`--scale S`: the loss is multiplied by S and the learning rate divided by
+it (S a power of 2: the same updates, up to rounding), so that gradients
+exceed float16's range (65504).
 
 Writes DIR/rank{R}.npz: the initial and final weights (`w0_i`, `w_i`),
 and `compressed`: how many gradients the data-parallel all-reduce sent
@@ -30,6 +34,7 @@ p.add_argument("--mode", required=True,
                choices=["reference", "fit", "custom_loop"])
 p.add_argument("--config", default="{}")
 p.add_argument("--clip", action="store_true")
+p.add_argument("--scale", type=float, default=1.0)
 args = p.parse_args()
 config = json.loads(args.config)
 
@@ -52,7 +57,11 @@ def build(keras):
 
 def optimizer(keras):
     return keras.optimizers.SGD(
-        LR, global_clipnorm=1e6 if args.clip else None)
+        LR / args.scale, global_clipnorm=1e6 if args.clip else None)
+
+
+def loss(keras, y, pred):
+    return keras.ops.mean((pred - y) ** 2) * args.scale
 
 
 rank, compressed = 0, -1
@@ -72,8 +81,8 @@ if args.mode == "custom_loop":
 
     @smp.step
     def grads(x, y):
-        loss = keras.ops.mean((model(x, training=True) - y) ** 2)
-        return opt.get_gradients(loss, model.trainable_variables), loss
+        value = loss(keras, y, model(x, training=True))
+        return opt.get_gradients(value, model.trainable_variables), value
 
     @tf.function
     def train(x, y):
@@ -105,7 +114,9 @@ else:
         model = build(keras)
         if config.get("partitions", 1) > 1:
             model = keras_smp.DistributedModel(model)
-        model.compile(optimizer=optimizer(keras), loss="mse")
+        model.compile(optimizer=optimizer(keras), loss=(
+            "mse" if args.scale == 1 else
+            lambda y, pred: loss(keras, y, pred)))
         return model
 
     if strategy is not None:

@@ -65,6 +65,11 @@ p.add_argument("--pipelined", action="store_true",
 p.add_argument("--reduction", default="sum_over_batch_size",
                help="the loss's reduction (mean_with_sample_weight: divided "
                "by the batch's sample weights)")
+p.add_argument("--batch-loss", action="store_true",
+               help="the loss is a function returning the batch's mean "
+               "(one scalar: it reduces over the rows itself)")
+p.add_argument("--unweighted", action="store_true",
+               help="the data without sample weights")
 p.add_argument("--xla", action="store_true",
                help="compile(jit_compile=True) (op determinism off: Keras "
                "refuses XLA with it)")
@@ -101,8 +106,9 @@ if args.model in ("tokens", "reversible", "reversible_tied",
     y = x % 3
     # Per-token sample weights (Keras multiplies them by the mask).
     sw = rng.uniform(0.5, 1.5, size=x.shape).astype("float32")
-ds = tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(
-    args.global_batch, drop_remainder=not args.partial)
+ds = tf.data.Dataset.from_tensor_slices(
+    (x, y) if args.unweighted else (x, y, sw)).batch(
+        args.global_batch, drop_remainder=not args.partial)
 
 
 if args.pipelined:
@@ -273,10 +279,16 @@ def build():
         opt = keras.optimizers.Adam(learning_rate=1e-2)
     model.compile(
         optimizer=opt, jit_compile=args.xla,
-        loss=keras.losses.SparseCategoricalCrossentropy(
+        loss=batch_loss if args.batch_loss else
+        keras.losses.SparseCategoricalCrossentropy(
             from_logits=True, reduction=args.reduction),
         metrics=[] if args.no_metrics else ["sparse_categorical_accuracy"])
     return model
+
+
+def batch_loss(y_true, y_pred):
+    return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(
+        y_true, y_pred, from_logits=True))
 
 
 if strategy is not None:
