@@ -27,6 +27,11 @@ processes (with clipping), one stage per process with 2 replicas of each
   float16 are 10x and 3x that bound. And each rank's all-reduce traced
   exactly its weights' gradients compressed, once per local replica
   (`GradientAllReduce.compressed_traced`).
+- float16 sums beyond 65504 (the loss x 2^20, the learning rate / 2^20:
+  the same updates) are summed again in float32: finite weights, equal to
+  one device's to float32 rounding (RTOL) in `fit`; in a custom loop,
+  which sums each gradient on its own, the overflowing ones so and the
+  others within 3u.
 """
 
 import json
@@ -202,3 +207,13 @@ def test_horovod_sends_float16_compressed_gradients(tmp_path):
     u = U["float16"]
     assert u / 16 < max(errors) <= 3 * u, errors
     assert [int(r["compressed"]) for r in ranks] == [6, 6]
+    # Sums beyond float16's range: summed again in float32 through
+    # Horovod too (its allreduce inside the same branch).
+    reference = _train(tmp_path / "scaled_reference", "reference",
+                       processes=1, horovod=True, scale=SCALE)[0]
+    ranks = _train(tmp_path / "hvd_scaled", "fit",
+                   {"allreduce": "horovod", "allreduce_compression": "float16"},
+                   horovod=True, scale=SCALE)
+    for k in ranks[0]:
+        assert np.all(np.isfinite(ranks[0][k])), k
+    assert max(_errors(ranks[0], reference)) <= RTOL

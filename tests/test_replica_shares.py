@@ -161,24 +161,42 @@ def test_loss_returning_the_batch_mean_trains_as_on_one_device(
         assert_same_training(got, ref)
 
 
-@pytest.mark.parametrize("pipelined", [False, True],
-                         ids=["replicas", "microbatches"])
+@pytest.mark.parametrize("case", ["replicas", "microbatches", "masked"])
 def test_loss_returning_the_batch_mean_with_sample_weights_is_refused(
-        tmp_path, pipelined):
+        tmp_path, case):
     # With sample weights one device multiplies such a value by the
     # batch's mean weight: a product of two means of the whole batch,
-    # which no sum of the parts' losses gives.
-    args = fit_model(tmp_path, "--batch-loss", "--epochs", "1") + (
-        ["--pipelined", "--config", json.dumps(
-            {"partitions": 2, "microbatches": 2})] if pipelined
-        else ["--local-devices", "2"])
-    proc = run_python(args, timeout=300, check=False)
+    # which no sum of the parts' losses gives; a mask weighs it alike.
+    flags = {"replicas": ["--local-devices", "2"],
+             "microbatches": ["--pipelined", "--config", json.dumps(
+                 {"partitions": 2, "microbatches": 2})],
+             "masked": ["--local-devices", "2", "--model", "tokens",
+                        "--unweighted"]}[case]
+    proc = run_python(fit_model(tmp_path, "--batch-loss", "--epochs", "1",
+                                *flags), timeout=300, check=False)
     assert proc.returncode != 0
-    parts = ("2 microbatches" if pipelined else "2 replicas")
+    parts = "2 microbatches" if case == "microbatches" else "2 replicas"
+    what = ("a Keras mask on its output" if case == "masked"
+            else "sample weights (or class_weight)")
     assert ("the loss 'batch_loss' returns one value for the whole batch"
             in proc.stderr), proc.stderr[-3000:]
-    assert f"splits the batch into {parts} with sample weights" in proc.stderr
+    assert f"splits the batch into {parts} with {what}" in proc.stderr
     assert "Return one loss per row instead" in proc.stderr
+
+
+@pytest.mark.slow
+def test_loss_returning_the_batch_mean_of_a_whole_batch_is_keras_own(
+        tmp_path, reference):
+    # A pipeline of one replica and one microbatch computes the loss on the
+    # whole batch: Keras' own reduction, with per-token sample weights and
+    # the embedding's mask (a value filled over the rows did not broadcast
+    # against [rows, tokens] weights).
+    flags = ["--batch-loss", "--model", "tokens", "--partial", "--samples",
+             "91"]
+    run_python(fit_model(tmp_path, *flags, "--pipelined", "--config",
+                         json.dumps({"partitions": 2, "microbatches": 1})),
+               timeout=300)
+    assert_same_training(load(tmp_path), reference(*flags))
 
 
 @pytest.mark.slow

@@ -530,7 +530,7 @@ def _whole_batch_loss(model, y, y_pred, sample_weight, context=None,
     with loss_shares.computing_parts(
             None if context is None else
             f"{context.num_replicas_in_sync} replicas",
-            sample_weight is not None):
+            loss_shares.weighted_or_masked(model, y, y_pred, sample_weight)):
         if divisors is None:
             return keras_private.compiled_loss(model)(y, y_pred,
                                                       sample_weight)
@@ -902,13 +902,16 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
     # One microbatch and several replicas: the replica's shares, from the
     # outputs' masks as the model made them (nothing computed ahead).
     once = m == 1 and context is not None
-    parts = " of ".join(
+    parts = " on ".join(
         ([f"{m} microbatches"] if m > 1 else [])
         + ([f"{context.num_replicas_in_sync} replicas"] if context is not None
            else [])) or None
 
     def loss_fn(out, mb):
-        with loss_shares.computing_parts(parts, sample_weight is not None):
+        if parts is None:
+            return microbatch_loss(out, mb)
+        with loss_shares.computing_parts(parts, loss_shares.weighted_or_masked(
+                model, ys[mb], graph.pack_outputs(out), sample_weight)):
             return microbatch_loss(out, mb)
 
     def microbatch_loss(out, mb):

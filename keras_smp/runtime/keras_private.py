@@ -135,13 +135,28 @@ def compiled_loss_entries(model, y_true=None, y_pred=None):
 
 def rewrap_compiled_losses(model, wrap):
     """Replaces, in place, the `Loss` of each entry of `model`'s built
-    compiled loss by `wrap(loss)` (which returns `loss` to keep it):
-    Keras' own steps then call the replacements too."""
+    compiled loss by `wrap(loss, path)` (which returns `loss` to keep
+    it; `path` as `compiled_loss_entries` gives it): Keras' own steps
+    then call the replacements too."""
     loss = compiled_loss(model)
     flat = getattr(loss, "_flat_losses", None)
     if flat:
-        loss._flat_losses = [entry._replace(loss=wrap(entry.loss))
-                             for entry in flat]
+        loss._flat_losses = [
+            entry._replace(loss=wrap(entry.loss, tuple(entry.path)))
+            for entry in flat]
+
+
+def loss_with_call(loss, call):
+    """A shallow copy of the Keras `Loss` `loss` whose `call(y_true,
+    y_pred)` is `call(loss.call, y_true, y_pred)`; `Loss.__call__` (the
+    reduction, weights and masks) stays Keras'. (`copy.copy` would
+    serialise the loss, which a function not registered with Keras
+    cannot be.)"""
+    own = loss.call
+    out = object.__new__(type(loss))
+    out.__dict__.update(loss.__dict__)
+    out.call = functools.partial(call, own)
+    return out
 
 
 def compiled_loss_replacing(model, wrap, which):

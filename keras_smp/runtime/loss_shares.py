@@ -64,21 +64,26 @@ def divides_by_weights(loss):
 
 def count_batch_values_per_row(model, y, y_pred):
     """Makes `model`'s compiled mean losses count a value that their
-    `call` gives for the whole part of the batch (one scalar: a loss
-    function that reduces itself, `ops.mean(...)`) as every row's value.
+    `call` gives for a whole part of a split batch (one scalar: a loss
+    function that reduces over the rows itself, `ops.mean(...)`) as the
+    value of each of the part's rows.
 
-    Keras reduces such a scalar as it is: one device gets the batch's
-    mean, but `tf.distribute` replicas do not divide it by their number,
-    as they divide per-row losses (`scale_loss_for_distribution`), so
-    their summed gradients are the replicas' count times one device's
-    (stock Keras under `MirroredStrategy` too), and their shares
-    (`scaled_sample_weights`) cannot weigh it. A value filled over the
-    output's rows is reduced as per-row values are: the mean of equal
-    values is the value on one device, sample weights and Keras masks
-    weigh it as they weigh per-row values, and replicas and microbatches
-    count by their shares. `"sum"` losses and losses with a `__call__`
-    of their own are left as they are. Builds the compiled loss from `y`
-    and `y_pred` if Keras has not; idempotent.
+    On one device Keras reduces such a scalar as it is (the user means it
+    as the batch's mean). `tf.distribute` replicas divide per-row mean
+    losses by their number (`scale_loss_for_distribution`) but not such
+    a value, so their summed gradients were the replicas' count times one
+    device's (stock Keras under `MirroredStrategy` too), and the parts'
+    shares (`scaled_sample_weights`) could not weigh it. Filled over the
+    part's rows it is reduced as per-row values are: replicas and
+    microbatches then count by their shares of the rows. Only while a
+    split batch's part is computed (`computing_parts`): a whole batch
+    keeps Keras' own reduction. There, with sample weights or a Keras
+    mask on the output, Keras multiplies the value by the batch's mean
+    weight, which the parts cannot add up to: a clear `ValueError`.
+    `"sum"` and unreduced (`None`) losses and losses with a `__call__` of
+    their own are left as they are (a scalar that is the part's *sum* is
+    taken for its mean: give such a loss `reduction="sum"`). Builds the
+    compiled loss from `y` and `y_pred` if Keras has not; idempotent.
 
     Example:
 
@@ -86,7 +91,7 @@ def count_batch_values_per_row(model, y, y_pred):
     import keras
     import tensorflow as tf
     from keras_smp.runtime import keras_private
-    from keras_smp.runtime.loss_shares import count_batch_values_per_row
+    from keras_smp.runtime import loss_shares
 
     def batch_mse(y_true, y_pred):  # reduces over the batch itself
         return keras.ops.mean((y_true - y_pred) ** 2)
@@ -94,10 +99,13 @@ def count_batch_values_per_row(model, y, y_pred):
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile("sgd", loss=batch_mse)
     x, y = tf.ones([4, 2]), tf.zeros([4, 1])
-    before = float(keras_private.compiled_loss(model)(y, model(x)))
-    count_batch_values_per_row(model, y, model(x))
-    after = keras_private.compiled_loss(model)(y, model(x))
-    assert abs(float(after) - before) <= 1e-6 * abs(before)
+    loss = keras_private.compiled_loss(model)
+    before = float(loss(y, model(x)))
+    loss_shares.count_batch_values_per_row(model, y, model(x))
+    assert float(loss(y, model(x))) == before  # a whole batch: as Keras
+    with loss_shares.computing_parts("2 replicas", {(): (False, False)}):
+        part = float(loss(y, model(x)))  # filled, then the mean of 4 rows
+    assert abs(part - before) <= 1e-6 * abs(before)
     ```
     """
     if keras_private.compiled_loss(model) is None:
@@ -106,9 +114,26 @@ def count_batch_values_per_row(model, y, y_pred):
     keras_private.rewrap_compiled_losses(model, _per_row)
 
 
+def weighted_or_masked(model, y, y_pred, sample_weight):
+    """`{path: (weighted, masked)}` of each compiled loss's output: given
+    sample weights of its own (the step's `sample_weight`), holding a
+    Keras mask (read from `y_pred` as the model gave it: Keras' loss
+    converts it to the loss's dtype, which drops the mask)."""
+    if keras_private.compiled_loss(model) is None:
+        return {}
+    entries = keras_private.compiled_loss_entries(model, y, y_pred)
+    flat = keras.tree.flatten(y_pred)
+    index = keras_private.compiled_loss_output_index(model, y_pred,
+                                                     len(flat))
+    return {path: (weights_at(path, sample_weight) is not None,
+                   keras_private.keras_mask(flat[index[path]]) is not None)
+            for path, _ in entries}
+
+
 class _Parts(threading.local):
     """What the compiled loss computing in this thread (a replica's) is
-    a part of: `None` (the whole batch), or `(parts, weighted)`."""
+    a part of: `None` (a whole batch), or `(parts, {path: (weighted,
+    masked)})`."""
 
     current = None
 
@@ -117,56 +142,59 @@ _parts = _Parts()
 
 
 @contextlib.contextmanager
-def computing_parts(parts, weighted):
+def computing_parts(parts, outputs):
     """While the compiled loss computes one of `parts` (a description,
-    e.g. "2 replicas"; None: the whole batch) of a step given sample
-    weights (`weighted`): a loss giving one value for its part then fails
-    where the parts cannot add up to the batch's (`_per_row`)."""
+    e.g. "2 replicas"; None: a whole batch) of a step whose outputs are
+    `outputs` (`weighted_or_masked`): a loss giving one value for its
+    part then counts it as each row's, or fails where the parts cannot
+    add up to the batch's (`count_batch_values_per_row`)."""
     before = _parts.current
-    _parts.current = None if parts is None else (parts, weighted)
+    _parts.current = None if parts is None else (parts, outputs)
     try:
         yield
     finally:
         _parts.current = before
 
 
-def _per_row(loss):
+def _per_row(loss, path):
     """`loss`, or a copy whose `call` fills a scalar value over the
-    output's rows (see `count_batch_values_per_row`)."""
+    output's rows while a part of a split batch is computed (see
+    `count_batch_values_per_row`)."""
     if (getattr(loss, "_smp_per_row", False)
             or not isinstance(loss, keras.losses.Loss)
             or type(loss).__call__ is not keras.losses.Loss.__call__
-            or reduction_of(loss) not in MEANS + ("mean_with_sample_weight",)):
+            or loss.reduction not in MEANS + ("mean_with_sample_weight",)):
         return loss
-    own = loss.call
 
-    def call(y_true, y_pred):
+    def call(own, y_true, y_pred):
         values = keras.ops.convert_to_tensor(own(y_true, y_pred))
         first = keras.tree.flatten(y_pred)[0]
-        if values.shape.rank != 0 or not first.shape.rank:
+        if (_parts.current is None or values.shape.rank != 0
+                or not first.shape.rank):
             return values
-        if _parts.current is not None:
-            parts, weighted = _parts.current
-            masked = keras_private.keras_mask(first) is not None
-            if weighted or masked:
-                what = "sample weights" if weighted else (
-                    "a Keras mask on its output")
-                raise ValueError(
-                    f"keras-smp: the loss {loss.name!r} returns one value "
-                    "for the whole batch (it reduces over the rows itself), "
-                    f"and this step splits the batch into {parts} with "
-                    f"{what}: Keras multiplies such a value by the batch's "
-                    "mean weight, which the parts' values cannot add up "
-                    "to. Return one loss per row instead (reduce over the "
-                    "other axes only, e.g. `ops.mean(..., axis=-1)`), or "
-                    f"train without {what}.")
-        return tf.fill(tf.shape(first)[:1], values)
+        parts, outputs = _parts.current
+        weighted, masked = outputs.get(path, (False, False))
+        if weighted or masked:
+            what = ("sample weights (or class_weight)" if weighted
+                    else "a Keras mask on its output")
+            raise ValueError(
+                f"keras-smp: the loss {loss.name!r} returns one value for "
+                "the whole batch (it reduces over the rows itself; Keras' "
+                "own losses do so on outputs of shape (batch,)), and this "
+                f"step splits the batch into {parts} with {what}: Keras "
+                "weighs such a value by the whole batch's weights, which "
+                "the parts' values cannot add up to. Return one loss per "
+                "row instead (reduce over the other axes only, e.g. "
+                "`ops.mean(..., axis=-1)`; for Keras' losses give the "
+                "outputs and targets the shape (batch, 1)), or train "
+                f"without {what}.")
+        # (singleton axes beyond the rows: as Keras' per-entry values
+        # broadcast against the weights)
+        shape = tf.concat([tf.shape(first)[:1], tf.ones(
+            [max(first.shape.rank - 2, 0)], tf.int32)], axis=0)
+        return tf.fill(shape, values)
 
-    # (a shallow copy: `copy.copy` would serialise the loss, which a
-    # function not registered with Keras cannot be)
-    proxy = object.__new__(type(loss))
-    proxy.__dict__.update(loss.__dict__)
-    proxy.call = call
+    proxy = keras_private.loss_with_call(loss, call)
     proxy._smp_per_row = True
     return proxy
 
@@ -413,8 +441,9 @@ def divided_by(divisor):
                 masked = keras_private.keras_mask(values) is not None
                 values, weights = keras_private.loss_weights_and_mask(
                     loss, values, y_pred, sample_weight)
-                # (Keras leaves a scalar loss value unreduced; here it
-                # counts as one entry: the parts sum to their mean.)
+                # (A loss reducing over the rows itself gives a scalar,
+                # filled over the part's rows by `loss.call` here:
+                # `count_batch_values_per_row`.)
                 total = divisor(path, values, weights, masked)
                 if weights is not None:
                     values = values * weights

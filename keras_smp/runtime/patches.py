@@ -209,9 +209,11 @@ def _patch_compute_loss(trainer):
                             training=training)
         from keras_smp.runtime import loss_shares
 
+        outputs = (loss_shares.weighted_or_masked(self, y, y_pred,
+                                                  sample_weight)
+                   if y is not None and y_pred is not None else {})
         with loss_shares.computing_parts(
-                f"{context.num_replicas_in_sync} replicas",
-                sample_weight is not None):
+                f"{context.num_replicas_in_sync} replicas", outputs):
             return _global_share_loss(self, original, context, x, y, y_pred,
                                       sample_weight, training)
 

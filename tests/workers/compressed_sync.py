@@ -61,7 +61,7 @@ def optimizer(keras):
 
 
 def loss(keras, y, pred):
-    return keras.ops.mean((pred - y) ** 2) * args.scale
+    return keras.ops.mean((pred - y) ** 2, axis=-1) * args.scale
 
 
 rank, compressed = 0, -1
@@ -81,7 +81,7 @@ if args.mode == "custom_loop":
 
     @smp.step
     def grads(x, y):
-        value = loss(keras, y, model(x, training=True))
+        value = keras.ops.mean(loss(keras, y, model(x, training=True)))
         return opt.get_gradients(value, model.trainable_variables), value
 
     @tf.function
