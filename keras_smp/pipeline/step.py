@@ -530,7 +530,8 @@ def _whole_batch_loss(model, y, y_pred, sample_weight, context=None,
     with loss_shares.computing_parts(
             None if context is None else
             f"{context.num_replicas_in_sync} replicas",
-            loss_shares.weighted_or_masked(model, y, y_pred, sample_weight)):
+            {} if context is None else loss_shares.weighted_or_masked(
+                model, y, y_pred, sample_weight)):
         if divisors is None:
             return keras_private.compiled_loss(model)(y, y_pred,
                                                       sample_weight)

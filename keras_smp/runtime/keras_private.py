@@ -151,7 +151,8 @@ def loss_with_call(loss, call):
     y_pred)` is `call(loss.call, y_true, y_pred)`; `Loss.__call__` (the
     reduction, weights and masks) stays Keras'. (`copy.copy` would
     serialise the loss, which a function not registered with Keras
-    cannot be.)"""
+    cannot be.) A copy: later changes to `loss`'s own attributes (its
+    `reduction`, `name`) do not reach it."""
     own = loss.call
     out = object.__new__(type(loss))
     out.__dict__.update(loss.__dict__)

@@ -25,6 +25,7 @@ outputs they use and how Keras lays out sample weights is read through
 
 import contextlib
 import threading
+import warnings
 
 import keras
 import tensorflow as tf
@@ -77,9 +78,11 @@ def count_batch_values_per_row(model, y, y_pred):
     part's rows it is reduced as per-row values are: replicas and
     microbatches then count by their shares of the rows. Only while a
     split batch's part is computed (`computing_parts`): a whole batch
-    keeps Keras' own reduction. There, with sample weights or a Keras
-    mask on the output, Keras multiplies the value by the batch's mean
-    weight, which the parts cannot add up to: a clear `ValueError`.
+    keeps Keras' own reduction. With sample weights or a Keras mask on
+    the output, the value is no longer a scalar once Keras weighs it, and
+    Keras' own reduction stays, with a warning: one device weighs the
+    batch's value by the whole batch's mean weight, each part by its own
+    part's, which no sum of the parts can turn into one device's.
     `"sum"` and unreduced (`None`) losses and losses with a `__call__` of
     their own are left as they are (a scalar that is the part's *sum* is
     taken for its mean: give such a loss `reduction="sum"`). Builds the
@@ -117,8 +120,9 @@ def count_batch_values_per_row(model, y, y_pred):
 def weighted_or_masked(model, y, y_pred, sample_weight):
     """`{path: (weighted, masked)}` of each compiled loss's output: given
     sample weights of its own (the step's `sample_weight`), holding a
-    Keras mask (read from `y_pred` as the model gave it: Keras' loss
-    converts it to the loss's dtype, which drops the mask)."""
+    Keras mask (read from `y_pred` as the model gave it: the `y_pred`
+    that `Loss.call` gets is converted to the loss's dtype, which drops
+    the mask where the dtype changes, e.g. a float16 output)."""
     if keras_private.compiled_loss(model) is None:
         return {}
     entries = keras_private.compiled_loss_entries(model, y, y_pred)
@@ -146,7 +150,7 @@ def computing_parts(parts, outputs):
     """While the compiled loss computes one of `parts` (a description,
     e.g. "2 replicas"; None: a whole batch) of a step whose outputs are
     `outputs` (`weighted_or_masked`): a loss giving one value for its
-    part then counts it as each row's, or fails where the parts cannot
+    part then counts it as each row's, or warns where the parts cannot
     add up to the batch's (`count_batch_values_per_row`)."""
     before = _parts.current
     _parts.current = None if parts is None else (parts, outputs)
@@ -170,33 +174,46 @@ def _per_row(loss, path):
         values = keras.ops.convert_to_tensor(own(y_true, y_pred))
         first = keras.tree.flatten(y_pred)[0]
         if (_parts.current is None or values.shape.rank != 0
-                or not first.shape.rank):
+                or first.shape.rank == 0):
             return values
         parts, outputs = _parts.current
         weighted, masked = outputs.get(path, (False, False))
         if weighted or masked:
-            what = ("sample weights (or class_weight)" if weighted
-                    else "a Keras mask on its output")
-            raise ValueError(
-                f"keras-smp: the loss {loss.name!r} returns one value for "
-                "the whole batch (it reduces over the rows itself; Keras' "
-                "own losses do so on outputs of shape (batch,)), and this "
-                f"step splits the batch into {parts} with {what}: Keras "
-                "weighs such a value by the whole batch's weights, which "
-                "the parts' values cannot add up to. Return one loss per "
-                "row instead (reduce over the other axes only, e.g. "
-                "`ops.mean(..., axis=-1)`; for Keras' losses give the "
-                "outputs and targets the shape (batch, 1)), or train "
-                f"without {what}.")
-        # (singleton axes beyond the rows: as Keras' per-entry values
-        # broadcast against the weights)
-        shape = tf.concat([tf.shape(first)[:1], tf.ones(
-            [max(first.shape.rank - 2, 0)], tf.int32)], axis=0)
-        return tf.fill(shape, values)
+            # Keras weighs the value by the part's weights (no longer a
+            # scalar: divided by the replicas as per-row losses are).
+            _warn_weighted_parts(loss.name, parts, weighted, masked)
+            return values
+        # ([rows, 1]: never squeezed to a scalar against a scalar factor)
+        return tf.fill(tf.stack([tf.shape(first)[0], 1]), values)
 
     proxy = keras_private.loss_with_call(loss, call)
     proxy._smp_per_row = True
     return proxy
+
+
+_warned = set()
+
+
+def _warn_weighted_parts(name, parts, weighted, masked):
+    """Once per loss: a value for the whole batch weighed by its part's
+    sample weights or mask (see `count_batch_values_per_row`)."""
+    if name in _warned:
+        return
+    _warned.add(name)
+    what = " and ".join(
+        (["sample weights (or class_weight)"] if weighted else [])
+        + (["a Keras mask on its output"] if masked else []))
+    warnings.warn(
+        f"keras-smp: the loss {name!r} returns one value for the whole "
+        "batch (it reduces over the rows itself; Keras' own losses do so "
+        "on outputs of shape (batch,)), and this step splits the batch "
+        f"into {parts} with {what}: each part's value is weighed by its "
+        "own part's weights, so the step's loss and gradients differ from "
+        "one device's (which weighs the batch's value by the whole batch's "
+        "weights) where the parts' mean weights differ. Return one loss "
+        "per row to train as on one device (reduce over the other axes "
+        "only, e.g. `ops.mean(..., axis=-1)`; for Keras' losses give the "
+        "outputs and targets the shape (batch, 1)).", stacklevel=2)
 
 
 def weights_at(path, given):
