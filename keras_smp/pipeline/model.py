@@ -41,6 +41,8 @@ from keras_smp.pipeline.residency import own_averages
 from keras_smp.pipeline.residency import track_slots
 from keras_smp.pipeline.runtime import on_device
 from keras_smp.pipeline.schedule import get_schedule
+from keras_smp.pipeline.step import _refuse_state_updated_on_several_ranks
+from keras_smp.pipeline.step import _sum_tied
 from keras_smp.pipeline.step import boundary_specs
 from keras_smp.pipeline.step import run_step
 from keras_smp.pipeline.transport import PipelineKeys
@@ -826,6 +828,16 @@ class DistributedModel(keras.Model):
                     received = links.receive_from(stage, stage + 1, "B",
                                                   slot, specs, rows)
                     d_outs = [received[i] for i in out_float]
+                    # The zeros sent for integer carries (token ids a
+                    # later stage reads) are received before this stage's
+                    # gradients exist: nothing else waits for them, and
+                    # the next stage's send blocked until the collective
+                    # timeout while this process went on.
+                    unused = [t for i, t in enumerate(received)
+                              if i not in out_float]
+                    if unused:
+                        with tf.control_dependencies(unused):
+                            d_outs = [tf.identity(t) for t in d_outs]
                 d_extra = [tf.zeros_like(e) if g is None else g
                            for e, g in zip(extra, upstream[len(shared):])]
                 in_float = ([] if first or not backward[stage - 1]
@@ -862,6 +874,38 @@ class DistributedModel(keras.Model):
             object.__setattr__(self, "_smp_across_losses", (weakref.ref(
                 tf.compat.v1.get_default_graph()), [total]))
         return graph.pack_outputs(results)
+
+    def _smp_sum_tied_parts(self, grads, variables):
+        """`@smp.step` with one stage per process: the optimizer's
+        gradients with those of weights several stage processes use (tied,
+        or a layer called in two stages) summed over those processes.
+
+        Each such process holds a copy of the weight, and its step gives
+        the gradient of its own stages' uses only (its part); every
+        process applying the sum, its copies take the same steps as the
+        single device's one weight. A weight sparse wherever it is read
+        (an `Embedding` looked up in two stages) gets the parts' rows
+        gathered, as one device's gradient holds them; otherwise the sum
+        is dense (a missing part counts as zeros).
+
+        Returns `(grads, counted_elsewhere)`: the new list, and the ids of
+        the tied weights whose norm another process counts (their first
+        stage's), for `global_clipnorm`."""
+        links = self._smp_links()
+        graph = self.staged_graph
+        ranks = links.weight_ranks(graph)
+        tied = [i for i, v in enumerate(variables)
+                if len(ranks.get(id(v), ())) > 1]
+        if not tied:
+            return grads, ()
+        summed = _sum_tied(self, links, [variables[i] for i in tied],
+                           [grads[i] for i in tied])
+        out = list(grads)
+        for i, g in zip(tied, summed):
+            out[i] = g
+        home = links.home_ranks(graph)
+        return out, [id(variables[i]) for i in tied
+                     if home[id(variables[i])] != links.rank]
 
     @staticmethod
     def _smp_across_backward(graph):
@@ -933,9 +977,9 @@ class DistributedModel(keras.Model):
         refused on every rank as the step is traced (decided from the
         model, which every rank holds): a stage training nothing after one
         that trains (its process would build no backward to relay the
-        gradient), and weights several stages use (tied weights, a layer
-        called in two stages), whose gradients' parts would each stay on
-        their own stage."""
+        gradient), and a layer called on several stage processes whose
+        calls update its weights in training (moving statistics): each
+        process would update only its own copy."""
         backward = self._smp_across_backward(graph)
         relays = [s for s in range(graph.num_stages) if backward[s] and not
                   any(w.trainable for w in graph.stage_weights(s))]
@@ -951,17 +995,12 @@ class DistributedModel(keras.Model):
                 "stage (or freeze only a first part of the model), train "
                 "with `model.fit` under SMPStrategy, or leave local_devices "
                 "unset.")
-        shared = sorted(w.path for w in self.weights
-                        if len(graph.weight_users().get(id(w), ())) > 1)
-        if shared:
-            raise NotImplementedError(
-                f"DistributedModel {self.name!r} has weights used by several "
-                f"stages ({', '.join(shared[:3])}: tied, or a layer called "
-                "in two stages), which @smp.step with one stage per process "
-                "(smp.init's local_devices=1) does not support yet. Place "
-                "those layers in one stage (`smp.partition`), train it with "
-                "`model.fit` under SMPStrategy (which does), or run its "
-                "stages in one process (leave local_devices unset).")
+        # Weights several stages use (tied, a layer called in two
+        # stages) are trained: each process using one holds a copy, and
+        # the optimizer sums their gradient's parts over those processes
+        # (`_smp_sum_tied_parts`); a layer whose calls also update its
+        # weights (moving statistics) cannot be kept in step so.
+        _refuse_state_updated_on_several_ranks(self, self._smp_links())
 
     def call(self, inputs, training=None):
         # Unpipelined forward pass (direct calls); steps use the pipeline.

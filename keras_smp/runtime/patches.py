@@ -1270,16 +1270,19 @@ def _scratch_of(callback, prefix):
 _own_stage_only = [False, None]
 
 
-def apply_own_stage_only(stage_reducer):
+def apply_own_stage_only(stage_sync):
     """From now on, optimizers given gradients for other stages' weights
     (`apply_gradients(zip(grads, model.trainable_variables))` in a custom
     loop with one stage per process, their gradients `None`) skip them, so
     they are neither built for nor applied to them here; and
     `global_clipnorm`'s norm and a `LossScaleOptimizer`'s finite check
-    count every stage's gradients (`across_stages`).
-    `stage_reducer(variables)` gives the `reduce_sum` over the stage
-    processes of the pipeline whose weights `variables` are (or `None`)."""
-    _own_stage_only[:] = [True, stage_reducer]
+    count every stage's gradients (`across_stages`); the gradients of
+    weights several stage processes use (tied) are first summed over them.
+    `stage_sync(variables)` gives, for the pipeline whose weights
+    `variables` are, `(reduce_sum, sum_tied)` (or `None`): the sum over
+    its stage processes, and `sum_tied(grads, variables) -> (grads,
+    counted_elsewhere)`."""
+    _own_stage_only[:] = [True, stage_sync]
 
 
 def applies_own_stage_only():
@@ -1326,14 +1329,15 @@ def _wrap_apply_own_stage(base, keras):
                     "stage (one stage per process: it has no storage in "
                     "this process). Give the step's gradients as they come "
                     "(`None` for other stages' weights).")
-            reduce_sum = _own_stage_only[1](trainable_variables)
+            sync = _own_stage_only[1](trainable_variables)
             keep = [i for i, v in enumerate(trainable_variables)
                     if not deferred.holds_no_copy(v)]
             grads = [grads[i] for i in keep]
             trainable_variables = [trainable_variables[i] for i in keep]
-            if reduce_sum is not None and _step(
-                    self, "stage_state") is None:
-                with across_stages(self, reduce_sum):
+            if sync is not None and _step(self, "stage_state") is None:
+                reduce_sum, sum_tied = sync
+                grads, elsewhere = sum_tied(grads, trainable_variables)
+                with across_stages(self, reduce_sum, elsewhere):
                     if all(g is None for g in grads):
                         # Nothing to train here (a frozen stage): its part
                         # of the stages' sums, and the step counted, as

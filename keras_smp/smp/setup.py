@@ -80,9 +80,12 @@ def init(config=None):
 _reducers = weakref.WeakKeyDictionary()
 
 
-def _stage_reducer(variables):
-    """The sum over the stage processes of the pipeline whose model holds
-    `variables` (for the optimizer's global norm), or `None`."""
+def _stage_sync(variables):
+    """`(reduce_sum, sum_tied)` of the pipeline whose model holds
+    `variables`, or `None`: the sum over its stage processes (for the
+    optimizer's global norm), and `sum_tied(grads, variables)`, which sums
+    the gradients of weights several stage processes use over them
+    (`DistributedModel._smp_sum_tied_parts`)."""
     ids = {id(v) for v in variables}
     models = [m for m in custom_loop.models_across()
               if any(id(w) in ids for w in m.trainable_variables)]
@@ -98,7 +101,7 @@ def _stage_reducer(variables):
     per_graph = _reducers.setdefault(graph, {})
     if id(models[0]) not in per_graph:
         per_graph[id(models[0])] = models[0]._smp_stage_reducer()
-    return per_graph[id(models[0])]
+    return per_graph[id(models[0])], models[0]._smp_sum_tied_parts
 
 
 def _start_stage_per_process(config):
@@ -125,5 +128,5 @@ def _start_stage_per_process(config):
             "outside any strategy's scope.")
     strategy = SMPStrategy(config)
     tf.distribute.experimental_set_strategy(strategy)
-    patches.apply_own_stage_only(_stage_reducer)
+    patches.apply_own_stage_only(_stage_sync)
     return runtime_lib.of(strategy)

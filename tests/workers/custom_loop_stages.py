@@ -52,7 +52,21 @@ replica its contiguous share), 4 microbatches; then a forward-only step
                                  the embedding (stage 0) out: refused on
                                  every rank (REFUSED)
     --shared                     a Dense layer called in both stages
-                                 (manual partitions): the step is refused
+                                 (manual partitions): each stage process
+                                 holds a copy of its weights, the
+                                 optimizer sums their gradient's parts
+    --tied                       Keras' ReversibleEmbedding with tied
+                                 weights (as a GPT's token embedding): the
+                                 lookup in stage 0, the projection to the
+                                 vocabulary in stage 1 (a sparse part and
+                                 a dense part of one gradient)
+    --shared-lookup              the Embedding looked up in both stages
+                                 (as an encoder-decoder's shared token
+                                 embedding): two sparse parts, whose rows
+                                 are gathered
+    --shared-bn                  a BatchNormalization called in both
+                                 stages: its moving statistics would be
+                                 updated per process, the step is refused
                                  (prints REFUSED and the error, every rank)
 """
 
@@ -72,6 +86,9 @@ parser.add_argument("--stop-at", type=int, default=None)
 parser.add_argument("--save-model", default=None)
 parser.add_argument("--regularized", action="store_true")
 parser.add_argument("--shared", action="store_true")
+parser.add_argument("--tied", action="store_true")
+parser.add_argument("--shared-lookup", action="store_true")
+parser.add_argument("--shared-bn", action="store_true")
 parser.add_argument("--subset", action="store_true")
 parser.add_argument("--other-data", action="store_true")
 parser.add_argument("--frozen-embedding", action="store_true")
@@ -89,7 +106,9 @@ if not args.reference:
     import keras_smp as smp
 
     smp.init({"partitions": 2, "microbatches": 4, "local_devices": 1,
-              "auto_partition": not (args.shared or args.loss_scale)})
+              "auto_partition": not (args.shared or args.shared_bn
+                                     or args.tied or args.shared_lookup
+                                     or args.loss_scale)})
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -147,18 +166,47 @@ class Model(Base):
         super().__init__()
         self.embed, self.pool, self.hidden, self.head = layers()
         if args.shared:
-            self.mid = keras.layers.Dense(16)
+            self.mid = keras.layers.Dense(
+                16, kernel_initializer=keras.initializers.GlorotUniform(
+                    seed=4))
+        if args.shared_bn:
+            self.norm = keras.layers.BatchNormalization()
+        if args.tied:
+            self.embed = keras.layers.ReversibleEmbedding(
+                20, 8, tie_weights=True,
+                embeddings_initializer=keras.initializers.RandomUniform(
+                    -0.5, 0.5, seed=1))
+            self.hidden = keras.layers.Dense(
+                8, activation="tanh",
+                kernel_initializer=keras.initializers.GlorotUniform(seed=2))
         if args.loss_scale:
             self.amplify = Amplify()
         self.embed.trainable = not args.frozen_embedding
         self.hidden.trainable = self.head.trainable = not args.frozen_head
 
     def call(self, ids):
-        if args.shared:  # self.hidden's Dense(16) called in both stages
-            with smp.partition(0):
+        if args.shared:  # self.mid, a Dense(16), called in both stages
+            with partition(0):
                 h = self.mid(self.hidden(self.pool(self.embed(ids))))
-            with smp.partition(1):
+            with partition(1):
                 return self.head(self.mid(h))
+        if args.shared_bn:
+            with partition(0):
+                h = self.norm(self.hidden(self.pool(self.embed(ids))))
+            with partition(1):
+                return self.head(self.norm(h))
+        if args.shared_lookup:  # the embedding again, on 3 of 6 tokens
+            with partition(0):
+                h = self.hidden(self.pool(self.embed(ids)))
+            with partition(1):
+                again = self.pool(self.embed(keras.ops.slice(
+                    ids, (0, 0), (-1, 3))))
+                return self.head(keras.ops.concatenate([h, again], -1))
+        if args.tied:  # logits over the 20 tokens (labels are 0-2)
+            with partition(0):
+                h = self.hidden(self.pool(self.embed(ids)))
+            with partition(1):
+                return self.embed(h, reverse=True)
         if args.loss_scale:  # the amplifier in stage 0
             with partition(0):
                 h = self.amplify(self.pool(self.embed(ids)))
@@ -192,6 +240,12 @@ model = Model()
 # The global norm spans both stages' gradients (clipped at step 1 at
 # least: its norm is 0.5-1).
 opt = keras.optimizers.Adam(0.05, global_clipnorm=0.3)
+if args.shared:
+    # SGD: with Adam one element of the hidden kernel (not the shared
+    # layer's), whose gradient nearly cancels over the batch, moved 1.7e-5
+    # from the reference (Adam divides by the gradient's own size): the
+    # summation order of the microbatches, not the shared layer's sum.
+    opt = keras.optimizers.SGD(0.5, global_clipnorm=0.3)
 if args.loss_scale:
     # Loss scales set before steps 1 and 2 (measured in the reference,
     # which records where its gradients are finite): at 2^16 the first
@@ -284,7 +338,7 @@ def evaluate(ids, labels):
     return loss_fn(labels, logits) + added(model), logits
 
 
-if args.shared or args.frozen_head or args.subset:
+if args.shared_bn or args.frozen_head or args.subset:
     try:
         train_step(*batch(0))
     except (NotImplementedError, ValueError) as e:
