@@ -61,6 +61,13 @@ from keras_smp.smp import custom_loop
 from keras_smp.tensor.layers import current_group_of
 from keras_smp.tensor.layers import tensor_parallel_layers
 
+# Optimizer steps of a custom loop (one stage per process) one traced
+# function may hold that sum the gradients of weights several stages use:
+# each takes its own collective instance keys (`_smp_sum_tied_parts`).
+MAX_TIED_SUMS = 16
+# {traced graph: {id(model): the tied sums traced into it so far}}
+_TIED_SUMS = weakref.WeakKeyDictionary()
+
 
 def _validates(freq, epochs):
     """Whether Keras' `fit` validates after any of `epochs` (0-based) with
@@ -746,7 +753,7 @@ class DistributedModel(keras.Model):
         links = self._smp_links()
         stage, p = links.rank, graph.num_stages
         first, last = stage == 0, stage == p - 1
-        self._smp_check_across_step(graph)
+        self._smp_check_across_step(graph, training)
         custom_loop.note_model_across(self)
         flat = [tf.convert_to_tensor(t)
                 for t in self._smp_flat_inputs(inputs)]
@@ -819,6 +826,7 @@ class DistributedModel(keras.Model):
                 custom_loop.note_backward(self, slot)
                 variables = list(variables or [])
                 out_float = floating(carry_out)
+                received = []
                 if last:
                     d_outs = [tf.zeros_like(outs[i]) if upstream[i] is None
                               else upstream[i] for i in out_float]
@@ -828,16 +836,6 @@ class DistributedModel(keras.Model):
                     received = links.receive_from(stage, stage + 1, "B",
                                                   slot, specs, rows)
                     d_outs = [received[i] for i in out_float]
-                    # The zeros sent for integer carries (token ids a
-                    # later stage reads) are received before this stage's
-                    # gradients exist: nothing else waits for them, and
-                    # the next stage's send blocked until the collective
-                    # timeout while this process went on.
-                    unused = [t for i, t in enumerate(received)
-                              if i not in out_float]
-                    if unused:
-                        with tf.control_dependencies(unused):
-                            d_outs = [tf.identity(t) for t in d_outs]
                 d_extra = [tf.zeros_like(e) if g is None else g
                            for e, g in zip(extra, upstream[len(shared):])]
                 in_float = ([] if first or not backward[stage - 1]
@@ -856,7 +854,13 @@ class DistributedModel(keras.Model):
                         [tf.zeros_like(t) if d_in.get(i) is None
                          else dense(d_in[i]) for i, t in enumerate(ins)],
                         rows, dynamic=dynamic)
-                with tf.control_dependencies(sends):
+                # Every gradient received waits here, also those nothing
+                # uses (the zeros sent for integer carries, such as token
+                # ids a later stage reads; a float carry this stage's
+                # outputs do not depend on): otherwise the next stage's
+                # send blocked until the collective timeout while this
+                # process went on.
+                with tf.control_dependencies(sends + received):
                     d_vars = [None if g is None else
                               tf.IndexedSlices(tf.identity(g.values),
                                                g.indices, g.dense_shape)
@@ -898,8 +902,25 @@ class DistributedModel(keras.Model):
                 if len(ranks.get(id(v), ())) > 1]
         if not tied:
             return grads, ()
+        # Each optimizer step traced into one function (a step unrolled
+        # twice) takes its own collective keys.
+        call = 0
+        if not tf.executing_eagerly():
+            graph_sums = _TIED_SUMS.setdefault(
+                tf.compat.v1.get_default_graph(), {})
+            call = graph_sums.get(id(self), 0)
+            graph_sums[id(self)] = call + 1
+            if call >= MAX_TIED_SUMS:
+                raise NotImplementedError(
+                    f"More than {MAX_TIED_SUMS} optimizer steps applying the "
+                    "weights several pipeline stages of DistributedModel "
+                    f"{self.name!r} use, traced into one tf.function: "
+                    "each needs collective keys of its own. Apply the "
+                    "gradients once per traced function (loop over steps "
+                    "in Python, outside it).")
         summed = _sum_tied(self, links, [variables[i] for i in tied],
-                           [grads[i] for i in tied])
+                           [grads[i] for i in tied], call=call,
+                           calls=MAX_TIED_SUMS)
         out = list(grads)
         for i, g in zip(tied, summed):
             out[i] = g
@@ -972,7 +993,7 @@ class DistributedModel(keras.Model):
                 "call; to leave weights untrained, set `layer.trainable = "
                 "False` before the first step.")
 
-    def _smp_check_across_step(self, graph):
+    def _smp_check_across_step(self, graph, training=True):
         """What `@smp.step` with one stage per process does not carry yet,
         refused on every rank as the step is traced (decided from the
         model, which every rank holds): a stage training nothing after one
@@ -999,8 +1020,10 @@ class DistributedModel(keras.Model):
         # stages) are trained: each process using one holds a copy, and
         # the optimizer sums their gradient's parts over those processes
         # (`_smp_sum_tied_parts`); a layer whose calls also update its
-        # weights (moving statistics) cannot be kept in step so.
-        _refuse_state_updated_on_several_ranks(self, self._smp_links())
+        # weights (moving statistics) cannot be kept in step so (in a
+        # forward in inference mode they stay as they are).
+        if training is True or tf.is_tensor(training):
+            _refuse_state_updated_on_several_ranks(self, self._smp_links())
 
     def call(self, inputs, training=None):
         # Unpipelined forward pass (direct calls); steps use the pipeline.

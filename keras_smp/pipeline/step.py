@@ -744,14 +744,17 @@ def _merged(graph, result):
             for i in range(len(graph.carries[-1]))]
 
 
-def _sum_tied(model, links, stage_vars, grads, unreached=()):
+def _sum_tied(model, links, stage_vars, grads, unreached=(), call=0,
+              calls=1):
     """Sums the gradients of weights used by several stage processes (tied).
 
     Every stage process using a tied weight holds a copy, computes its part
     of the gradient and receives the sum over the processes using it, so
     all copies take the same optimizer step. A weight whose gradient is
     sparse wherever it is read (`StagedGraph.sparse_weights`) gets the
-    parts' rows gathered instead, as Keras concatenates them.
+    parts' rows gathered instead, as Keras concatenates them. `call` of
+    `calls`: this sum's place among those one traced function holds
+    (each takes its own collective instance keys).
     """
     users = links.weight_ranks(model.staged_graph)
     sparse = model.staged_graph.sparse_weights()
@@ -770,15 +773,18 @@ def _sum_tied(model, links, stage_vars, grads, unreached=()):
             # Sparse wherever it is read (an Embedding looked up in two
             # stages): the parts' rows are gathered, as Keras keeps them
             # (an optimizer such as Adam squares repeated rows one by one).
-            out[i] = links.gather_rows(_as_rows(out[i], v), key, len(ranks),
-                                       position[id(v)], len(position))
+            out[i] = links.gather_rows(
+                _as_rows(out[i], v), key, len(ranks),
+                position[id(v)] + call * len(position),
+                len(position) * calls)
             continue
         # Every user takes part in the sum, with zeros where its stage's
         # loss does not depend on the weight.
         mine = (tf.zeros(v.shape, v.dtype) if out[i] is None
                 else dense(out[i]))
         out[i] = links.reduce(mine, key, len(ranks),
-                              links.INSTANCE_TIED + position[id(v)])
+                              links.INSTANCE_TIED + position[id(v)]
+                              + call * len(position))
     return out
 
 

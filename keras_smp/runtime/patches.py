@@ -1335,6 +1335,14 @@ def _wrap_apply_own_stage(base, keras):
             grads = [grads[i] for i in keep]
             trainable_variables = [trainable_variables[i] for i in keep]
             if sync is not None and _step(self, "stage_state") is None:
+                outer = _applying_parent_state(self)
+                if outer is not None:
+                    # A MultiOptimizer's sub-optimizer, applied by it in a
+                    # step whose tied weights' parts were summed (by an
+                    # outer optimizer's `apply`, or `fit`'s step).
+                    with across_stages(self, *outer):
+                        return own_stage_apply(self, grads,
+                                               trainable_variables)
                 reduce_sum, sum_tied = sync
                 grads, elsewhere = sum_tied(grads, trainable_variables)
                 with across_stages(self, reduce_sum, elsewhere):
@@ -1389,6 +1397,25 @@ def _patch_get_gradients(keras):
 
 # -- optimizer step on the synced gradient -----------------------------------
 
+# {id(optimizer): optimizer} of the MultiOptimizers inside `across_stages`
+# now (each entered once per replica): their sub-optimizers' `apply`
+# takes their step state (`_applying_parent_state`). Not a thread-local:
+# TensorFlow runs the sub-optimizers' `apply` in another thread than the
+# step that entered it (measured in `fit`).
+_applying_multis = {}
+
+
+def _applying_parent_state(optimizer):
+    """The step state (`across_stages`) of a MultiOptimizer applying
+    `optimizer` as one of its sub-optimizers now, or `None`."""
+    for multi in list(_applying_multis.values()):
+        if any(sub is optimizer for sub in multi.optimizers):
+            state = _step(multi, "stage_state")
+            if state is not None:
+                return state
+    return None
+
+
 @contextlib.contextmanager
 def across_stages(optimizer, reduce_sum, counted_elsewhere=()):
     """Within: `optimizer`'s steps see the gradients of every stage.
@@ -1410,11 +1437,20 @@ def across_stages(optimizer, reduce_sum, counted_elsewhere=()):
     key = _replica_key()
     previous = [opt.__dict__.get("_smp_step_state", {}).get(
         ("stage_state", key)) for opt in optimizers]
+    from keras_smp.runtime import keras_private
+
+    multis = [opt for opt in optimizers
+              if keras_private.is_multi_optimizer(opt)
+              and id(opt) not in _applying_multis]
     for opt in optimizers:
         _set_step(opt, "stage_state", state)
+    for opt in multis:
+        _applying_multis[id(opt)] = opt
     try:
         yield
     finally:
+        for opt in multis:
+            _applying_multis.pop(id(opt), None)
         for opt, before in zip(optimizers, previous):
             _set_step(opt, "stage_state", before)
 

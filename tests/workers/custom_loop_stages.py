@@ -59,11 +59,15 @@ replica its contiguous share), 4 microbatches; then a forward-only step
                                  weights (as a GPT's token embedding): the
                                  lookup in stage 0, the projection to the
                                  vocabulary in stage 1 (a sparse part and
-                                 a dense part of one gradient)
+                                 a dense part of one gradient); trained
+                                 by a LossScaleOptimizer around a
+                                 MultiOptimizer (Adam for each group)
     --shared-lookup              the Embedding looked up in both stages
                                  (as an encoder-decoder's shared token
                                  embedding): two sparse parts, whose rows
-                                 are gathered
+                                 are gathered; stage 1 also reads the
+                                 token ids and a float tensor stage 0
+                                 makes from them without weights
     --shared-bn                  a BatchNormalization called in both
                                  stages: its moving statistics would be
                                  updated per process, the step is refused
@@ -198,10 +202,14 @@ class Model(Base):
         if args.shared_lookup:  # the embedding again, on 3 of 6 tokens
             with partition(0):
                 h = self.hidden(self.pool(self.embed(ids)))
+                # (its gradient, sent back, is no weight's)
+                share = keras.ops.mean(keras.ops.cast(ids, "float32"),
+                                       axis=1, keepdims=True) / 20.0
             with partition(1):
                 again = self.pool(self.embed(keras.ops.slice(
                     ids, (0, 0), (-1, 3))))
-                return self.head(keras.ops.concatenate([h, again], -1))
+                return self.head(keras.ops.concatenate(
+                    [h, again * share], -1))
         if args.tied:  # logits over the 20 tokens (labels are 0-2)
             with partition(0):
                 h = self.hidden(self.pool(self.embed(ids)))
@@ -246,6 +254,12 @@ if args.shared:
     # from the reference (Adam divides by the gradient's own size): the
     # summation order of the microbatches, not the shared layer's sum.
     opt = keras.optimizers.SGD(0.5, global_clipnorm=0.3)
+if args.tied:
+    # Nested optimizers: the tied weight's parts are summed once (by the
+    # outer one), not again by the sub-optimizer applying it.
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.MultiOptimizer(
+        keras.optimizers.OptimizerMap(keras.optimizers.Adam(0.05), {
+            ".*dense.*": keras.optimizers.Adam(0.05)})))
 if args.loss_scale:
     # Loss scales set before steps 1 and 2 (measured in the reference,
     # which records where its gradients are finite): at 2^16 the first
@@ -264,7 +278,7 @@ if args.loss_scale:
 
 
 def scaled(loss):
-    return opt.scale_loss(loss) if args.loss_scale else loss
+    return opt.scale_loss(loss) if args.loss_scale or args.tied else loss
 
 
 loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
