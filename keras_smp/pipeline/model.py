@@ -41,6 +41,7 @@ from keras_smp.pipeline.residency import own_averages
 from keras_smp.pipeline.residency import track_slots
 from keras_smp.pipeline.runtime import on_device
 from keras_smp.pipeline.schedule import get_schedule
+from keras_smp.pipeline.step import MAX_TIED_SUMS
 from keras_smp.pipeline.step import _refuse_state_updated_on_several_ranks
 from keras_smp.pipeline.step import _sum_tied
 from keras_smp.pipeline.step import boundary_specs
@@ -61,11 +62,8 @@ from keras_smp.smp import custom_loop
 from keras_smp.tensor.layers import current_group_of
 from keras_smp.tensor.layers import tensor_parallel_layers
 
-# Optimizer steps of a custom loop (one stage per process) one traced
-# function may hold that sum the gradients of weights several stages use:
-# each takes its own collective instance keys (`_smp_sum_tied_parts`).
-MAX_TIED_SUMS = 16
-# {traced graph: {id(model): the tied sums traced into it so far}}
+# {traced graph: {id(weight): the sums of its gradient traced into it so
+# far}} (`_smp_sum_tied_parts`: each takes its own collective keys).
 _TIED_SUMS = weakref.WeakKeyDictionary()
 
 
@@ -902,25 +900,28 @@ class DistributedModel(keras.Model):
                 if len(ranks.get(id(v), ())) > 1]
         if not tied:
             return grads, ()
-        # Each optimizer step traced into one function (a step unrolled
-        # twice) takes its own collective keys.
-        call = 0
+        # Each sum of a weight traced into one function (a step unrolled
+        # twice) takes its own collective keys; counted per weight, which
+        # every process using it applies alike (whatever else it holds).
+        calls = {}
         if not tf.executing_eagerly():
             graph_sums = _TIED_SUMS.setdefault(
                 tf.compat.v1.get_default_graph(), {})
-            call = graph_sums.get(id(self), 0)
-            graph_sums[id(self)] = call + 1
-            if call >= MAX_TIED_SUMS:
-                raise NotImplementedError(
-                    f"More than {MAX_TIED_SUMS} optimizer steps applying the "
-                    "weights several pipeline stages of DistributedModel "
-                    f"{self.name!r} use, traced into one tf.function: "
-                    "each needs collective keys of its own. Apply the "
-                    "gradients once per traced function (loop over steps "
-                    "in Python, outside it).")
+            for i in tied:
+                key = id(variables[i])
+                calls[key] = graph_sums.get(key, 0)
+                graph_sums[key] = calls[key] + 1
+                if calls[key] >= MAX_TIED_SUMS:
+                    raise NotImplementedError(
+                        f"More than {MAX_TIED_SUMS} optimizer steps applying "
+                        f"{variables[i].path!r}, a weight several pipeline "
+                        f"stages of DistributedModel {self.name!r} use, "
+                        "traced into one tf.function: each needs collective "
+                        "keys of its own. Apply the gradients once per "
+                        "traced function (loop over steps in Python, "
+                        "outside it).")
         summed = _sum_tied(self, links, [variables[i] for i in tied],
-                           [grads[i] for i in tied], call=call,
-                           calls=MAX_TIED_SUMS)
+                           [grads[i] for i in tied], calls=calls)
         out = list(grads)
         for i, g in zip(tied, summed):
             out[i] = g
@@ -1022,7 +1023,9 @@ class DistributedModel(keras.Model):
         # (`_smp_sum_tied_parts`); a layer whose calls also update its
         # weights (moving statistics) cannot be kept in step so (in a
         # forward in inference mode they stay as they are).
-        if training is True or tf.is_tensor(training):
+        training = keras_private.effective_training(training)
+        if training is not None and (tf.is_tensor(training)
+                                     or bool(training)):
             _refuse_state_updated_on_several_ranks(self, self._smp_links())
 
     def call(self, inputs, training=None):

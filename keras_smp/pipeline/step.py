@@ -744,17 +744,22 @@ def _merged(graph, result):
             for i in range(len(graph.carries[-1]))]
 
 
-def _sum_tied(model, links, stage_vars, grads, unreached=(), call=0,
-              calls=1):
+# Sums of one tied weight's gradient one traced function may hold (a
+# custom loop applying it twice): each takes its own instance keys.
+MAX_TIED_SUMS = 16
+
+
+def _sum_tied(model, links, stage_vars, grads, unreached=(), calls=None):
     """Sums the gradients of weights used by several stage processes (tied).
 
     Every stage process using a tied weight holds a copy, computes its part
     of the gradient and receives the sum over the processes using it, so
     all copies take the same optimizer step. A weight whose gradient is
     sparse wherever it is read (`StagedGraph.sparse_weights`) gets the
-    parts' rows gathered instead, as Keras concatenates them. `call` of
-    `calls`: this sum's place among those one traced function holds
-    (each takes its own collective instance keys).
+    parts' rows gathered instead, as Keras concatenates them. `calls`:
+    `{id(weight): earlier sums of it in this traced function}` (below
+    `MAX_TIED_SUMS`; none: 0), for instance keys of its own; the same on
+    every process using the weight.
     """
     users = links.weight_ranks(model.staged_graph)
     sparse = model.staged_graph.sparse_weights()
@@ -763,6 +768,10 @@ def _sum_tied(model, links, stage_vars, grads, unreached=(), call=0,
     # rank), so every stage uses the same key for the same weight.
     position = {w: i for i, w in enumerate(
         w for w, ranks in users.items() if len(ranks) > 1)}
+
+    def call(v):
+        return (calls or {}).get(id(v), 0)
+
     out = list(grads)
     for i, v in enumerate(stage_vars):
         ranks = users.get(id(v), [])
@@ -775,8 +784,8 @@ def _sum_tied(model, links, stage_vars, grads, unreached=(), call=0,
             # (an optimizer such as Adam squares repeated rows one by one).
             out[i] = links.gather_rows(
                 _as_rows(out[i], v), key, len(ranks),
-                position[id(v)] + call * len(position),
-                len(position) * calls)
+                position[id(v)] + call(v) * len(position),
+                len(position) * MAX_TIED_SUMS)
             continue
         # Every user takes part in the sum, with zeros where its stage's
         # loss does not depend on the weight.
@@ -784,7 +793,7 @@ def _sum_tied(model, links, stage_vars, grads, unreached=(), call=0,
                 else dense(out[i]))
         out[i] = links.reduce(mine, key, len(ranks),
                               links.INSTANCE_TIED + position[id(v)]
-                              + call * len(position))
+                              + call(v) * len(position))
     return out
 
 

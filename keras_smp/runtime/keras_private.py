@@ -362,6 +362,15 @@ def flatten_layers(model):
     return list(model._flatten_layers())
 
 
+def effective_training(training):
+    """`training` as a layer called now takes it: the value given, else
+    the enclosing Keras call context's (`None`: neither sets it)."""
+    if training is not None:
+        return training
+    context = global_state.get_global_attribute("current_call_ctx")
+    return None if context is None else context.training
+
+
 @contextlib.contextmanager
 def call_context(entry, training=None):
     """Layers called in the body run as inside `entry`'s own call: in one

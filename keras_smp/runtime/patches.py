@@ -1398,10 +1398,11 @@ def _patch_get_gradients(keras):
 # -- optimizer step on the synced gradient -----------------------------------
 
 # {id(optimizer): optimizer} of the MultiOptimizers inside `across_stages`
-# now (each entered once per replica): their sub-optimizers' `apply`
-# takes their step state (`_applying_parent_state`). Not a thread-local:
-# TensorFlow runs the sub-optimizers' `apply` in another thread than the
-# step that entered it (measured in `fit`).
+# now (registered by the first entry, e.g. of a process's one replica with
+# one stage per process): their sub-optimizers' `apply` takes their step
+# state (`_applying_parent_state`), read for the replica running it. Not a
+# thread-local: TensorFlow runs the sub-optimizers' `apply` in another
+# thread than the step that entered it (measured in `fit`).
 _applying_multis = {}
 
 
