@@ -1335,17 +1335,15 @@ def _wrap_apply_own_stage(base, keras):
             grads = [grads[i] for i in keep]
             trainable_variables = [trainable_variables[i] for i in keep]
             if sync is not None and _step(self, "stage_state") is None:
-                outer = _applying_parent_state(self)
-                if outer is not None:
-                    # A MultiOptimizer's sub-optimizer, applied by it in a
-                    # step whose tied weights' parts were summed (by an
-                    # outer optimizer's `apply`, or `fit`'s step).
-                    with across_stages(self, *outer):
-                        return own_stage_apply(self, grads,
-                                               trainable_variables)
-                reduce_sum, sum_tied = sync
-                grads, elsewhere = sum_tied(grads, trainable_variables)
-                with across_stages(self, reduce_sum, elsewhere):
+                # A MultiOptimizer's sub-optimizer applied by it takes its
+                # step state: the tied weights' parts are summed already
+                # (by an outer optimizer's `apply`, or `fit`'s step).
+                state = _applying_parent_state(self)
+                if state is None:
+                    reduce_sum, sum_tied = sync
+                    grads, elsewhere = sum_tied(grads, trainable_variables)
+                    state = (reduce_sum, elsewhere)
+                with across_stages(self, *state):
                     if all(g is None for g in grads):
                         # Nothing to train here (a frozen stage): its part
                         # of the stages' sums, and the step counted, as
