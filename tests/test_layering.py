@@ -52,6 +52,7 @@ LAYERS = {
         "keras_smp.runtime.shutdown", "keras_smp.runtime.agreement",
         "keras_smp.runtime.loss_shares", "keras_smp.runtime.data_end",
         "keras_smp.runtime.data_order", "keras_smp.runtime.sparse",
+        "keras_smp.runtime.split_draws",
     ],
     2: [
         "keras_smp.distribute", "keras_smp.distribute.allreduce",

@@ -32,6 +32,7 @@ from keras_smp.runtime import errors
 from keras_smp.runtime import patches
 from keras_smp.runtime import placement
 from keras_smp.runtime import process
+from keras_smp.runtime import split_draws
 from keras_smp.runtime import tf_private
 
 # Group keys TensorFlow's own CollectiveKeys may take per pipeline stage
@@ -420,6 +421,34 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
                 return self._smp_same_batch(inner(context))
         return super()._distribute_datasets_from_function(dataset_fn,
                                                           options)
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        return super()._call_for_each_replica(
+            self._smp_drawing_its_rows(fn), args, kwargs)
+
+    def _smp_drawing_its_rows(self, fn):
+        """`fn` run by a replica as its part of the global batch
+        (`runtime.split_draws`): its random layers draw its rows of what
+        one device draws for the whole batch. Replica `i` of the global
+        batch's `R` (data-parallel rank `d`, local replica `l` of `n`:
+        `i = d * n + l`; tensor-parallel copies share their rank's) holds
+        rows `[i * b, (i + 1) * b)` of it, its first argument's `b`."""
+        layout = self._smp_layout
+        local = 1 if self._smp_local_tp > 1 else layout.num_local_replicas
+
+        def run(*args, **kwargs):
+            first = next((t for t in tf.nest.flatten((args, kwargs))
+                          if isinstance(t, tf.Tensor) and t.shape.rank),
+                         None)
+            if first is None:
+                return fn(*args, **kwargs)
+            rows = tf.shape(first)[0]
+            index = self._smp_topology.dp_rank * local + (
+                tf_private.local_replica_index(local) if local > 1 else 0)
+            with split_draws.part(index * rows, rows):
+                return fn(*args, **kwargs)
+
+        return run
 
     def _smp_own_values(self, value):
         """A tensor-parallel rank's own value of `value` for every local

@@ -76,6 +76,9 @@ class Stage:
             gradients' microbatch parts are added position by position,
             not concatenated (`keras_smp.runtime.sparse`: a lookup whose
             ids do not depend on the batch, as a position embedding's).
+        around: optional `(microbatch, again) -> context manager`, entered
+            around a microbatch's forward (`again` False: its snapshot
+            too) and its recomputation (`again` True).
     """
 
     index: int
@@ -86,6 +89,13 @@ class Stage:
     snapshot: object = None
     adds_loss: bool = False
     merge_rows: frozenset = frozenset()
+    around: object = None
+
+    def scope(self, microbatch, again=False):
+        """`around(microbatch, again)`, or no change without one."""
+        if self.around is None:
+            return contextlib.nullcontext()
+        return self.around(microbatch, again)
 
 
 @dataclasses.dataclass
@@ -374,13 +384,14 @@ class _Builder:
         stage = self.stages[s]
         with tf.control_dependencies(deps):
             ins = [tf.identity(t) for t in _as_list(src)]
-            if stage.replay is not None:
-                self.snapshots[(s, mb)] = (stage.snapshot()
-                                           if stage.snapshot else None)
             graph = tf.compat.v1.get_default_graph()
-            first_op = (len(graph.get_operations()) if s in self.splits
-                        else None)
-            out = stage.fn(ins)
+            with stage.scope(mb):
+                if stage.replay is not None:
+                    self.snapshots[(s, mb)] = (stage.snapshot()
+                                               if stage.snapshot else None)
+                first_op = (len(graph.get_operations()) if s in self.splits
+                            else None)
+                out = stage.fn(ins)
             added = None
             if stage.adds_loss:
                 out, added = out
@@ -430,7 +441,9 @@ class _Builder:
                     out = _as_list(out)
                     return [self.loss_fn(out, mb)] if last else out
 
-                ys = stage.replay(ins, self.snapshots.pop((s, mb)), finish)
+                with stage.scope(mb, again=True):
+                    ys = stage.replay(ins, self.snapshots.pop((s, mb)),
+                                      finish)
                 if stage.adds_loss:  # the recomputation's added loss
                     ys, added = ys
                 if s == 0:

@@ -14,6 +14,8 @@ without a backward pad it instead (`microbatch.pad`) and drop the
 padding's outputs.
 """
 
+import collections
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -35,6 +37,7 @@ from keras_smp.pipeline.transport import LocalTransport
 from keras_smp.pipeline.transport import is_dynamic
 from keras_smp.runtime import keras_private
 from keras_smp.runtime import loss_shares
+from keras_smp.runtime import split_draws
 from keras_smp.runtime import tracing
 from keras_smp.runtime import xla
 from keras_smp.runtime.loss_shares import reduction_of
@@ -254,6 +257,9 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         if whole:
             stages[s].snapshot, stages[s].replay = _replay(
                 model, graph, s, m, batch_rows)
+    around = _microbatch_draws(graph, m, rows, batch)
+    for s in held:
+        stages[s].around = around(s)
     # (Models with tensor-parallel layers: their collectives' keys are
     # fixed when traced, so a length unknown there is refused.)
     tp = links is not None and graph.has_tensor_parallel_layers()
@@ -366,6 +372,51 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         total = _after([result.done], total)
     run.added = total
     return run
+
+
+def _microbatch_draws(graph, m, rows, batch):
+    """`stage -> Stage.around`: each microbatch's forward (and its
+    recomputation) draws its rows of the batch's random numbers
+    (`runtime.split_draws`), from the seeds the whole batch's call uses:
+    the stage's seed generators are given, before each microbatch's
+    forward, the states they held before its first, so they advance once
+    per step, as on one device. A generator of layers in several stages
+    is left to advance per call (which of the stages' forwards comes first
+    depends on the schedule).
+
+    `rows`: the microbatches' rows (a list of ints, an int32 tensor) or
+    `None` (equal microbatches of a batch of `batch` rows)."""
+    states = {s: keras_private.seed_generator_states(graph.stage_layers(s))
+              for s in range(graph.num_stages)}
+    uses = collections.Counter(id(v) for own in states.values()
+                               for v in own)
+    before = {}
+
+    def bounds(mb):
+        if rows is None:
+            size = batch // m
+            return mb * size, size
+        if isinstance(rows, (list, tuple)):
+            return sum(rows[:mb]), rows[mb]
+        return tf.reduce_sum(rows[:mb]), rows[mb]
+
+    def around(s):
+        own = [v for v in states[s] if uses[id(v)] == 1]
+
+        @contextlib.contextmanager
+        def scope(mb, again):
+            if own and not again:
+                if s not in before:
+                    before[s] = [tf.identity(v.value) for v in own]
+                else:
+                    for v, value in zip(own, before[s]):
+                        v.assign(value)
+            with split_draws.part(*bounds(mb)):
+                yield
+
+        return scope
+
+    return around
 
 
 def _refuse_state_updated_on_several_ranks(model, links):

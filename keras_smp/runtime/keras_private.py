@@ -1336,3 +1336,52 @@ def outputs_to_numpy(outputs):
         convert_to_np_if_not_ragged)
 
     return keras.tree.map_structure(convert_to_np_if_not_ragged, outputs)
+
+
+# --- used by keras_smp.runtime.split_draws ----------------------------------
+
+def route_random_draws(uniform, normal, dropout):
+    """Replaces the TensorFlow backend's `uniform`, `normal` and `dropout`
+    (what `keras.random.*` and Keras' random layers call, looked up on the
+    backend module per call) by `fn(original, *args, **kwargs)`, once."""
+    from keras.src.backend.tensorflow import random as tf_random
+
+    for name, fn in (("uniform", uniform), ("normal", normal),
+                     ("dropout", dropout)):
+        original = getattr(tf_random, name)
+        if getattr(original, "_smp_wrapped", False):
+            continue
+        routed = functools.partial(fn, original)
+        routed._smp_wrapped = True
+        setattr(tf_random, name, routed)
+
+
+def drawn_seed(seed):
+    """The int32 seed tensor Keras' TensorFlow backend draws with for
+    `seed` (an int, a `SeedGenerator`, which this advances, or `None`:
+    the global generator)."""
+    from keras.src.backend.tensorflow import random as tf_random
+    from keras.src.random.seed_generator import draw_seed
+
+    return tf_random._cast_seed(draw_seed(seed))
+
+
+def floatx():
+    """Keras' default float dtype."""
+    import keras
+
+    return keras.config.floatx()
+
+
+def seed_generator_states(layers):
+    """The state variables of the `SeedGenerator`s `layers` (and the
+    layers inside them) hold, each once."""
+    states, seen = [], set()
+    for layer in layers:
+        flatten = getattr(layer, "_flatten_layers", None)
+        for sub in (flatten(include_self=True) if flatten else [layer]):
+            for gen in getattr(sub, "_seed_generators", None) or []:
+                if id(gen.state) not in seen:
+                    seen.add(id(gen.state))
+                    states.append(gen.state)
+    return states

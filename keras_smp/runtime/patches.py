@@ -79,6 +79,7 @@ from keras_smp import tensor
 from keras_smp.runtime import deferred
 from keras_smp.runtime import errors
 from keras_smp.runtime import placement
+from keras_smp.runtime import split_draws
 from keras_smp.runtime import tf_private
 from keras_smp.runtime import xla
 
@@ -2149,6 +2150,7 @@ def install():
         _patch_split_weights(keras)
         _patch_unheld_reads(keras)
         _patch_loading(keras)
+        split_draws.install()
         _installed.append(True)
 
 

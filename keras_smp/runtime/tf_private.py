@@ -339,3 +339,14 @@ def replicas_update_without_merge_call():
     import tensorflow as tf
 
     return tf.__internal__.distribute.strategy_supports_no_merge_call()
+
+
+# --- used by keras_smp.runtime.split_draws ----------------------------------
+
+def in_xla_context():
+    """Whether the code being traced now is compiled by XLA (a
+    `tf.function(jit_compile=True)`, or a function it calls)."""
+    from tensorflow.python.ops import control_flow_util
+
+    return control_flow_util.GraphOrParentsInXlaContext(
+        ops.get_default_graph())

@@ -42,6 +42,7 @@ inline, as before (`once_per_shape`; `NotTraceable`):
 import tensorflow as tf
 
 from keras_smp.runtime import keras_private
+from keras_smp.runtime import split_draws
 
 # False: every microbatch's forward is built inline (as keras-smp did before
 # 2026-11-28), for comparisons (`benchmarks/first_step.py`) and debugging.
@@ -173,8 +174,8 @@ def with_state_outside(fn, state, owner, layers=(), jit_compile=True,
     def compiled_with(variables):
         passed = {id(v) for v in variables}
 
-        def pure(args, kwargs, values):
-            with keras.StatelessScope(
+        def pure(args, kwargs, values, part):
+            with split_draws.exactly(part), keras.StatelessScope(
                     state_mapping=list(zip(variables, values)),
                     collect_losses=True) as scope:
                 try:
@@ -225,7 +226,10 @@ def with_state_outside(fn, state, owner, layers=(), jit_compile=True,
         # argument as a resource, which XLA cannot do across devices (a
         # stage on another device than the layer's seed generator).
         values = [tf.identity(v.value) for v in variables]
-        out, updates, losses = compiled_for[key](args, kwargs, values)
+        # The microbatch's (or replica's) rows as arguments: a trace
+        # called per microbatch must not capture the first one's.
+        out, updates, losses = compiled_for[key](
+            args, kwargs, values, split_draws.as_arguments())
         for i, value in sorted(updates.items()):
             variables[i].assign(value)
         for loss in losses:  # only layers add losses: `owner` exists
