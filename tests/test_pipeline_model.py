@@ -195,6 +195,27 @@ GROUPS = {
                 + [dict(c, partial="thirds", recompute=r) for c in _cases(
                     "mixed", (2,), ("1f1b",), (2,), "sgd", devices=6)
                    for r in (False, True)]),
+    # Random layers on every stage (Dropout, one masking every row alike,
+    # AlphaDropout, GaussianNoise, GaussianDropout, noise drawn in
+    # inference too): each microbatch, and each replica, draws its rows of
+    # the whole batch's numbers; unequal microbatches (a partial batch of
+    # unknown and of known size), replicas, recomputed stages and layers,
+    # split backwards, virtual stages, XLA (uniform draws only: XLA's
+    # normal draws depend on the whole shape).
+    "random": (_picks("noisy", [(2, "gpipe", 4), (4, "1f1b", 2)], "sgd")
+               + _cases("noisy", (2,), ("1f1b",), (8,), "adam")
+               + [dict(c, partial=p) for c in _cases(
+                   "noisy", (2,), ("1f1b",), (4,), "sgd")
+                   for p in (True, "static")]
+               + _cases("noisy", (2,), ("gpipe",), (4,), "sgd", devices=4)
+               + [dict(c, recompute=True) for c in _cases(
+                   "noisy", (2,), ("1f1b",), (4,), "sgd")]
+               + [dict(c, recompute_layers=[2, 6]) for c in _cases(
+                   "noisy", (2,), ("1f1b",), (4,), "sgd")]
+               + _cases("noisy", (2,), ("zb_h1", "interleaved_1f1b"), (4,),
+                        "sgd")
+               + [dict(c, xla=True) for c in _cases(
+                   "dropouts", (2,), ("1f1b",), (4,), "sgd")]),
     # Activation checkpointing: every stage (or only stage 1) recomputes its
     # forward in its backward; the same bounds.
     "recompute": [dict(c, recompute=r) for c, r in zip(
@@ -342,6 +363,11 @@ def test_pipelined_training_matches_single_device(group):
         if row["model"].startswith("penalized") or (
                 row["model"] == "autoencoder"):
             assert row["added"] > 1e-3, (label, row)
+        # ... and the random layers act (training differs from inference
+        # in the reference), and the seed generators advanced as often.
+        if row["model"] in ("noisy", "dropouts"):
+            assert row["noise"] > 1e-2, (label, row)
+        assert row["seeds"][0] == row["seeds"][1], (label, row)
         # ... and a head no loss names stays as it was (no gradient: no
         # weight decay, no constraint), as in Keras.
         if row["model"] == "two_heads":

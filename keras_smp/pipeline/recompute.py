@@ -30,6 +30,7 @@ from keras import tree
 
 from keras_smp import tensor
 from keras_smp.runtime import keras_private
+from keras_smp.runtime import split_draws
 from keras_smp.runtime import tracing
 
 
@@ -39,10 +40,13 @@ def state_of(operations):
 
 
 def snapshot(state):
-    """The values a recomputation must see: `state` and the global seed."""
+    """The values a recomputation must see: `state`, the global seed, and
+    the part of the batch being drawn for (`runtime.split_draws`: a
+    layer's recomputation runs in the backward, outside its microbatch's
+    forward)."""
     seeds = keras_private.global_seed_state()
     return (seeds, None if seeds is None else tf.identity(seeds.value),
-            [tf.identity(v.value) for v in state])
+            [tf.identity(v.value) for v in state], split_draws.current())
 
 
 def rerun(state, snap, fn, what, fix, collect_losses=False):
@@ -60,14 +64,14 @@ def rerun(state, snap, fn, what, fix, collect_losses=False):
 def run_stateless(state, snap, fn, what, fix, collect_losses=False):
     """`(fn(), updates)`: `fn()` run as `rerun` runs it, and
     `[(variable, new value)]` of the state it assigned (not applied)."""
-    seeds, seeds_value, values = snap
+    seeds, seeds_value, values, part = snap
     mapping = list(zip(state, values))
     if seeds is not None:  # unseeded keras.random calls draw again
         mapping.append((seeds, seeds_value))
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
-    with keras.StatelessScope(state_mapping=mapping,
-                              collect_losses=collect_losses) as scope:
+    with split_draws.exactly(part), keras.StatelessScope(
+            state_mapping=mapping, collect_losses=collect_losses) as scope:
         out = fn()
     now = keras_private.global_seed_state()
     stateful = sorted({op.type for op in graph.get_operations()[first:]

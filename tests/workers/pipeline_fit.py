@@ -11,7 +11,8 @@ from a helper function|nested: nested models|subclassed: a subclassed
 keras.Model wrapped unbuilt|mlp_unbuilt: the mlp as a Sequential without
 an Input|autoencoder: compiled without a loss|two_heads:
 a loss on one of two outputs, weight decay|mixed: a mean loss and a "mean_with_sample_weight" one, an activity regularizer|tokens:
-padded token sequences, a loss per token under the embedding's mask),
+padded token sequences, a loss per token under the embedding's mask|noisy:
+random layers on every stage|dropouts: its uniform-drawing ones only),
 partitions, microbatches, pipeline, optimizer (sgd|adam), devices (logical
 CPUs, default = partitions), virtual_stages (model stages per rank, for
 interleaved_1f1b), recompute (activation_checkpointing), reduction (of the
@@ -219,6 +220,41 @@ def tokens():
     return keras.Model(inputs, keras.layers.Dense(5, name="out")(h))
 
 
+class Sampling(keras.layers.Layer):
+    """Noise drawn in training and inference alike (a VAE's
+    reparameterisation), from the layer's own seed generator."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(7)
+
+    def call(self, x):
+        return x + 0.1 * keras.random.normal(keras.ops.shape(x),
+                                             seed=self.seed_generator)
+
+
+def noisy(normal=True):
+    """The skip model with random layers on every stage: Dropout, one
+    whose mask is broadcast over the batch (`noise_shape`), AlphaDropout,
+    and with `normal`, GaussianNoise, GaussianDropout and a layer drawing
+    noise in inference too (`Sampling`)."""
+    layers = keras.layers
+    inputs = keras.Input((8,))
+    h1 = layers.Dense(16, activation="tanh", name="d1")(inputs)
+    h1 = layers.Dropout(0.3, name="drop")(h1)
+    h2 = layers.Dense(16, activation="tanh", name="d2")(h1)
+    h2 = (layers.GaussianNoise(0.2, name="noise")(h2) if normal
+          else layers.Dropout(0.2, noise_shape=(1, 16), name="shared")(h2))
+    h3 = layers.Dense(16, activation="tanh", name="d3")(h2)
+    if normal:
+        h3 = Sampling(name="sampling")(
+            layers.GaussianDropout(0.2, name="gdrop")(h3))
+    h4 = layers.Dense(16, activation="tanh", name="d4")(h3)
+    h4 = layers.AlphaDropout(0.1, name="adrop")(h4)
+    merged = layers.Add(name="skip_add")([h1, h4])
+    return keras.Model(inputs, layers.Dense(3, name="out")(merged))
+
+
 class Manual(keras.Model):
     """Subclassed skip model; partition scopes when pipelined."""
 
@@ -300,7 +336,9 @@ def build(case, pipelined):
                  "nested_bn": lambda: nested(bn=True),
                  "subclassed": Subclassed,
                  "mlp_unbuilt": mlp_unbuilt,
-                 "tokens": tokens}[kind]()
+                 "tokens": tokens,
+                 "noisy": noisy,
+                 "dropouts": lambda: noisy(normal=False)}[kind]()
         if kind in ("mlp_unbuilt", "subclassed") and not pipelined:
             # (Keras would build them in the traced step, after the
             # callbacks' on_train_begin reads the initial weights)
@@ -346,7 +384,8 @@ def build(case, pipelined):
 def run(case, pipelined):
     model = build(case, pipelined)
     x = X_IMG if case["model"] == "cnn" else X_FLAT
-    sw = SW if case["model"] in ("skip", "manual", "penalized") else None
+    sw = SW if case["model"] in ("skip", "manual", "penalized",
+                                 "noisy") else None
     data = (x, Y) if sw is None else (x, Y, sw)
     if case["model"] == "autoencoder":
         data = (x,)
@@ -389,12 +428,19 @@ def run(case, pipelined):
         pred = np.concatenate([pred[k] for k in sorted(pred)], axis=1)
     weights = [w.numpy() for w in kept]  # (the call below updates
     # BatchNormalization's moving statistics)
-    added = 0.0
+    seeds = [w.numpy().tolist() for w in model.weights if "seed" in w.path]
+    added = noise = 0.0
     if not pipelined:  # the losses layers add in call (guard: they count)
         model(x[:GLOBAL_BATCH], training=True)
         added = sum(float(l) for l in model.losses)
+        # (guard: the random layers change what training computes)
+        noise = float(np.abs(
+            model(x[:GLOBAL_BATCH], training=True)
+            - model(x[:GLOBAL_BATCH], training=False)).max())
     return model, {
         "added": added,
+        "noise": noise,
+        "seeds": seeds,
         "weights": weights,
         "loss": np.array(hist.history["loss"]),
         "evaluate": np.array([ev["loss"],
@@ -454,6 +500,9 @@ for case in CASES:
     row = dict(case)
     row.update(
         added=ref["added"],
+        noise=ref["noise"],
+        # the seed generators' states: equal (as many advances)
+        seeds=[got["seeds"], ref["seeds"]],
         unused_moved=[got["unused_moved"], ref["unused_moved"]],
         weights=max(diff(a, b) for a, b in zip(got["weights"], ref["weights"])),
         loss=diff(got["loss"], ref["loss"]),

@@ -225,13 +225,13 @@ def cnn_sync_bn(rng):
 
 
 def dropout(rng):
-    # Dropout masks are random draws: they differ from single-device ones
-    # in every mode (other shapes: microbatches, replicas), so the results
-    # do too (documented); what must hold: training runs, inference is
-    # deterministic (no dropout), every rank agrees.
+    # Random layers (a Dropout mask, Gaussian noise): each microbatch and
+    # each replica draws its rows of what one device draws for the whole
+    # batch (keras_smp.runtime.split_draws), so training equals it.
     model = keras.Sequential([
         keras.Input((8,)), layers.Dense(32, activation="relu"),
-        layers.Dropout(0.3), layers.Dense(3)])
+        layers.Dropout(0.3), layers.Dense(16, activation="tanh"),
+        layers.GaussianNoise(0.2), layers.Dense(3)])
     x = _flat(rng)
     return (model, _classifier_compile(keras.optimizers.SGD(0.1)),
             (x, _classes(x, 3, rng), None), {})
