@@ -13,7 +13,8 @@ from conftest import scaled_atol
 
 
 @pytest.mark.parametrize("grads", ["get_gradients", "tape",
-                                   "tape_added_losses", "loss_scale"])
+                                   "tape_added_losses", "loss_scale",
+                                   "dropout"])
 def test_step_training_matches_full_batch_training(grads):
     # partitions=2, microbatches=4: gradients accumulated over microbatches
     # inside @smp.step equal the whole batch's, with SGD + momentum; with
@@ -25,10 +26,17 @@ def test_step_training_matches_full_batch_training(grads):
     # pipelined step was traced before its optimizer was built: Keras'
     # `scale_loss` would have kept multiplying by `initial_scale` (2^10)
     # there, applying step 1 with its gradients divided by 2^40.
+    # "dropout": Dropout and GaussianNoise layers on the stages; each
+    # microbatch drew the first rows of the batch's masks (other training)
+    # before keras-smp drew each its own rows of them; their seed
+    # generators advance once per step, as in the plain loop.
     out = run_python([f"{WORKERS}/custom_loop_fit.py", grads]).stdout
     r = json.loads(out.split("RESULT ", 1)[1])
     assert r["stages"] == 2 and r["microbatches"] == 4
     assert r["moved"] > 1e-3
+    assert r["seeds"][0] == r["seeds"][1], r
+    if grads == "dropout":
+        assert r["seeds"][0] == [[5, 3], [6, 3]], r
     if grads == "loss_scale":
         assert r["scales"] == [[2.0 ** 10] * 2, [2.0 ** 39] * 2,
                                [2.0 ** 10] * 2], r
@@ -681,6 +689,34 @@ def tied_runs(tmp_path_factory):
                                       f"{root}/{name}"],
                extra_env={"SMP_CONFIG": '{"collective_timeout_seconds": 60}'})
     return root
+
+
+@pytest.mark.slow
+def test_one_stage_per_process_custom_loop_draws_the_whole_batchs_masks(
+        tmp_path):
+    # A seeded Dropout (stage 0) and GaussianNoise (stage 1), 2 stages x 2
+    # replicas (each replica its contiguous half of the global batch), 4
+    # microbatches: each microbatch of each replica draws its rows of the
+    # masks and noise plain Keras draws for the whole batch (before, every
+    # microbatch drew the first rows: losses 0.1 apart), and each seed
+    # generator advances once per step. Then Keras' `fit`, which calls
+    # this model (its `call` takes no `training`) without one, as Keras
+    # does: the random layers infer (keras-smp told them training=True:
+    # fit's loss 0.06 apart).
+    run_python([STAGES, "--reference", "--dropout", "--keras-fit", "--out",
+                f"{tmp_path}/ref"])
+    launch(4, [STAGES, "--dropout", "--keras-fit", "--out",
+               f"{tmp_path}/run"],
+           extra_env={"SMP_CONFIG": '{"collective_timeout_seconds": 60}'})
+    ref = _reference(tmp_path)
+    for rank in range(4):
+        r = _read(f"{tmp_path}/run", rank)
+        _assert_stage_run_equals_reference(r, ref)
+        own = ("seed_generator/seed_generator_state" if r["pp_rank"] == 0
+               else "seed_generator_1/seed_generator_state")
+        for when in ("seeds_before_fit", "seeds_after_fit"):
+            assert r[when][own] == ref[when][own], (rank, when, r[when])
+        assert ref["seeds_before_fit"][own][1] == 3  # one advance a step
 
 
 @pytest.mark.slow

@@ -215,7 +215,13 @@ GROUPS = {
                + _cases("noisy", (2,), ("zb_h1", "interleaved_1f1b"), (4,),
                         "sgd")
                + [dict(c, xla=True) for c in _cases(
-                   "dropouts", (2,), ("1f1b",), (4,), "sgd")]),
+                   "dropouts", (2,), ("1f1b",), (4,), "sgd")]
+               # A subclassed model whose call takes no `training`: Keras'
+               # fit calls it without, so its Dropout and
+               # BatchNormalization infer (keras-smp told them
+               # training=True: masks, per-microbatch statistics).
+               + _picks("untold", [(2, "1f1b", 4), (4, "gpipe", 2)],
+                        "sgd")),
     # Activation checkpointing: every stage (or only stage 1) recomputes its
     # forward in its backward; the same bounds.
     "recompute": [dict(c, recompute=r) for c, r in zip(

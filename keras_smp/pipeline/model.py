@@ -663,10 +663,14 @@ class DistributedModel(keras.Model):
             # One stage per process: built from the data first (shapes
             # only), never run whole here.
             self._smp_build_from_data((args[0],))
+            custom_loop.seeds_as_in_first_microbatch(
+                self, self.staged_graph.stage_layers(self._smp_links().rank))
             result = self._smp_call_across(args[0], kwargs.get("training"))
         elif self._smp_graph is not None and args:
+            custom_loop.seeds_as_in_first_microbatch(self, [self])
             result = self._smp_call_staged(args[0], kwargs.get("training"))
         else:
+            custom_loop.seeds_as_in_first_microbatch(self, [self])
             result = super().__call__(*args, **kwargs)
         if self._smp_graph is not None and args:
             # Its position embeddings' gradients add up by position.
@@ -1027,6 +1031,17 @@ class DistributedModel(keras.Model):
         if training is not None and (tf.is_tensor(training)
                                      or bool(training)):
             _refuse_state_updated_on_several_ranks(self, self._smp_links())
+
+    def _smp_step_training(self, training):
+        """The `training` a `fit`, `evaluate` or `predict` step gives the
+        layers: Keras' own steps call a model whose `call` takes no
+        `training` argument without one (`self(x)`), so its layers use
+        their defaults (`Dropout` and `BatchNormalization` infer, in `fit`
+        too): `None` then, else `training`."""
+        owner = self.__dict__.get("inner_model")
+        owner = self if owner is None else owner
+        takes = "training" in inspect.signature(owner.call).parameters
+        return training if takes else None
 
     def call(self, inputs, training=None):
         # Unpipelined forward pass (direct calls); steps use the pipeline.

@@ -200,6 +200,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     if unreached:
         _check_some_weight_trains(model, unreached)
     stages = {}
+    # What the layers are told, as Keras' own steps tell them.
+    mode = model._smp_step_training(training)
 
     def by_position(variables):
         return tuple(v for v in variables
@@ -220,7 +222,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     for s in held:
         whole = training and (checkpointing is True
                               or s in (checkpointing or ()))
-        fn = graph.stage_fn(s, training=training, recompute=(
+        fn = graph.stage_fn(s, training=mode, recompute=(
             layer_names if training and not whole else None))
         if unreached:
             fn = _refusing_unforeseen_losses(fn, graph, s, covered)
@@ -248,7 +250,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         batch_rows = (share_batch if rows is not None
                       or share_batch is not true_batch else None)
         stages[s] = Stage(s, _adding_losses(model, graph, s, fn, training,
-                                            m, added, batch_rows),
+                                            m, added, batch_rows, mode),
                           stage_vars[s] if training else [],
                           devices[s], adds_loss=True,
                           merge_rows=frozenset(
@@ -256,7 +258,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                               if id(v) in batch_free and m > 1))
         if whole:
             stages[s].snapshot, stages[s].replay = _replay(
-                model, graph, s, m, batch_rows)
+                model, graph, s, m, batch_rows, mode)
     around = _microbatch_draws(graph, m, rows, batch)
     for s in held:
         stages[s].around = around(s)
@@ -612,7 +614,7 @@ def _total(added):
 
 
 def _adding_losses(model, graph, stage, fn, training, m, logged=None,
-                   batch=None):
+                   batch=None, mode=None):
     """Stage `stage`'s function returning `(outputs, added)`: `added` is
     the sum of the losses its layers add while it runs (`add_loss()`,
     activity regularizers; `None` if none), each as Keras adds it to the
@@ -627,13 +629,14 @@ def _adding_losses(model, graph, stage, fn, training, m, logged=None,
 
     The layers run in one Keras call context, as in the model's own
     `call`: their losses accumulate over the stage's layers, a layer
-    called twice included.
+    called twice included. `mode`: the `training` the context holds
+    (`DistributedModel._smp_step_training`).
     """
     calls = [node.operation for node in graph.stage_nodes(stage)]
     layers = graph.stage_layers(stage)
 
     def run(tensors):
-        with keras_private.call_context(model, training):
+        with keras_private.call_context(model, mode):
             keras_private.clear_added_losses(calls)
             out = fn(tensors)
             losses = keras_private.added_losses(layers)
@@ -909,7 +912,7 @@ def _share_factor(rows, m, batch):
     return tf.cast(share, keras.config.floatx())
 
 
-def _replay(model, graph, stage, m, batch=None):
+def _replay(model, graph, stage, m, batch=None, mode=True):
     """`(snapshot, replay)` of a stage, for activation checkpointing.
 
     The recomputation sees the stage's non-trainable variables (random
@@ -920,8 +923,8 @@ def _replay(model, graph, stage, m, batch=None):
     logged the loss).
     """
     fn = _adding_losses(model, graph, stage,
-                        graph.stage_fn(stage, training=True), True, m,
-                        batch=batch)
+                        graph.stage_fn(stage, training=mode), True, m,
+                        batch=batch, mode=mode)
     state = recompute.state_of(node.operation
                                for node in graph.stage_nodes(stage))
 

@@ -73,15 +73,36 @@ def current():
     """`(offset, rows)` of the part being built in this thread (int32
     scalar tensors or Python ints: its first row in the whole batch, its
     rows), or `None`."""
-    return getattr(_local, "part", None)
+    value = getattr(_local, "part", None)
+    return None if value is None else value[:2]
+
+
+def _graph():
+    """The graph being built (`None` when executing eagerly)."""
+    return (None if tf.executing_eagerly()
+            else tf.compat.v1.get_default_graph())
+
+
+def _applies_here():
+    """Whether the current part applies to ops built now: in the graph
+    its forward is built in, or a function traced inside it, not in code
+    lifted out of it (a weight's initializer, run in `tf.init_scope` when
+    a layer is built in its first call)."""
+    value = getattr(_local, "part", None)
+    if value is None:
+        return False
+    graph, home = _graph(), value[2]
+    while graph is not None and graph is not home:
+        graph = getattr(graph, "outer_graph", None)
+    return graph is home
 
 
 @contextlib.contextmanager
 def exactly(value):
     """Sets the current part to `value` (`(offset, rows)` or `None`),
     whatever encloses it: inside a traced function, its arguments."""
-    before = current()
-    _local.part = value
+    before = getattr(_local, "part", None)
+    _local.part = None if value is None else (*value, _graph())
     try:
         yield
     finally:
@@ -118,9 +139,9 @@ def _offset_of(shape):
     """`(shape, element offset)` of a draw of `shape` in the current part
     (an int64 scalar tensor: 0 when its first dimension is not the part's
     rows), or `None` when nothing is to be offset (no part, or a scalar)."""
-    value = current()
-    if value is None:
+    if not _applies_here():
         return None
+    value = current()
     shape = tf.cast(tf.convert_to_tensor(shape), tf.int64)
     if shape.shape.rank != 1 or shape.shape[0] == 0:
         return None
@@ -192,7 +213,7 @@ def _normal(original, shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
 
 
 def _dropout(original, inputs, rate, noise_shape=None, seed=None):
-    if current() is None or tf.is_tensor(rate) or rate in (0.0, 1.0):
+    if not _applies_here() or tf.is_tensor(rate) or rate in (0.0, 1.0):
         return original(inputs, rate, noise_shape=noise_shape, seed=seed)
     x = tf.convert_to_tensor(inputs)
     concrete = tf.shape(x)

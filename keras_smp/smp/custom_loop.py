@@ -56,8 +56,10 @@ from keras_smp import tensor
 from keras_smp.config import SMPConfig
 from keras_smp.distribute import compression
 from keras_smp.pipeline import microbatch
+from keras_smp.runtime import keras_private
 from keras_smp.runtime import process
 from keras_smp.runtime import sparse
+from keras_smp.runtime import split_draws
 from keras_smp.runtime import tf_private
 
 _step_depth = [0]
@@ -149,6 +151,35 @@ def call_slot(model):
             "one stage per process; use fewer microbatches or calls.")
     _calls[key] = slot + 1
     return slot
+
+
+# {(trace graph, id(model), call in its microbatch): the model's seed
+# generator states before that call in the step's first microbatch}
+_seed_starts = {}
+# {id(model): its calls so far in the microbatch being traced}
+_microbatch_calls = {}
+
+
+def seeds_as_in_first_microbatch(model, layers):
+    """Inside an `@smp.step` function: gives the seed generators of
+    `layers` (those `model`'s call runs here) the states they held before
+    the same call of the step's first microbatch, so that every
+    microbatch draws from the seeds one call on the whole batch draws
+    from (its rows of them: `runtime.split_draws`), and the generators
+    advance once per step."""
+    if not in_step():
+        return
+    slot = _microbatch_calls.get(id(model), 0)
+    _microbatch_calls[id(model)] = slot + 1
+    states = keras_private.seed_generator_states(layers)
+    if not states:
+        return
+    key = (tf.compat.v1.get_default_graph(), id(model), slot)
+    if key not in _seed_starts:
+        _seed_starts[key] = [tf.identity(v.value) for v in states]
+        return
+    for v, value in zip(states, _seed_starts[key]):
+        v.assign(value)
 
 
 def note_step_variables(variables):
@@ -810,6 +841,18 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
         if not _step_depth[0]:
             _calls.clear()
             _backwards.clear()
+            _seed_starts.clear()
+        # Each microbatch draws its rows of the global batch's random
+        # numbers (`runtime.split_draws`: data-parallel replica `d` holds
+        # its rows `[d * b, (d + 1) * b)`; models reset their seed
+        # generators per microbatch, `seeds_as_in_first_microbatch`), when
+        # every tensor is split along its first axis.
+        split = [t for name in bound.arguments if name not in whole
+                 for t in tf.nest.flatten(per_arg[name][0])
+                 if tf.is_tensor(t)]
+        rows = (tf.shape(split[0])[0] if split and not any(
+            axes.get(name, 0) for name in bound.arguments
+            if name not in whole) else None)
         _step_depth[0] += 1
         before = list(_by_position)
         graph = tf.compat.v1.get_default_graph()
@@ -818,7 +861,12 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
             with sparse.noting_sources() as source:
                 for i in range(m):
                     start = len(graph.get_operations())
-                    with tf.name_scope(f"microbatch{i}"):
+                    _microbatch_calls.clear()
+                    part = (contextlib.nullcontext() if rows is None
+                            else split_draws.part(
+                                (state.topology().dp_rank * m + i) * rows,
+                                rows))
+                    with tf.name_scope(f"microbatch{i}"), part:
                         call = bound.signature.bind_partial()
                         call.arguments.update(
                             {n: per_arg[n][i] for n in bound.arguments})

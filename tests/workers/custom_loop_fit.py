@@ -11,6 +11,9 @@ steps scale their losses with `optimizer.scale_loss`; the pipelined
 loop's optimizer is built by its first `apply_gradients`, after its step
 was traced; the plain one's before), and step 1 made to overflow in
 both loops (the scale set to 2^40; 2^10 again for step 2): both skip it.
+With "dropout", a Dropout on each stage (GaussianNoise on the second),
+gradients from a tape: each microbatch draws its rows of the whole
+batch's masks, and the seed generators end where the plain loop's do.
 """
 
 import json
@@ -21,6 +24,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 GRADS = sys.argv[1]  # "get_gradients", "tape" or "tape_added_losses"
 ADDED = GRADS == "tape_added_losses"
 SCALED = GRADS == "loss_scale"
+DROPOUT = GRADS == "dropout"
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -48,8 +52,18 @@ class Model(smp.DistributedModel):
         self.d2 = keras.layers.Dense(16, activation="relu")
         self.d3 = keras.layers.Dense(3, activity_regularizer=ACTIVITY[1])
 
+        self.drops = _random_layers()
+
     def call(self, inputs):
-        return self.d3(self.d2(self.d1(inputs)))
+        h = self.drops[0](self.d1(inputs))
+        return self.d3(self.drops[1](self.d2(h)))
+
+
+def _random_layers():
+    if not DROPOUT:
+        return [keras.layers.Identity(), keras.layers.Identity()]
+    return [keras.layers.Dropout(0.3, seed=5),
+            keras.layers.GaussianNoise(0.3, seed=6)]
 
 
 keras.utils.set_random_seed(7)
@@ -58,7 +72,8 @@ model(x[:1])
 plain = keras.Sequential([
     keras.Input((8,)),
     keras.layers.Dense(16, "tanh", activity_regularizer=ACTIVITY[0]),
-    keras.layers.Dense(16, "relu"),
+    (drops := _random_layers())[0],
+    keras.layers.Dense(16, "relu"), drops[1],
     keras.layers.Dense(3, activity_regularizer=ACTIVITY[1])])
 initial = model.get_weights()
 plain.set_weights(initial)
@@ -128,6 +143,8 @@ for step in range(3):
     if SCALED:
         scales.append([float(o.dynamic_scale.numpy())
                        for o in (opt, plain_opt)])
+seeds = [[v.numpy().tolist() for v in m.variables if "seed" in v.path]
+         for m in (model, plain)]
 weight_diff = max(float(np.abs(a - b).max())
                   for a, b in zip(model.get_weights(), plain.get_weights()))
 moved = max(float(np.abs(a - b).max())
@@ -135,6 +152,7 @@ moved = max(float(np.abs(a - b).max())
 print("RESULT " + json.dumps({
     "weight_diff": weight_diff, "logit_diff": logit_diff, "losses": losses,
     "plain_losses": plain_losses, "moved": moved, "scales": scales,
+    "seeds": seeds,
     "iterations": [int(o.iterations.numpy()) for o in (opt, plain_opt)],
     "magnitude": max(float(np.abs(w).max()) for w in plain.get_weights()),
     "logit_magnitude": logit_size,

@@ -51,6 +51,9 @@ replica its contiguous share), 4 microbatches; then a forward-only step
                                  layers' weights only (stage 1), leaving
                                  the embedding (stage 0) out: refused on
                                  every rank (REFUSED)
+    --dropout                    a Dropout (stage 0) and a GaussianNoise
+                                 (stage 1) layer, seeded (manual
+                                 partitions)
     --shared                     a Dense layer called in both stages
                                  (manual partitions): each stage process
                                  holds a copy of its weights, the
@@ -93,6 +96,7 @@ parser.add_argument("--shared", action="store_true")
 parser.add_argument("--tied", action="store_true")
 parser.add_argument("--shared-lookup", action="store_true")
 parser.add_argument("--shared-bn", action="store_true")
+parser.add_argument("--dropout", action="store_true")
 parser.add_argument("--subset", action="store_true")
 parser.add_argument("--other-data", action="store_true")
 parser.add_argument("--frozen-embedding", action="store_true")
@@ -112,7 +116,7 @@ if not args.reference:
     smp.init({"partitions": 2, "microbatches": 4, "local_devices": 1,
               "auto_partition": not (args.shared or args.shared_bn
                                      or args.tied or args.shared_lookup
-                                     or args.loss_scale)})
+                                     or args.loss_scale or args.dropout)})
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -185,6 +189,9 @@ class Model(Base):
                 kernel_initializer=keras.initializers.GlorotUniform(seed=2))
         if args.loss_scale:
             self.amplify = Amplify()
+        if args.dropout:
+            self.drop = keras.layers.Dropout(0.3, seed=5)
+            self.noise = keras.layers.GaussianNoise(0.3, seed=6)
         self.embed.trainable = not args.frozen_embedding
         self.hidden.trainable = self.head.trainable = not args.frozen_head
 
@@ -220,6 +227,11 @@ class Model(Base):
                 h = self.amplify(self.pool(self.embed(ids)))
             with partition(1):
                 return self.head(self.hidden(h))
+        if args.dropout:  # random layers on both stages
+            with partition(0):
+                h = self.hidden(self.drop(self.pool(self.embed(ids))))
+            with partition(1):
+                return self.head(self.noise(h))
         return self.head(self.hidden(self.pool(self.embed(ids))))
 
 
@@ -229,10 +241,16 @@ def keras_fit(model):
     rng = np.random.RandomState(1000)
     x, y = (rng.randint(0, 20, (GLOBAL, 6)).astype("int32"),
             rng.randint(0, 3, GLOBAL).astype("int32"))
+    seeds = {v.path: v.numpy().tolist() for v in model.variables
+             if "seed" in v.path and v.value.shape.num_elements()}
     model.compile(optimizer=opt, loss=loss_fn)
     history = model.fit(x, y, batch_size=GLOBAL, epochs=1, shuffle=False,
                         verbose=0)
     return dict(fit_loss=history.history["loss"][0],
+                seeds_before_fit=seeds,
+                seeds_after_fit={
+                    v.path: v.numpy().tolist() for v in model.variables
+                    if "seed" in v.path and v.value.shape.num_elements()},
                 held_after_fit={v.path: v.numpy().tolist()
                                 for v in model.weights
                                 if v.value.shape.num_elements()})
@@ -290,7 +308,10 @@ if args.reference:
         if args.loss_scale and step in SCALES:
             opt.dynamic_scale.assign(SCALES[step])
         with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x)) + added(model)
+            # (training: the random layers of --dropout draw, as in the
+            # steps' `model(ids, training=True)`)
+            loss = loss_fn(y, model(x, training=args.dropout)) + added(
+                model)
             scaled_loss = scaled(loss)
         grads = tape.gradient(scaled_loss, model.trainable_variables)
         if args.loss_scale:  # which stages' gradients are finite

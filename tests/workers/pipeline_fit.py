@@ -12,7 +12,8 @@ keras.Model wrapped unbuilt|mlp_unbuilt: the mlp as a Sequential without
 an Input|autoencoder: compiled without a loss|two_heads:
 a loss on one of two outputs, weight decay|mixed: a mean loss and a "mean_with_sample_weight" one, an activity regularizer|tokens:
 padded token sequences, a loss per token under the embedding's mask|noisy:
-random layers on every stage|dropouts: its uniform-drawing ones only),
+random layers on every stage|dropouts: its uniform-drawing ones only|
+untold: a subclassed model whose call takes no training),
 partitions, microbatches, pipeline, optimizer (sgd|adam), devices (logical
 CPUs, default = partitions), virtual_stages (model stages per rank, for
 interleaved_1f1b), recompute (activation_checkpointing), reduction (of the
@@ -315,6 +316,24 @@ class Subclassed(keras.Model):
         return self.out(self.last(h))
 
 
+class Untold(keras.Model):
+    """A subclassed model whose `call` takes no `training`: Keras' `fit`
+    calls it as `model(x)`, so its Dropout and BatchNormalization infer
+    (no masks, the moving statistics normalise and stay as they are)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.first = keras.layers.Dense(16, activation="tanh")
+        self.drop = keras.layers.Dropout(0.4)
+        self.bn = keras.layers.BatchNormalization(
+            moving_mean_initializer="random_normal")
+        self.mid = keras.layers.Dense(16, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.mid(self.bn(self.drop(self.first(x)))))
+
+
 def build(case, pipelined):
     keras.utils.set_random_seed(1234)
     kind = case["model"]
@@ -335,11 +354,13 @@ def build(case, pipelined):
                  "nested": nested,
                  "nested_bn": lambda: nested(bn=True),
                  "subclassed": Subclassed,
+                 "untold": Untold,
                  "mlp_unbuilt": mlp_unbuilt,
                  "tokens": tokens,
                  "noisy": noisy,
                  "dropouts": lambda: noisy(normal=False)}[kind]()
-        if kind in ("mlp_unbuilt", "subclassed") and not pipelined:
+        if kind in ("mlp_unbuilt", "subclassed", "untold") and (
+                not pipelined):
             # (Keras would build them in the traced step, after the
             # callbacks' on_train_begin reads the initial weights)
             model(X_FLAT[:1])
@@ -428,7 +449,7 @@ def run(case, pipelined):
         pred = np.concatenate([pred[k] for k in sorted(pred)], axis=1)
     weights = [w.numpy() for w in kept]  # (the call below updates
     # BatchNormalization's moving statistics)
-    seeds = [w.numpy().tolist() for w in model.weights if "seed" in w.path]
+    seeds = [w.numpy().tolist() for w in model.variables if "seed" in w.path]
     added = noise = 0.0
     if not pipelined:  # the losses layers add in call (guard: they count)
         model(x[:GLOBAL_BATCH], training=True)
