@@ -17,7 +17,9 @@ first element of the whole batch's draw. Checked in one process
 - draws of another first dimension (a fixed shape, a mask broadcast over
   the batch) are the whole batch's; outside a part Keras draws exactly as
   `tf.random` / `tf.nn.experimental` do; a seed generator advances once
-  per draw; the 128-bit counter carries into its high word;
+  per draw; the 128-bit counter carries into its high word; a layer
+  built by its first call inside a part (in a traced function) draws its
+  initial weights as outside any part;
 - Keras' random layers (Dropout, SpatialDropout1D, GaussianNoise,
   GaussianDropout, AlphaDropout, LSTM and GRU with dropout) called on the
   parts, each from the generator's state before the whole batch's call,
@@ -47,7 +49,8 @@ CHECKS = (
        "draws_of_another_first_dimension_are_the_whole_batchs",
        "outside_a_part_keras_draws_as_it_does",
        "a_seed_generator_advances_once_per_draw_in_a_part",
-       "the_counter_carries_into_its_high_word"]
+       "the_counter_carries_into_its_high_word",
+       "a_layer_built_inside_a_part_initializes_as_outside"]
     + [f"layer_on_parts[{n}]" for n in (
         "Dropout", "SpatialDropout1D", "GaussianNoise", "GaussianDropout",
         "AlphaDropout", "LSTM", "GRU")])

@@ -35,6 +35,7 @@ import contextlib
 import tensorflow as tf
 
 from keras_smp.runtime import placement
+from keras_smp.runtime import split_draws
 
 
 def creator(next_creator, **kwargs):
@@ -92,5 +93,6 @@ def materialize(variable):
     consistent = (placement.consistent_initial_values()
                   if getattr(variable, "_smp_tp_axis", None) is not None
                   else contextlib.nullcontext())
-    with tf.init_scope(), consistent:
+    # (an initializer's draws are no rows of a batch being split)
+    with tf.init_scope(), consistent, split_draws.exactly(None):
         variable._initialize(initial)

@@ -1356,6 +1356,16 @@ def route_random_draws(uniform, normal, dropout):
         setattr(tf_random, name, routed)
 
 
+def wrap_variable_initializer(wrap):
+    """Replaces the TensorFlow backend's
+    `Variable._initialize_with_initializer` (a Keras variable drawing its
+    initial value from its initializer, when made or when its deferred
+    initialization runs) by `wrap(original)`, once."""
+    from keras.src.backend.tensorflow import core
+
+    _wrap_method(core.Variable, "_initialize_with_initializer", wrap)
+
+
 def drawn_seed(seed):
     """The int32 seed tensor Keras' TensorFlow backend draws with for
     `seed` (an int, a `SeedGenerator`, which this advances, or `None`:

@@ -131,8 +131,19 @@ def as_arguments():
 def install():
     """Routes Keras' TensorFlow `uniform`, `normal` and `dropout` draws
     through this module (idempotent). Outside a part they are Keras'
-    own."""
+    own; so are a variable initializer's draws (a layer built in its
+    first call, inside a part: its weights are no rows of the batch)."""
     keras_private.route_random_draws(_uniform, _normal, _dropout)
+    keras_private.wrap_variable_initializer(_outside_parts)
+
+
+def _outside_parts(fn):
+    """`fn` (a method) run with no current part."""
+    def run(*args, **kwargs):
+        with exactly(None):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _offset_of(shape):

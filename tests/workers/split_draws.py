@@ -147,6 +147,28 @@ def the_counter_carries_into_its_high_word():
     assert same == [-1, 5]
 
 
+@check("a_layer_built_inside_a_part_initializes_as_outside")
+def a_layer_built_inside_a_part_initializes_as_outside():
+    # Its initializer runs lifted out of the traced function (init_scope),
+    # where the part's tensors cannot be read; and a weight's draw is no
+    # row of the batch (its first dimension, 8, is the part's rows here).
+    def dense():
+        return keras.layers.Dense(4, kernel_initializer=(
+            keras.initializers.RandomNormal(seed=9)))
+
+    built = dense()
+    built.build((None, 8))
+    lazy = dense()
+
+    @tf.function
+    def first_call(x, offset):
+        with split_draws.part(offset, 8):
+            return lazy(x)
+
+    first_call(tf.ones([8, 8]), tf.constant(8))
+    np.testing.assert_array_equal(lazy.kernel.numpy(), built.kernel.numpy())
+
+
 LAYERS = {
     "Dropout": lambda: keras.layers.Dropout(0.4, seed=3),
     "SpatialDropout1D": lambda: keras.layers.SpatialDropout1D(0.4, seed=3),
