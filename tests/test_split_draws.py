@@ -19,7 +19,11 @@ first element of the whole batch's draw. Checked in one process
   `tf.random` / `tf.nn.experimental` do; a seed generator advances once
   per draw; the 128-bit counter carries into its high word; a layer
   built by its first call inside a part (in a traced function) draws its
-  initial weights as outside any part;
+  initial weights as outside any part; parts of one row keep a mask
+  broadcast over the batch (`noise_shape=(1, n)`); draws a part cannot
+  take as its rows of the whole batch's (XLA's normal draws; `randint`,
+  `truncated_normal`, `shuffle`) differ between parts (a seed folded with
+  the offset: each microbatch starts from the same generator state);
 - Keras' random layers (Dropout, SpatialDropout1D, GaussianNoise,
   GaussianDropout, AlphaDropout, LSTM and GRU with dropout) called on the
   parts, each from the generator's state before the whole batch's call,
@@ -50,7 +54,9 @@ CHECKS = (
        "outside_a_part_keras_draws_as_it_does",
        "a_seed_generator_advances_once_per_draw_in_a_part",
        "the_counter_carries_into_its_high_word",
-       "a_layer_built_inside_a_part_initializes_as_outside"]
+       "a_layer_built_inside_a_part_initializes_as_outside",
+       "a_part_of_one_row_keeps_a_mask_broadcast_over_the_batch",
+       "draws_a_part_cannot_take_as_rows_differ_between_parts"]
     + [f"layer_on_parts[{n}]" for n in (
         "Dropout", "SpatialDropout1D", "GaussianNoise", "GaussianDropout",
         "AlphaDropout", "LSTM", "GRU")])

@@ -20,6 +20,7 @@ is ours:
 
 import itertools
 import sys
+import weakref
 
 import tensorflow as tf
 
@@ -423,6 +424,16 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
                                                           options)
 
     def _call_for_each_replica(self, fn, args, kwargs):
+        if tf_private.is_tf_function(fn):
+            # TensorFlow runs the replicas of a `tf.function` inside one
+            # trace of it (where `merge_call` works): the same function,
+            # its Python body wrapped (one clone per function).
+            clones = self.__dict__.setdefault(
+                "_smp_clones", weakref.WeakKeyDictionary())
+            if fn not in clones:
+                clones[fn] = tf_private.function_with_python(
+                    fn, self._smp_drawing_its_rows(fn.python_function))
+            return super()._call_for_each_replica(clones[fn], args, kwargs)
         return super()._call_for_each_replica(
             self._smp_drawing_its_rows(fn), args, kwargs)
 

@@ -1040,8 +1040,24 @@ class DistributedModel(keras.Model):
         too): `None` then, else `training`."""
         owner = self.__dict__.get("inner_model")
         owner = self if owner is None else owner
-        takes = "training" in inspect.signature(owner.call).parameters
-        return training if takes else None
+        if "training" in inspect.signature(owner.call).parameters:
+            return training
+        if training and not self.__dict__.get("_smp_warned_training"):
+            told = sorted({
+                layer.name for layer in keras_private.flatten_layers(owner)
+                if layer is not owner and "training" in inspect.signature(
+                    layer.call).parameters})
+            if told:
+                object.__setattr__(self, "_smp_warned_training", True)
+                warnings.warn(
+                    f"{type(owner).__name__}.call takes no `training` "
+                    "argument: as Keras' fit does, keras-smp calls it "
+                    f"without one, so its layers {told[:5]} run in inference "
+                    "mode in fit too (Dropout off, BatchNormalization's "
+                    "moving statistics used and not updated). Add "
+                    "`training=None` to `call` and pass it on to train "
+                    "them.", stacklevel=3)
+        return None
 
     def call(self, inputs, training=None):
         # Unpipelined forward pass (direct calls); steps use the pipeline.

@@ -76,9 +76,8 @@ class Stage:
             gradients' microbatch parts are added position by position,
             not concatenated (`keras_smp.runtime.sparse`: a lookup whose
             ids do not depend on the batch, as a position embedding's).
-        around: optional `(microbatch, again) -> context manager`, entered
-            around a microbatch's forward (`again` False: its snapshot
-            too) and its recomputation (`again` True).
+        around: optional `microbatch -> context manager`, entered around
+            a microbatch's forward (its snapshot too).
     """
 
     index: int
@@ -91,11 +90,11 @@ class Stage:
     merge_rows: frozenset = frozenset()
     around: object = None
 
-    def scope(self, microbatch, again=False):
-        """`around(microbatch, again)`, or no change without one."""
+    def scope(self, microbatch):
+        """`around(microbatch)`, or no change without one."""
         if self.around is None:
             return contextlib.nullcontext()
-        return self.around(microbatch, again)
+        return self.around(microbatch)
 
 
 @dataclasses.dataclass
@@ -441,9 +440,7 @@ class _Builder:
                     out = _as_list(out)
                     return [self.loss_fn(out, mb)] if last else out
 
-                with stage.scope(mb, again=True):
-                    ys = stage.replay(ins, self.snapshots.pop((s, mb)),
-                                      finish)
+                ys = stage.replay(ins, self.snapshots.pop((s, mb)), finish)
                 if stage.adds_loss:  # the recomputation's added loss
                     ys, added = ys
                 if s == 0:

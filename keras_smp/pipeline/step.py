@@ -377,9 +377,10 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
 
 
 def _microbatch_draws(graph, m, rows, batch):
-    """`stage -> Stage.around`: each microbatch's forward (and its
-    recomputation) draws its rows of the batch's random numbers
-    (`runtime.split_draws`), from the seeds the whole batch's call uses:
+    """`stage -> Stage.around`: each microbatch's forward draws its rows
+    of the batch's random numbers (`runtime.split_draws`; a recomputation
+    takes the part from its snapshot), from the seeds the whole batch's
+    call uses:
     the stage's seed generators are given, before each microbatch's
     forward, the states they held before its first, so they advance once
     per step, as on one device. A generator of layers in several stages
@@ -406,13 +407,9 @@ def _microbatch_draws(graph, m, rows, batch):
         own = [v for v in states[s] if uses[id(v)] == 1]
 
         @contextlib.contextmanager
-        def scope(mb, again):
-            if own and not again:
-                if s not in before:
-                    before[s] = [tf.identity(v.value) for v in own]
-                else:
-                    for v, value in zip(own, before[s]):
-                        v.assign(value)
+        def scope(mb):
+            if own:
+                split_draws.remembered_seeds(own, before, s)
             with split_draws.part(*bounds(mb)):
                 yield
 

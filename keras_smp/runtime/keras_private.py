@@ -1356,6 +1356,21 @@ def route_random_draws(uniform, normal, dropout):
         setattr(tf_random, name, routed)
 
 
+def route_other_draws_seeds(fn):
+    """Replaces the seed function the TensorFlow backend's other draws
+    (`randint`, `truncated_normal`, `shuffle`, ...; also `uniform`,
+    `normal` and `dropout` as Keras wrote them) call, `draw_seed(seed)`,
+    by `fn(original, seed)`, once."""
+    from keras.src.backend.tensorflow import random as tf_random
+
+    original = tf_random.draw_seed
+    if getattr(original, "_smp_wrapped", False):
+        return
+    routed = functools.partial(fn, original)
+    routed._smp_wrapped = True
+    tf_random.draw_seed = routed
+
+
 def wrap_variable_initializer(wrap):
     """Replaces the TensorFlow backend's
     `Variable._initialize_with_initializer` (a Keras variable drawing its

@@ -22,17 +22,21 @@ own.
 `part(offset, rows)` says, while a part's forward is built, where its rows
 start and how many there are; `SMPStrategy` opens one per replica (its
 rows of the global batch), the pipeline step one per microbatch inside it
-(offsets add up). Draws whose first dimension is not the part's rows (a
-noise shape broadcast over the batch, a draw of a fixed shape) are drawn
-as before. The seed must be the whole batch's too: the pipeline step
-gives each microbatch's forward the stage's seed-generator states as they
-were before the first (`keras_smp.pipeline.step`), so the generators
-advance once per step, as on one device.
+(offsets add up), `@smp.step` one per microbatch. A draw whose first
+dimension is not the part's rows (a noise shape broadcast over the batch,
+a draw of a fixed shape) is the whole batch's, the same in every part. The
+seed must be the whole batch's too: each microbatch's forward starts from
+the seed-generator states the first started from (`remembered_seeds`), so
+the generators advance once per step, as on one device.
 
-What stays as before (other numbers, the same distribution): normal draws
-inside XLA-compiled code (XLA's normal values depend on the whole shape);
-Keras' global seed generator (unseeded `keras.random` calls) in a
-pipeline; integer and categorical draws; shuffles.
+Where a part cannot draw its rows of the whole batch's numbers it draws
+others, from a seed folded with its offset (each microbatch starts from
+the same generator state, so without it every microbatch would repeat the
+first's numbers): normal draws inside XLA-compiled code (XLA's normal
+values depend on the whole shape); Keras' other draws (`randint`,
+`truncated_normal`, `categorical`, `shuffle`, `gamma`, `binomial`,
+`beta`). Draws of unseeded `keras.random` calls (Keras' global generator)
+in a pipeline are other numbers too.
 
 Example (one device: two halves drawn as parts equal the whole batch's):
 
@@ -86,8 +90,7 @@ def _graph():
 def _applies_here():
     """Whether the current part applies to ops built now: in the graph
     its forward is built in, or a function traced inside it, not in code
-    lifted out of it (a weight's initializer, run in `tf.init_scope` when
-    a layer is built in its first call)."""
+    lifted out of it into `tf.init_scope` (eager, or an outer graph)."""
     value = getattr(_local, "part", None)
     if value is None:
         return False
@@ -130,11 +133,26 @@ def as_arguments():
 
 def install():
     """Routes Keras' TensorFlow `uniform`, `normal` and `dropout` draws
-    through this module (idempotent). Outside a part they are Keras'
-    own; so are a variable initializer's draws (a layer built in its
-    first call, inside a part: its weights are no rows of the batch)."""
+    through this module, and the seeds its other draws take (idempotent).
+    Outside a part they are Keras' own; so are a variable initializer's
+    draws (a layer built in its first call inside a part: Keras computes
+    its initial value in the step's graph, and weights are no rows of the
+    batch)."""
     keras_private.route_random_draws(_uniform, _normal, _dropout)
+    keras_private.route_other_draws_seeds(_other_draws_seed)
     keras_private.wrap_variable_initializer(_outside_parts)
+
+
+def remembered_seeds(states, store, key):
+    """Gives `states` (seed-generator state variables) the values they
+    held when this was first called with `key` (it then remembers them in
+    `store`, a dict): each microbatch's forward draws from the seeds the
+    whole batch's draws from, and the generators advance once per step."""
+    if key not in store:
+        store[key] = [tf.identity(v.value) for v in states]
+        return
+    for v, value in zip(states, store[key]):
+        v.assign(value)
 
 
 def _outside_parts(fn):
@@ -146,34 +164,57 @@ def _outside_parts(fn):
     return run
 
 
-def _offset_of(shape):
-    """`(shape, element offset)` of a draw of `shape` in the current part
-    (an int64 scalar tensor: 0 when its first dimension is not the part's
-    rows), or `None` when nothing is to be offset (no part, or a scalar)."""
+def _in_part():
+    """`(offset, rows)` as int64 tensors when the current part applies to
+    ops built now, else `None`."""
     if not _applies_here():
         return None
-    value = current()
+    return tuple(tf.cast(v, tf.int64) for v in current())
+
+
+def _offset_of(shape, batch_dim=True):
+    """`(shape, element offset, rows match)` of a draw of `shape` in the
+    current part: the offset is the part's first element when the draw's
+    first dimension is the part's rows (and `batch_dim`), else 0 (the
+    whole batch's draw: a fixed shape, a mask broadcast over the batch);
+    `None` when no part applies or the draw is a scalar."""
+    part_now = _in_part()
+    if part_now is None:
+        return None
     shape = tf.cast(tf.convert_to_tensor(shape), tf.int64)
     if shape.shape.rank != 1 or shape.shape[0] == 0:
         return None
-    offset, rows = (tf.cast(v, tf.int64) for v in value)
+    offset, rows = part_now
+    matches = tf.logical_and(tf.constant(batch_dim), tf.equal(shape[0], rows))
     row_elements = tf.reduce_prod(shape[1:])
-    return shape, tf.where(tf.equal(shape[0], rows), offset * row_elements,
-                           tf.zeros([], tf.int64))
+    return shape, tf.where(matches, offset * row_elements,
+                           tf.zeros([], tf.int64)), matches
+
+
+def _static(shape):
+    """The static shape of a draw's `shape` argument, as far as known."""
+    if isinstance(shape, (list, tuple)):
+        return tf.TensorShape([d if isinstance(d, int) else None
+                               for d in shape])
+    value = tf.get_static_value(shape)
+    return tf.TensorShape(None if value is None else value.tolist())
 
 
 def _raw(op, shape, elements, seed, dtype):
     """`op` (a stateless V2 kernel) drawing `shape` from `seed`, starting
     at element `elements` of the draw: Philox's counter moved on by whole
-    blocks, and the remainder's elements dropped."""
+    blocks, and the remainder's elements dropped. The kernel draws a
+    size that does not depend on the offset (`per_block - 1` more than
+    needed; XLA compiles the draw once, whatever the microbatch)."""
     per_block = 2 if tf.as_dtype(dtype).size == 8 else 4
     key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
     blocks, skip = elements // per_block, elements % per_block
     counter = counter_plus(counter, blocks)
     count = tf.reduce_prod(shape)
-    flat = op(shape=tf.reshape(skip + count, [1]), key=key, counter=counter,
-              alg=_AUTO_SELECT, dtype=dtype)
-    return tf.reshape(flat[skip:], shape)
+    flat = op(shape=tf.reshape(count + (per_block - 1), [1]), key=key,
+              counter=counter, alg=_AUTO_SELECT, dtype=dtype)
+    return tf.reshape(tf.slice(flat, tf.reshape(skip, [1]),
+                               tf.reshape(count, [1])), shape)
 
 
 def counter_plus(counter, blocks):
@@ -192,6 +233,23 @@ def _seed(seed):
     return keras_private.drawn_seed(seed)
 
 
+def _folded(seed):
+    """`seed` folded with the current part's offset: a draw a part cannot
+    take as its rows of the whole batch's draws other numbers than the
+    other parts' (each microbatch starts from the same generator state)."""
+    offset, _ = _in_part()
+    return tf.random.experimental.stateless_fold_in(
+        tf.cast(seed, tf.int32), tf.cast(offset, tf.int32))
+
+
+def _other_draws_seed(original, seed):
+    """The seed Keras' other draws (`randint`, `truncated_normal`,
+    `categorical`, `shuffle`, `gamma`, `binomial`, `beta`) take: folded
+    with the part's offset inside a part."""
+    drawn = original(seed)
+    return drawn if _in_part() is None else _folded(drawn)
+
+
 def _uniform(original, shape, minval=0.0, maxval=1.0, dtype=None,
              seed=None):
     dtype = tf.as_dtype(dtype or keras_private.floatx())
@@ -199,42 +257,59 @@ def _uniform(original, shape, minval=0.0, maxval=1.0, dtype=None,
     if placed is None:
         return original(shape, minval=minval, maxval=maxval, dtype=dtype,
                         seed=seed)
-    shape, elements = placed
-    rnd = _raw(tf.raw_ops.StatelessRandomUniformV2, shape, elements,
+    shape_t, elements, _ = placed
+    rnd = _raw(tf.raw_ops.StatelessRandomUniformV2, shape_t, elements,
                _seed(seed), dtype)
     # As `tf.random.stateless_uniform` does.
     minval, maxval = tf.cast(minval, dtype), tf.cast(maxval, dtype)
-    return tf.math.add(rnd * (maxval - minval), minval)
+    out = tf.math.add(rnd * (maxval - minval), minval)
+    out.set_shape(_static(shape))
+    return out
 
 
 def _normal(original, shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
     dtype = tf.as_dtype(dtype or keras_private.floatx())
-    placed = (None if tf_private.in_xla_context()
-              else _offset_of(shape))
+    placed = _offset_of(shape)
     if placed is None:
         return original(shape, mean=mean, stddev=stddev, dtype=dtype,
                         seed=seed)
-    shape, elements = placed
-    rnd = _raw(tf.raw_ops.StatelessRandomNormalV2, shape, elements,
-               _seed(seed), dtype)
+    shape_t, elements, matches = placed
     # As `tf.random.stateless_normal` does.
     mean = tf.convert_to_tensor(mean, dtype=dtype)
     stddev = tf.convert_to_tensor(stddev, dtype=dtype)
-    return tf.math.add(rnd * stddev, mean)
+    if tf_private.in_xla_context():
+        # XLA's normal values depend on the whole shape: a part draws for
+        # its own, from a seed of its own.
+        seed = _seed(seed)
+        seed = tf.where(matches, _folded(seed), tf.cast(seed, tf.int32))
+        out = tf.random.stateless_normal(shape_t, seed=seed, mean=mean,
+                                         stddev=stddev, dtype=dtype)
+    else:
+        rnd = _raw(tf.raw_ops.StatelessRandomNormalV2, shape_t, elements,
+                   _seed(seed), dtype)
+        out = tf.math.add(rnd * stddev, mean)
+    out.set_shape(_static(shape))
+    return out
 
 
 def _dropout(original, inputs, rate, noise_shape=None, seed=None):
-    if not _applies_here() or tf.is_tensor(rate) or rate in (0.0, 1.0):
+    if _in_part() is None or tf.is_tensor(rate) or rate in (0.0, 1.0):
         return original(inputs, rate, noise_shape=noise_shape, seed=seed)
     x = tf.convert_to_tensor(inputs)
     concrete = tf.shape(x)
     if noise_shape is not None:
         concrete = tf.stack([concrete[i] if dim is None else dim
                              for i, dim in enumerate(noise_shape)])
-    placed = _offset_of(concrete)
+    # A noise shape of one row (`(1, n)`: one mask for every row) is no
+    # batch dimension, also for a part of one row (unless the input's
+    # rows are 1 where traced: `SpatialDropout1D` gives its rows).
+    broadcast = (noise_shape is not None
+                 and isinstance(noise_shape[0], int) and noise_shape[0] == 1
+                 and x.shape[0] != 1)
+    placed = _offset_of(concrete, batch_dim=not broadcast)
     if placed is None:
         return original(inputs, rate, noise_shape=noise_shape, seed=seed)
-    shape, elements = placed
+    shape, elements, _ = placed
     noise = _raw(tf.raw_ops.StatelessRandomUniformV2, shape, elements,
                  _seed(seed), x.dtype)
     # As `tf.nn.experimental.stateless_dropout` does (Keras' rate is a

@@ -350,3 +350,20 @@ def in_xla_context():
 
     return control_flow_util.GraphOrParentsInXlaContext(
         ops.get_default_graph())
+
+
+# --- used by keras_smp.distribute.strategy (per-replica random draws) -------
+
+def is_tf_function(fn):
+    """Whether `fn` is a `tf.function`."""
+    from tensorflow.python.eager.polymorphic_function import (
+        polymorphic_function)
+
+    return isinstance(fn, polymorphic_function.Function)
+
+
+def function_with_python(fn, python_function):
+    """The `tf.function` `fn` (its options kept) running
+    `python_function` (what TensorFlow's mirrored run does to run a
+    function's replicas in one trace)."""
+    return fn._clone(python_function=python_function)

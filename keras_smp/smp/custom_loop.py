@@ -167,19 +167,15 @@ def seeds_as_in_first_microbatch(model, layers):
     microbatch draws from the seeds one call on the whole batch draws
     from (its rows of them: `runtime.split_draws`), and the generators
     advance once per step."""
-    if not in_step():
-        return
+    if not in_step() or split_draws.current() is None:
+        return  # (no part: each microbatch draws for its own shape)
     slot = _microbatch_calls.get(id(model), 0)
     _microbatch_calls[id(model)] = slot + 1
     states = keras_private.seed_generator_states(layers)
-    if not states:
-        return
-    key = (tf.compat.v1.get_default_graph(), id(model), slot)
-    if key not in _seed_starts:
-        _seed_starts[key] = [tf.identity(v.value) for v in states]
-        return
-    for v, value in zip(states, _seed_starts[key]):
-        v.assign(value)
+    if states:
+        split_draws.remembered_seeds(
+            states, _seed_starts,
+            (tf.compat.v1.get_default_graph(), id(model), slot))
 
 
 def note_step_variables(variables):
@@ -863,9 +859,9 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
                     start = len(graph.get_operations())
                     _microbatch_calls.clear()
                     part = (contextlib.nullcontext() if rows is None
-                            else split_draws.part(
+                            else split_draws.exactly((
                                 (state.topology().dp_rank * m + i) * rows,
-                                rows))
+                                rows)))
                     with tf.name_scope(f"microbatch{i}"), part:
                         call = bound.signature.bind_partial()
                         call.arguments.update(
@@ -887,6 +883,8 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
         finally:
             _step_depth[0] -= 1
             _by_position[:] = before
+            if not _step_depth[0]:
+                _seed_starts.clear()  # (tensors of this trace's graph)
         # (Beside the outputs, for this trace: a tf.function turns Python
         # values into tensors.)
         traced[graph] = (marks, summed)

@@ -169,6 +169,55 @@ def a_layer_built_inside_a_part_initializes_as_outside():
     np.testing.assert_array_equal(lazy.kernel.numpy(), built.kernel.numpy())
 
 
+@check("a_part_of_one_row_keeps_a_mask_broadcast_over_the_batch")
+def a_part_of_one_row_keeps_a_mask_broadcast_over_the_batch():
+    x = tf.random.stateless_normal([4, 6], seed=[1, 1])
+    whole = keras.random.dropout(x, 0.5, noise_shape=(1, 6), seed=4)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 6]),
+                                  tf.TensorSpec([], tf.int32)])
+    def one_row(rows, offset):
+        with split_draws.part(offset, 1):
+            return keras.random.dropout(rows, 0.5, noise_shape=(1, 6),
+                                        seed=4)
+
+    got = tf.concat([one_row(x[i:i + 1], tf.constant(i)) for i in range(4)],
+                    0)
+    np.testing.assert_array_equal(got.numpy(), whole.numpy())
+
+
+@check("draws_a_part_cannot_take_as_rows_differ_between_parts")
+def draws_a_part_cannot_take_as_rows_differ_between_parts():
+    # Every microbatch starts from the same generator state: a draw not
+    # offset (XLA's normal, Keras' other draws) takes a seed folded with
+    # the part's offset, not the first part's numbers again.
+    x = tf.ones([6, 5])
+
+    @tf.function(jit_compile=True)
+    def xla_normal(t, offset):
+        with split_draws.part(offset, 3):
+            return keras.random.normal(tf.shape(t), seed=2)
+
+    @tf.function
+    def others(t, offset):
+        with split_draws.part(offset, 3):
+            return (keras.random.randint(tf.shape(t), 0, 1000, seed=2),
+                    keras.random.truncated_normal(tf.shape(t), seed=2),
+                    keras.random.shuffle(tf.range(6), seed=2))
+
+    a, b = (xla_normal(x[:3], tf.constant(o)) for o in (0, 3))
+    assert not np.array_equal(a.numpy(), b.numpy())
+    for p, q in zip(others(x[:3], tf.constant(0)),
+                    others(x[:3], tf.constant(3))):
+        assert not np.array_equal(p.numpy(), q.numpy())
+    # ... and outside a part Keras' own
+    np.testing.assert_array_equal(
+        keras.random.randint((3, 5), 0, 1000, seed=2).numpy(),
+        tf.random.stateless_uniform((3, 5), seed=tf.constant([2, 0]),
+                                    minval=0, maxval=1000,
+                                    dtype=tf.int32).numpy())
+
+
 LAYERS = {
     "Dropout": lambda: keras.layers.Dropout(0.4, seed=3),
     "SpatialDropout1D": lambda: keras.layers.SpatialDropout1D(0.4, seed=3),
