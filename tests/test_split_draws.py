@@ -13,7 +13,9 @@ first element of the whole batch's draw. Checked in one process
   broadcast over a dimension), uniform, normal; under XLA too, except
   normal draws (XLA's normal values depend on the whole shape: they stay
   the part's own, checked as such);
-- nested parts (a replica's microbatches) add their offsets;
+- nested parts (a replica's microbatches) add their offsets; each
+  data-parallel replica's part (2 processes x 2 local replicas, real
+  worker processes) starts at its first row of the global batch;
 - draws of another first dimension (a fixed shape, a mask broadcast over
   the batch) are the whole batch's; outside a part Keras draws exactly as
   `tf.random` / `tf.nn.experimental` do; a seed generator advances once
@@ -43,6 +45,7 @@ import os
 import pytest
 
 from conftest import WORKERS
+from conftest import launch
 from conftest import run_python
 
 CHECKS = (
@@ -60,6 +63,23 @@ CHECKS = (
     + [f"layer_on_parts[{n}]" for n in (
         "Dropout", "SpatialDropout1D", "GaussianNoise", "GaussianDropout",
         "AlphaDropout", "LSTM", "GRU")])
+
+
+def test_each_replicas_part_starts_at_its_first_row_of_the_global_batch():
+    # 2 processes x 2 local replicas: TensorFlow gives local replica l of
+    # process d the global batch's share l * 2 + d (process 0 holds shares
+    # 0 and 2); each replica's part must start where its rows do (it was
+    # taken as d * 2 + l: shares 1 and 2 swapped).
+    out = launch(2, [os.path.join(WORKERS, "split_draws_replicas.py")],
+                 timeout=240).stdout
+    rows = [json.loads(line.split("PARTS ", 1)[1])
+            for line in out.splitlines() if "PARTS " in line]
+    assert len(rows) == 8, out[-3000:]  # 4 batches on each process
+    starts = sorted(part[1] for row in rows for part in row)
+    assert starts == [0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6], rows
+    for row in rows:
+        for offset, first, rows_, held in row:
+            assert offset == first and rows_ == held == 2, row
 
 
 @pytest.fixture(scope="module")

@@ -440,12 +440,15 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
     def _smp_drawing_its_rows(self, fn):
         """`fn` run by a replica as its part of the global batch
         (`runtime.split_draws`): its random layers draw its rows of what
-        one device draws for the whole batch. Replica `i` of the global
-        batch's `R` (data-parallel rank `d`, local replica `l` of `n`:
-        `i = d * n + l`; tensor-parallel copies share their rank's) holds
-        rows `[i * b, (i + 1) * b)` of it, its first argument's `b`."""
+        one device draws for the whole batch. TensorFlow gives local
+        replica `l` of data-parallel process `d` (of `D`) the global
+        batch's `i`-th share, `i = l * D + d` (measured: 2 processes x 2
+        local replicas, batches of 8 rows: shares 0 and 2 on process 0);
+        tensor-parallel copies share their rank's. It holds rows
+        `[i * b, (i + 1) * b)`, `b` its first argument's rows."""
         layout = self._smp_layout
         local = 1 if self._smp_local_tp > 1 else layout.num_local_replicas
+        processes = self._smp_topology.dp_size
 
         def run(*args, **kwargs):
             first = next((t for t in tf.nest.flatten((args, kwargs))
@@ -454,7 +457,7 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
             if first is None:
                 return fn(*args, **kwargs)
             rows = tf.shape(first)[0]
-            index = self._smp_topology.dp_rank * local + (
+            index = self._smp_topology.dp_rank + processes * (
                 tf_private.local_replica_index(local) if local > 1 else 0)
             with split_draws.part(index * rows, rows):
                 return fn(*args, **kwargs)
