@@ -379,13 +379,12 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
 def _microbatch_draws(graph, m, rows, batch):
     """`stage -> Stage.around`: each microbatch's forward draws its rows
     of the batch's random numbers (`runtime.split_draws`; a recomputation
-    takes the part from its snapshot), from the seeds the whole batch's
-    call uses:
-    the stage's seed generators are given, before each microbatch's
-    forward, the states they held before its first, so they advance once
-    per step, as on one device. A generator of layers in several stages
-    is left to advance per call (which of the stages' forwards comes first
-    depends on the schedule).
+    takes the part from its snapshot) from the seeds the whole batch's
+    call uses: the stage's seed generators are given, before each
+    microbatch's forward, the states they held before its first, so they
+    advance once per step, as on one device. A generator of layers in
+    several stages is left to advance per call (which of the stages'
+    forwards comes first depends on the schedule).
 
     `rows`: the microbatches' rows (a list of ints, an int32 tensor) or
     `None` (equal microbatches of a batch of `batch` rows)."""
