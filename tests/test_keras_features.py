@@ -30,6 +30,11 @@ one device (tests/workers/keras_features.py):
   Keras leaves the other output's head alone (no gradient); a pipeline
   gave it zero gradients, so weight decay and its constraint changed it;
 - `predict_on_batch`, which with 2 local replicas returned every row twice;
+  `train_on_batch` and `test_on_batch`, which gave every replica the whole
+  batch (a Dropout layer's masks were drawn for a batch twice its size);
+- a model quantized to int8, whose int8 kernels data-parallel processes
+  failed to create (TensorFlow's initial-value broadcast has no int8
+  kernel), and variables of the other dtypes it lacks;
 - `evaluate` and `predict` with batches that do not divide into the
   microbatches (a pipeline refused them; now padded);
   `export` of a `DistributedModel` (Keras refused: "never called").
@@ -100,7 +105,7 @@ def _h5_values(path):
     return values
 
 
-def _check(report, only=CASES + ("inference",), chief=True):
+def _check(report, only=CASES + ("inference",), chief=True, mode=None):
     assert report["ran"] == sorted(only), (report["ran"], only)
     if "tensorboard_histograms" in only and chief:
         # The chief's log: every weight's last histogram, its range equal
@@ -132,12 +137,19 @@ def _check(report, only=CASES + ("inference",), chief=True):
     assert re.search(r"no_such_format", report["export_failure"] or ""), (
         report["export_failure"])
     for name in ("predict_on_batch", "predict_on_batch_two_inputs",
-                 "export", "partial_batches"):
+                 "on_batch", "quantized", "export", "partial_batches"):
         row = report[name]
         assert "shapes" not in row or row["shapes"][0] == row["shapes"][1], (
             name, row)
         assert row["diff"] <= (RTOL + ATOL) * max(1.0, row["scale"]), (
             name, row)
+    row = report["quantized"]  # int8 kernels: the same numbers
+    assert row["int8_kernels"] == 3 and row["int8_equal"], row
+    assert row["lora_b"] > 1e-3, row  # the adapters trained
+    if mode != "mp":  # one stage per process: no data-parallel peers
+        assert report["initial_values"] == {
+            dtype: [1.0] * 3 for dtype in ("int8", "uint8", "int16",
+                                           "bfloat16")}, report
 
 
 @pytest.mark.parametrize("half", [1, 2])
@@ -147,7 +159,7 @@ def test_keras_features_in_one_process(mode, half, tmp_path):
     only = HALVES[half - 1]
     run_python([WORKER, mode, str(tmp_path), ",".join(only)], timeout=300)
     with open(os.path.join(tmp_path, "rank0.json")) as f:
-        _check(json.load(f), only)
+        _check(json.load(f), only, mode=mode)
 
 
 @pytest.mark.slow
@@ -162,7 +174,7 @@ def test_keras_features_across_processes(mode, half, tmp_path):
     for rank in range(2):
         with open(os.path.join(tmp_path, f"rank{rank}.json")) as f:
             report = json.load(f)
-        _check(report, only, chief=rank == 0)
+        _check(report, only, chief=rank == 0, mode=mode)
         if mode == "mp" and "inference" in only:
             row = report["other_stage_layer"]
             assert [list(w) for w in row["whole"]] == [

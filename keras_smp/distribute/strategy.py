@@ -336,10 +336,12 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
             return shard_value
         if self._smp_init_group is not None and replica_id == 0:
             return self._stage_initial_value(device, kwargs)
-        if self._smp_horovod is None or replica_id != 0:
+        if replica_id != 0:
             return super()._get_variable_creator_initial_value(
                 replica_id=replica_id, device=device,
                 primary_var=primary_var, **kwargs)
+        if self._smp_horovod is None:
+            return self._collective_initial_value(device, primary_var, kwargs)
         from keras_smp.distribute import horovod
 
         def initial_value_fn():
@@ -351,6 +353,28 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
                     return value
                 return horovod.broadcast_initial_value(
                     self._smp_horovod, value)
+
+        return initial_value_fn
+
+    def _collective_initial_value(self, device, primary_var, kwargs):
+        """TensorFlow's initial value broadcast from the chief, for every
+        dtype: those its broadcast has no kernel for (a quantized layer's
+        `int8` kernel, `bfloat16`) cross as a wider one, exactly."""
+        dtypes = []
+
+        def wire_value():
+            value = _initial_value(kwargs)
+            dtypes.append(value.dtype)
+            return tf.cast(value, _INIT_WIRE.get(value.dtype, value.dtype))
+
+        broadcast = super()._get_variable_creator_initial_value(
+            replica_id=0, device=device, primary_var=primary_var,
+            **dict(kwargs, initial_value=wire_value, dtype=None))
+
+        def initial_value_fn():
+            value = broadcast()
+            with tf.device(device):
+                return tf.cast(value, dtypes[-1])
 
         return initial_value_fn
 

@@ -946,26 +946,85 @@ def _patch_predict_on_batch(trainer):
     @functools.wraps(original)
     def predict_on_batch(self, x):
         _build_for_predict(self, (x,))
-        strategy = getattr(self, "_distribute_strategy", None)
-        if _runtime_of(strategy) is None or (
-                strategy.num_replicas_in_sync < 2
-                and len(strategy.extended.worker_devices) < 2):
+        strategy = _batch_splitting_strategy(self)
+        if strategy is None:
             return original(self, x)
-        import keras
-        import tensorflow as tf
-
         from keras_smp.runtime import keras_private
 
         self.make_predict_function()
-        # tf.data reads a list as one tensor: inputs given as a list (a
-        # multi-input model) become a tuple, as in `predict`.
-        dataset = tf.data.Dataset.from_tensors(
-            (keras.tree.lists_to_tuples(x),))
-        batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
+        batch = _distributed_batch(strategy, (x,))
         return keras_private.outputs_to_numpy(self.predict_function([batch]))
 
     predict_on_batch._smp_patched = True
     trainer.predict_on_batch = predict_on_batch
+
+
+def _patch_train_and_test_on_batch(trainer):
+    """Under an `SMPStrategy` with several replicas, `train_on_batch` and
+    `test_on_batch` split their batch among the replicas as `fit` and
+    `evaluate` do (each process giving the same global batch).
+
+    Keras hands the whole batch to every replica: each computed the
+    whole batch (data-parallel processes each drew a random layer's numbers
+    for their share of a batch twice the size: other masks than on one
+    device).
+    """
+    for name, attr in (("train_on_batch", "train_function"),
+                       ("test_on_batch", "test_function")):
+        original = getattr(trainer, name)
+        if getattr(original, "_smp_patched", False):
+            continue
+
+        @functools.wraps(original)
+        def on_batch(self, *args, _original=original, _attr=attr, **kwargs):
+            strategy = _batch_splitting_strategy(self)
+            if strategy is None:
+                return _original(self, *args, **kwargs)
+            getattr(self, "make_" + _attr)()
+            function = getattr(self, _attr)
+
+            def split(iterator):
+                # Keras' generator of the one (x, y, sample_weight) batch,
+                # class weights already made sample weights.
+                import keras
+
+                return function(iter([_distributed_batch(
+                    strategy, keras.utils.pack_x_y_sample_weight(*data))
+                    for data in iterator]))
+
+            # Keras' method calls `self.<attr>` once, with its batch (a
+            # `DistributedModel` may wrap it first: put back what was made).
+            setattr(self, _attr, split)
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                setattr(self, _attr, function)
+
+        on_batch._smp_patched = True
+        setattr(trainer, name, on_batch)
+
+
+def _batch_splitting_strategy(model):
+    """`model`'s `SMPStrategy` when a batch given to one of its `*_on_batch`
+    calls must be split among replicas or devices, else None."""
+    strategy = getattr(model, "_distribute_strategy", None)
+    if _runtime_of(strategy) is None or (
+            strategy.num_replicas_in_sync < 2
+            and len(strategy.extended.worker_devices) < 2):
+        return None
+    return strategy
+
+
+def _distributed_batch(strategy, batch):
+    """`batch`, one global batch, split among `strategy`'s replicas as a
+    distributed dataset splits it."""
+    import keras
+    import tensorflow as tf
+
+    # tf.data reads a list as one tensor: inputs given as a list (a
+    # multi-input model) become a tuple, as in `predict`.
+    dataset = tf.data.Dataset.from_tensors(keras.tree.lists_to_tuples(batch))
+    return next(iter(strategy.experimental_distribute_dataset(dataset)))
 
 
 # -- files -----------------------------------------------------------------
@@ -2132,6 +2191,7 @@ def install():
         _patch_keras_steps(TensorFlowTrainer)
         _patch_symbolic_build(TensorFlowTrainer)
         _patch_predict_on_batch(TensorFlowTrainer)
+        _patch_train_and_test_on_batch(TensorFlowTrainer)
         _patch_epoch_logs(TensorFlowTrainer)
         _patch_calls(TensorFlowTrainer)
         keras_private.on_epoch_iterator(_on_epoch_iterator)

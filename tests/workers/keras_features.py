@@ -15,7 +15,9 @@ plain Keras on one device (same seeds):
   `.keras` file that plain Keras loads; `validation_freq`; `TensorBoard`
   with `histogram_freq` (every layer's weight histograms, compared on the
   chief);
-- `predict_on_batch`; `export` (served outputs); `evaluate` and
+- `predict_on_batch`, `train_on_batch` and `test_on_batch` of a model
+  with `Dropout`; a model quantized to int8 with LoRA adapters; variables of dtypes
+  TensorFlow's broadcast lacks; `export` (served outputs); `evaluate` and
   `predict` with batches that do not divide into the microbatches, and
   `fit` with a last batch that does not;
 - a model compiled without a loss, whose loss is what its layers add in
@@ -85,7 +87,8 @@ def momentum_sgd():
 
 
 def build(distributed, optimizer=momentum_sgd, frozen=False,
-          two_inputs=False, loss_only=False, partial_loss=False):
+          two_inputs=False, loss_only=False, partial_loss=False,
+          dropout=False, quantized=False):
     keras.utils.set_random_seed(1)
 
     def autoencoder():
@@ -118,11 +121,18 @@ def build(distributed, optimizer=momentum_sgd, frozen=False,
             aux = keras.layers.Dense(
                 4, name="aux",
                 kernel_constraint=keras.constraints.UnitNorm())(h)
+        if dropout:
+            h = keras.layers.Dropout(0.25, seed=5, name="drop")(h)
         h = keras.layers.Dense(16, activation="tanh", name="d2")(h)
         out = keras.layers.Dense(3, name="d3")(h)
         if partial_loss:
             return keras.Model(inputs, {"cls": out, "aux": aux})
-        return keras.Model(inputs, out)
+        model = keras.Model(inputs, out)
+        if quantized:  # int8 kernels (not trained), float32 biases;
+            model.quantize("int8")  # LoRA on two (Keras' QLoRA recipe)
+            for name in ("d2", "d3"):
+                model.get_layer(name).enable_lora(2)
+        return model
 
     def compile_(model):
         if loss_only:  # compiled without a loss, as Keras allows
@@ -407,6 +417,61 @@ if INFERENCE:
             diff=(float(np.max(np.abs(predictions[0] - predictions[1])))
                   if predictions[0].shape == predictions[1].shape else None),
             scale=float(np.max(np.abs(predictions[0]))))
+
+    # `train_on_batch` (class weights) and `test_on_batch` (sample
+    # weights), each process giving the same global batch: split among the
+    # replicas as `fit` and `evaluate` split it, so Dropout draws the
+    # whole batch's mask (Keras gave every replica the whole batch, so data
+    # parallel replicas drew masks for a batch twice its size: weights
+    # 0.006 and predictions 0.07 from plain Keras, by hand).
+    results = []
+    for distributed in (False, True):
+        model = build(distributed, dropout=True)
+        logs = [model.train_on_batch(X[:ROWS], Y[:ROWS],
+                                     class_weight={0: 1.0, 1: 2.0, 2: 0.5}),
+                model.train_on_batch(X[ROWS:2 * ROWS], Y[ROWS:2 * ROWS]),
+                model.test_on_batch(XV[:ROWS], YV[:ROWS],
+                                    sample_weight=np.linspace(0, 1, ROWS))]
+        results.append([np.array(logs, dtype="float64"),
+                        model.predict_on_batch(XV[:ROWS])]
+                       + model.get_weights())
+    report["on_batch"] = dict(
+        shapes=[[list(np.shape(a)) for a in r] for r in results],
+        diff=max(float(np.max(np.abs(a - b))) for a, b in zip(*results)),
+        scale=max(float(np.max(np.abs(a))) for a in results[0]))
+
+    # A model quantized to int8 (Keras' `quantize`) with LoRA on two
+    # layers trains its biases and adapters and predicts as plain Keras'
+    # (data-parallel processes failed to create
+    # its int8 kernels: TensorFlow's initial-value broadcast has no int8
+    # kernel).
+    results = []
+    for distributed in (False, True):
+        model = build(distributed, quantized=True)
+        model.fit(X, Y, batch_size=ROWS, epochs=1, verbose=0, shuffle=False)
+        weights = model.get_weights()
+        results.append(([model.predict(XV, batch_size=ROWS, verbose=0)]
+                        + [w for w in weights if w.dtype != np.int8],
+                        [w.tolist() for w in weights if w.dtype == np.int8]))
+    (ref, ref_int8), (got, got_int8) = results
+    report["quantized"] = dict(
+        shapes=[[list(np.shape(a)) for a in r] for r in (ref, got)],
+        # Each array's difference per unit of its magnitude (the kernels'
+        # scales are in the hundreds, the predictions about 1).
+        diff=max(float(np.max(np.abs(a - b))) / max(1.0, float(np.max(
+            np.abs(a)))) for a, b in zip(ref, got)),
+        scale=1.0,
+        # The LoRA B matrices (2 x units; they start as zeros) trained.
+        lora_b=max(float(np.max(np.abs(w))) for w in got if w.shape[0] == 2),
+        int8_kernels=len(ref_int8), int8_equal=ref_int8 == got_int8)
+    # Variables of the dtypes TensorFlow cannot broadcast start as the
+    # first process's (each process's initializer gives its rank + 1).
+    with strategy.scope():
+        report["initial_values"] = {
+            dtype: np.asarray(keras.Variable(
+                np.full((3,), RANK + 1), dtype=dtype, trainable=False),
+                "float64").tolist()
+            for dtype in ("int8", "uint8", "int16", "bfloat16")}
 
     # Batches that do not divide into the microbatches (21 rows: a last batch
     # of 4, split over 2 replicas; 7 rows), which evaluate and predict pad:
