@@ -922,6 +922,8 @@ def test_one_stage_per_process_matches_single_device(
     if variant != "manual":  # a wrapped model: get_layer finds its layers
         found = load(tmp_path, 0)["get_layer"]
         assert found.size and found.all(), found
+        *layers, inner = load(tmp_path, 0)["layers"]
+        assert list(layers) == [inner[1:]], (layers, inner)
     compiled = [int(load(tmp_path, r)["compiled_calls"]) for r in range(2)]
     assert (min(compiled) > 0) == (variant == "xla"), compiled
     assert "[0] Epoch 3/3" in proc.stdout and "[1] Epoch" not in proc.stdout

@@ -241,7 +241,9 @@ class DistributedModel(keras.Model):
             raise ValueError(
                 f"DistributedModel({type(self.inner_model).__name__}) "
                 "found no layer graph in the model it wraps.")
-        self._smp_functional = functional
+        # Untracked: a Sequential's graph is a second model of the same
+        # layers, which `layers` and `summary()` listed beside it.
+        object.__setattr__(self, "_smp_functional", functional)
         # Keras maps dict losses and metrics to outputs by these names.
         if getattr(functional, "output_names", None) is not None:
             self.output_names = list(functional.output_names)

@@ -399,6 +399,10 @@ if args.pipelined:
     if inner is not None:  # the wrapped model's layers, by name
         result["get_layer"] = np.array(
             [model.get_layer(layer.name) is layer for layer in inner.layers])
+        # Its one layer (what `summary()` lists) is the wrapped model (a
+        # Sequential's graph, a second model, was listed too).
+        result["layers"] = np.array([layer.name for layer in model.layers]
+                                    + ["|" + inner.name])
     result["stage_layers"] = np.array(
         [" ".join(graph.names[id(n)] for n in graph.stage_nodes(s))
          for s in range(graph.num_stages)], dtype=str)
