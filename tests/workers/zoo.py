@@ -238,9 +238,13 @@ def dropout(rng):
 
 
 def resnet(rng):
+    # Augmented in the model, as Keras' image classification examples do:
+    # random flips and rotations (their draws split as Dropout's).
     inputs = keras.Input((8, 8, 1))
+    h = layers.RandomFlip("horizontal", seed=1, name="flip")(inputs)
+    h = layers.RandomRotation(0.1, seed=2, name="rotate")(h)
     stem = layers.Conv2D(8, 3, padding="same", activation="relu",
-                         name="stem")(inputs)
+                         name="stem")(h)
     h = layers.Conv2D(8, 3, padding="same", activation="relu", name="c1")(stem)
     h = layers.Conv2D(8, 3, padding="same", name="c2")(h)
     h = layers.Activation("relu")(layers.Add(name="skip")([stem, h]))
