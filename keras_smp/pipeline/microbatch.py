@@ -12,19 +12,42 @@ BATCH_ERROR = "does not divide into microbatches"
 FEW_ERROR = "is smaller than microbatches"
 
 
+def lead(flat):
+    """The index in `flat` (a batch's tensors) of the tensor whose rows
+    count the batch: the first dense one, else the first (sparse or
+    ragged)."""
+    return next((i for i, t in enumerate(flat) if isinstance(t, tf.Tensor)
+                 and t.shape.rank != 0), 0)
+
+
+def rows(tensor, axis=0):
+    """The size of `tensor`'s `axis` (an int32 tensor), for dense, sparse
+    (`tf.SparseTensor`) and ragged (`tf.RaggedTensor`, axis 0) tensors."""
+    if isinstance(tensor, tf.SparseTensor):
+        return tf.cast(tensor.dense_shape[axis], tf.int32)
+    if isinstance(tensor, tf.RaggedTensor) and axis == 0:
+        return tensor.nrows(out_type=tf.int32)
+    return tf.shape(tensor)[axis]
+
+
+def _tensor(tensor):
+    return (tensor if isinstance(tensor, (tf.SparseTensor, tf.RaggedTensor))
+            else tf.convert_to_tensor(tensor))
+
+
 def _check(tensor, axis, ok, error, what, m, advice):
     """Checks `ok(rows)` of `tensor`'s `axis`: a known size now (a
     `ValueError`), an unknown one by the returned `tf.debugging.Assert`
     ops (their message names the size at run time)."""
-    t = tf.convert_to_tensor(tensor)
+    t = _tensor(tensor)
     static = t.shape[axis] if t.shape.rank is not None else None
     if static is not None:
         if not ok(static):
             raise ValueError(f"{what} of {static} samples {error}={m}{advice}")
         return []
-    rows = tf.shape(t)[axis]
+    n = rows(t, axis)
     return [tf.debugging.Assert(
-        ok(rows), [what + " of", rows, f"samples {error}={m}{advice}"])]
+        ok(n), [what + " of", n, f"samples {error}={m}{advice}"])]
 
 
 def check_divisible(tensor, m, what="The per-replica batch", advice="",
@@ -156,13 +179,54 @@ def pad(tensor, m):
     assert pad(tf.range(4), 4).shape == [4]
     ```
     """
-    t = tf.convert_to_tensor(tensor)
+    t = _tensor(tensor)
     static = t.shape[0] if t.shape.rank else None
     if static is not None and static % m == 0:
         return t
-    rows = tf.shape(t)[0]
-    padded = (rows + m - 1) // m * m
-    return tf.gather(t, tf.range(padded) % rows)
+    n = rows(t)
+    padded = (n + m - 1) // m * m
+    if isinstance(t, tf.SparseTensor):
+        # Up to m copies of its rows one after the other, cut to `padded`.
+        copies = tf.sparse.concat(0, [t] * m)
+        return tf.sparse.slice(
+            copies, tf.zeros_like(copies.dense_shape),
+            tf.concat([[tf.cast(padded, tf.int64)], copies.dense_shape[1:]],
+                      0))
+    return tf.gather(t, tf.range(padded) % n)
+
+
+def split_rows(tensor, m, sizes=None):
+    """`tensor` split along its rows into `m` equal parts (or parts of
+    `sizes`): `tf.split`, also for sparse and ragged tensors.
+
+    Example:
+
+    ```python
+    import tensorflow as tf
+    from keras_smp.pipeline.microbatch import split_rows
+    r = tf.ragged.constant([[1], [2, 3], [4, 5, 6]])
+    assert [p.to_list() for p in split_rows(r, 2, [2, 1])] == [
+        [[1], [2, 3]], [[4, 5, 6]]]
+    s = tf.sparse.from_dense([[0, 1], [2, 0], [0, 3], [4, 0]])
+    assert tf.sparse.to_dense(split_rows(s, 2)[1]).numpy().tolist() == [
+        [0, 3], [4, 0]]
+    ```
+    """
+    if not isinstance(tensor, (tf.SparseTensor, tf.RaggedTensor)):
+        return tf.split(tensor, m if sizes is None else sizes, axis=0, num=m)
+    sizes = ([rows(tensor) // m] * m if sizes is None
+             else [sizes[i] for i in range(m)])  # (a list or a tensor)
+    starts = [0]
+    for size in sizes[:-1]:
+        starts.append(starts[-1] + size)
+    if isinstance(tensor, tf.RaggedTensor):
+        return [tensor[start:start + size]
+                for start, size in zip(starts, sizes)]
+    rest = tensor.dense_shape[1:]
+    return [tf.sparse.slice(
+        tensor, tf.concat([[tf.cast(start, tf.int64)], tf.zeros_like(rest)], 0),
+        tf.concat([[tf.cast(size, tf.int64)], rest], 0))
+        for start, size in zip(starts, sizes)]
 
 
 def split(structure, m, axis=0, sizes=None):
@@ -184,8 +248,10 @@ def split(structure, m, axis=0, sizes=None):
     if structure is None:
         return [None] * m
     flat = tf.nest.flatten(structure)
-    parts = [None if t is None else tf.split(
-        t, m if sizes is None else sizes, axis=axis, num=m) for t in flat]
+    parts = [None if t is None else (
+        split_rows(t, m, sizes) if axis == 0 else tf.split(
+            t, m if sizes is None else sizes, axis=axis, num=m))
+        for t in flat]
     return [tf.nest.pack_sequence_as(
         structure, [None if p is None else p[i] for p in parts])
         for i in range(m)]

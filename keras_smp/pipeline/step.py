@@ -116,6 +116,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         x, y, sample_weight, from_first = _from_first_rank(
             model, links, x, y, sample_weight)
     flat_x = model._smp_flat_inputs(x)
+    # (the tensor whose rows count the batch: a dense one, if any)
+    lead = flat_x[microbatch.lead(flat_x)]
     replicas = model.distribute_strategy.num_replicas_in_sync
     compiled = keras_private.compiled_loss(model) is not None
     has_loss = need_loss and y is not None and compiled
@@ -137,20 +139,20 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         "tf.data dataset (or `steps_per_epoch` that avoids a partial "
         "last batch).")
     checks = ([] if pads else
-              microbatch.check_enough(flat_x[0], m, advice=(
+              microbatch.check_enough(lead, m, advice=(
                   "Use a batch size of at least microbatches x replicas = "
                   f"{m * replicas} samples, and `drop_remainder=True` when "
                   "the last batch of the data is smaller (tf.data), or "
                   "`steps_per_epoch` that leaves it out.")) if uneven
-              else microbatch.check_divisible(flat_x[0], m, advice=advice + (
+              else microbatch.check_divisible(lead, m, advice=advice + (
                   " (a loss with reduction='mean_with_sample_weight' "
                   "that overrides `Loss.__call__` needs equal "
                   "microbatches)")))
     with tf.control_dependencies(checks):
-        true_batch = tf.shape(flat_x[0])[0]
+        true_batch = microbatch.rows(lead)
         padded = [microbatch.pad(t, m) for t in flat_x] if pads else flat_x
-        batch = tf.shape(padded[0])[0]
-        static = flat_x[0].shape[0]
+        batch = microbatch.rows(padded[microbatch.lead(flat_x)])
+        static = lead.shape[0]
         # Each microbatch's rows, or None: equal microbatches.
         rows = (microbatch.sizes(true_batch if static is None else static, m)
                 if uneven and (static is None or static % m) else None)
@@ -165,8 +167,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                 tf.distribute.ReduceOp.SUM,
                 tf.cast(true_batch, tf.float32)) / float(replicas)
         xs = [list(mb) for mb in zip(*[
-            tf.split(t, m if rows is None else rows, axis=0, num=m)
-            for t in padded])]
+            microbatch.split_rows(t, m, rows) for t in padded])]
         ys = microbatch.split(y, m, sizes=rows) if training else None
         sws = (microbatch.split(sample_weight, m, sizes=rows) if training
                else None)
@@ -338,7 +339,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             # Losses added from helper code (not foreseen): the padding's
             # would count, so such an evaluation needs dividing batches.
             total = _after(microbatch.check_divisible(
-                flat_x[0], m, advice=(
+                lead, m, advice=(
                     "A layer adds losses from code outside its class's "
                     "methods, so evaluate cannot pad partial batches: use "
                     "a batch size that divides into the microbatches.")),
@@ -997,7 +998,7 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
             # The replica's share of the rows (its one microbatch is its
             # batch): a batch of unknown size may be split unevenly.
             share = (1.0 if static else
-                     tf.cast(tf.shape(flat_x[0])[0], tf.float32) / batch)
+                     tf.cast(microbatch.rows(flat_x[microbatch.lead(flat_x)]), tf.float32) / batch)
             loss, _ = loss_shares.shared_loss(
                 model, context, divisors, ys[mb], y_pred, sws[mb], None,
                 rows_share=share)
@@ -1074,7 +1075,7 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
              else [None] * len(graph.outputs))
 
     def split(t):
-        return tf.split(t, m if rows is None else rows, axis=0, num=m)
+        return microbatch.split_rows(t, m, rows)
 
     factors = {}  # path -> per microbatch, its factor
     parts = {}  # output index -> its mask's microbatch parts
@@ -1110,7 +1111,7 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
             # loss) of this replica's rows, which may differ from the
             # others'.
             factors[path] = [_share_factor(
-                tf.shape(flat_x[0])[0] // m, m, batch)] * m
+                microbatch.rows(flat_x[microbatch.lead(flat_x)]) // m, m, batch)] * m
     replicas = 1
     if totals and context is not None:
         keys = sorted(totals, key=repr)
@@ -1135,7 +1136,7 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
             _step_divisor, {path: total for (kind, path), total
                             in totals.items() if kind == "weights"},
             divides, m, step_rows,
-            rows[i] if rows is not None else tf.shape(flat_x[0])[0] // m)
+            rows[i] if rows is not None else microbatch.rows(flat_x[microbatch.lead(flat_x)]) // m)
             for i in range(m)]
     checks = [_mask_checks(graph, parts, i) for i in range(m)]
     if not factors:

@@ -521,7 +521,9 @@ def _symbolic_batch(epoch_iterator):
     parts = tf.nest.map_structure(tf_private.first_replica_spec, spec)
     for part in tf.nest.flatten(parts):
         shape = getattr(part, "shape", None)
-        if (part is not None and not isinstance(part, tf.TensorSpec)) or (
+        # (Keras builds from a sparse or ragged input's shape and dtype.)
+        if (part is not None and not isinstance(part, (
+                tf.TensorSpec, tf.SparseTensorSpec, tf.RaggedTensorSpec))) or (
                 shape is not None and shape.rank is None):
             return None
     return parts

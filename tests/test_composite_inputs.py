@@ -1,0 +1,50 @@
+"""Sparse and ragged model inputs train, evaluate and predict under an
+SMPStrategy as plain Keras does on one device (tests/workers/
+composite_inputs.py): a data-parallel model (it failed to build:
+TensorFlow's reduction of a sample batch has no sparse or ragged kernel),
+2 pipelines of 2 stages in one process and one stage per process (the
+batch failed to split into microbatches), with a partial last batch.
+
+Bounds: the suite's float32 bounds (conftest), `RTOL |ref| + ATOL *
+max|ref|` for each compared quantity (weights, `History`, `evaluate`,
+predictions): the same batches differ only by the order of summation
+across replicas and microbatches. Shapes must be equal.
+"""
+
+import json
+import os
+
+import pytest
+
+from conftest import ATOL
+from conftest import RTOL
+from conftest import WORKERS
+from conftest import launch
+from conftest import run_python
+
+WORKER = os.path.join(WORKERS, "composite_inputs.py")
+
+
+def _check(report):
+    assert sorted(report) == ["ragged", "sparse"], report
+    for kind, rows in report.items():
+        assert sorted(rows) == ["evaluation", "history", "predictions",
+                                "weights"], rows
+        for name, row in rows.items():
+            assert row["shapes"][0] == row["shapes"][1], (kind, name, row)
+            assert row["diff"] <= (RTOL + ATOL) * max(1.0, row["scale"]), (
+                kind, name, row)
+
+
+@pytest.mark.parametrize("mode", ["dp", "pp_dp"])
+def test_sparse_and_ragged_inputs_in_one_process(mode, tmp_path):
+    run_python([WORKER, mode, str(tmp_path)])
+    with open(tmp_path / "rank0.json") as f:
+        _check(json.load(f))
+
+
+def test_sparse_and_ragged_inputs_with_one_stage_per_process(tmp_path):
+    launch(2, [WORKER, "mp", str(tmp_path)])
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            _check(json.load(f))

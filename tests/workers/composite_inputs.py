@@ -1,0 +1,111 @@
+"""Sparse and ragged model inputs (`keras.Input(sparse=True)`,
+`keras.Input(ragged=True)`), trained, evaluated and run through `predict`
+under an SMPStrategy against plain Keras on one device (same seeds):
+
+- `sparse`: a `tf.SparseTensor` of 30 features, 10% of them set, into a
+  `Dense` layer;
+- `ragged`: token ids of 1 to 5 per sample (a `tf.RaggedTensor`) looked up
+  in an `Embedding` and averaged.
+
+63 samples in batches of 16 from a tf.data dataset (a last batch of 15:
+unequal microbatches in training, padded ones in evaluate and predict).
+Before: a data-parallel model failed to build (TensorFlow's reduction of
+a sample batch has no sparse or ragged kernel) and a pipeline failed to
+split the batch (`tf.convert_to_tensor` of a sparse tensor).
+
+    composite_inputs.py MODE OUT
+
+MODE: `dp` (a plain model, `local_devices=2`), `pp_dp` (a
+`DistributedModel`, `partitions=2, local_devices=4`: 2 pipelines of 2
+stages in one process), `mp` (one stage per process, under `keras-smp
+launch -n 2`). Writes OUT/rank{R}.json: per input kind, the largest
+difference of the weights, the history, the evaluation and the
+predictions, and their magnitudes.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras_smp  # noqa: E402
+
+MODE, OUT = sys.argv[1], sys.argv[2]
+CONFIGS = {"dp": dict(local_devices=2),
+           "pp_dp": dict(partitions=2, microbatches=2, local_devices=4),
+           "mp": dict(partitions=2, microbatches=2)}
+strategy = keras_smp.SMPStrategy(**CONFIGS[MODE])
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+SAMPLES, FEATURES, VOCAB = 63, 30, 10
+rng = np.random.RandomState(0)
+DENSE = ((rng.rand(SAMPLES, FEATURES) < 0.1)
+         * rng.randn(SAMPLES, FEATURES)).astype("float32")
+LENGTHS = rng.randint(1, 6, SAMPLES)
+IDS = rng.randint(0, VOCAB, LENGTHS.sum()).astype("int32")
+Y = rng.randint(0, 3, SAMPLES)
+
+
+def inputs(kind):
+    if kind == "sparse":
+        return tf.sparse.from_dense(DENSE)
+    return tf.RaggedTensor.from_row_lengths(IDS, LENGTHS)
+
+
+def build(kind, distributed):
+    keras.utils.set_random_seed(1)
+
+    def layers():
+        if kind == "sparse":
+            x = keras.Input((FEATURES,), sparse=True)
+            h = keras.layers.Dense(16, activation="tanh", name="d1")(x)
+        else:
+            x = keras.Input((None,), ragged=True, dtype="int32")
+            h = keras.layers.Embedding(VOCAB, 8, name="emb")(x)
+            h = keras.layers.Lambda(lambda t: tf.reduce_mean(t, axis=1),
+                                    output_shape=(8,))(h)
+            h = keras.layers.Dense(16, activation="tanh", name="d1")(h)
+        h = keras.layers.Dense(16, activation="tanh", name="d2")(h)
+        return keras.Model(x, keras.layers.Dense(3, name="d3")(h))
+
+    def compile_(model):
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
+                      keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True), metrics=["accuracy"])
+        return model
+
+    if not distributed:
+        return compile_(layers())
+    with strategy.scope():
+        model = layers()
+        if MODE != "dp":
+            model = keras_smp.DistributedModel(model, split_points=["d2"])
+        return compile_(model)
+
+
+report = {}
+for kind in ("sparse", "ragged"):
+    runs = []
+    for distributed in (False, True):
+        model = build(kind, distributed)
+        data = tf.data.Dataset.from_tensor_slices((inputs(kind), Y)).batch(16)
+        history = model.fit(data, epochs=2, verbose=0).history
+        runs.append(dict(  # each a list of arrays
+            weights=model.get_weights(),
+            history=[np.array(history[k]) for k in sorted(history)],
+            evaluation=[np.array(model.evaluate(data, verbose=0))],
+            predictions=[model.predict(data, verbose=0)]))
+    ref, got = runs
+    report[kind] = {name: dict(
+        shapes=[[list(a.shape) for a in r[name]] for r in runs],
+        diff=max(float(np.max(np.abs(a - b)))
+                 for a, b in zip(ref[name], got[name])),
+        scale=max(float(np.max(np.abs(a))) for a in ref[name]))
+        for name in ref}
+
+os.makedirs(OUT, exist_ok=True)
+with open(os.path.join(OUT, f"rank{strategy.topology.rank}.json"), "w") as f:
+    json.dump(report, f)
