@@ -444,6 +444,7 @@ class StagedGraph:
                 and (any(c > s for c in needed_at.get(key, ()))
                      or any(key == id(o) for o in self.outputs))]
             self._plain_carries.append([t for _, _, t in keep])
+            self._refuse_composite_carries(s, keep, needed_at)
         self._plain_carries.append(list(self.outputs))
         self._carries = None
         #: A context manager factory for `_runtime_masks`' trace (the
@@ -452,6 +453,29 @@ class StagedGraph:
         #: How many of the last stage's tensors are the model outputs (the
         #: rest are their masks).
         self.num_outputs = len(self.outputs)
+
+    def _refuse_composite_carries(self, s, keep, needed_at):
+        """Raises for a sparse or ragged tensor stage `s` would hand on to
+        a later stage: a stage boundary carries dense tensors (sending a
+        sparse one failed in `tf.control_dependencies` in one process and
+        in the collective across processes)."""
+        for order, _, t in keep:
+            kind = ("sparse" if getattr(t, "sparse", False) else "ragged"
+                    if getattr(t, "ragged", False) else None)
+            if kind is None:
+                continue
+            made = (f"input '{t.name}'" if order < 0 else "the output of "
+                    f"layer '{self.names[id(self.nodes[order])]}'")
+            users = sorted({self.names[id(n)] for n in self.nodes
+                            if self.stage_of[id(n)] > s and any(
+                                x is t for x in tree.flatten(n.input_tensors))})
+            raise ValueError(
+                f"The {kind} tensor {made} is used on a later pipeline "
+                f"stage than {s} (by layer(s) {users}): a stage boundary "
+                "carries dense tensors only. Put the layers that use it on "
+                + (f"stage {s} or earlier" if s else "the first stage")
+                + " (`split_points`, or `keras_smp.partition()` scopes), "
+                "or make it dense there (a `Dense` layer on it).")
 
     @property
     def carries(self):

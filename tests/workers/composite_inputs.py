@@ -106,6 +106,25 @@ for kind in ("sparse", "ragged"):
         scale=max(float(np.max(np.abs(a))) for a in ref[name]))
         for name in ref}
 
+if MODE != "dp":
+    # A sparse input used on the second stage: a clear error when the
+    # model is wrapped (a stage boundary carries dense tensors; it failed
+    # in `tf.control_dependencies`, or in the collective across processes).
+    with strategy.scope():
+        a = keras.Input((8,), name="a")
+        b = keras.Input((FEATURES,), sparse=True, name="b")
+        h = keras.layers.Dense(16, name="d1")(a)
+        h = keras.layers.Dense(16, name="d2")(h)
+        h = keras.layers.Concatenate()([h, keras.layers.Dense(
+            4, name="late")(b)])
+        try:
+            keras_smp.DistributedModel(
+                keras.Model([a, b], keras.layers.Dense(3, name="d3")(h)),
+                split_points=["d2"])
+            report["crossing"] = "wrapped"
+        except ValueError as e:
+            report["crossing"] = str(e)
+
 os.makedirs(OUT, exist_ok=True)
 with open(os.path.join(OUT, f"rank{strategy.topology.rank}.json"), "w") as f:
     json.dump(report, f)
