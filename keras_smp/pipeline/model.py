@@ -259,8 +259,9 @@ class DistributedModel(keras.Model):
         (`backbone`, `preprocessor`), looked up on the wrapped model when
         this model has no such attribute. Keras' own attributes (those of
         its model classes, and what Keras sets on a model: `optimizer`,
-        `history`, ...) never are; other attributes of the wrapped model
-        are read on `model.inner_model`.
+        `history`, a functional model's `inputs` and `outputs`, ...) never
+        are; other attributes of the wrapped model are read on
+        `model.inner_model` (the error names it).
 
         With one stage per process, a method found there runs the whole
         model in this process: called once the model is partitioned (other
@@ -289,6 +290,13 @@ class DistributedModel(keras.Model):
         x = np.ones((2, 3), "float32")
         assert model.score(x) == plain.score(x)
         assert model.dense is plain.dense
+
+        # Keras' own attributes of the wrapped model: an error naming it
+        graph = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        try:
+            keras_smp.DistributedModel(graph).inputs
+        except AttributeError as e:
+            assert "read `model.inner_model.inputs`" in str(e)
         ```
         """
         if hasattr(type(self), name):
@@ -297,9 +305,18 @@ class DistributedModel(keras.Model):
             return object.__getattribute__(self, name)
         missing = f"{type(self).__name__!r} object has no attribute {name!r}"
         inner = self.__dict__.get("inner_model")
-        if (inner is None or name.startswith("_")
-                or name in _KERAS_MODEL_NAMES):
+        if inner is None or name.startswith("_"):
             raise AttributeError(missing)
+        if name in _KERAS_MODEL_NAMES:
+            # Keras' own (`inputs`, `outputs`, `output_shape` of a
+            # functional model): not this model's, but named.
+            try:  # (found without running a property)
+                inspect.getattr_static(inner, name)
+            except AttributeError:
+                raise AttributeError(missing) from None
+            raise AttributeError(
+                f"{missing}; the model it wraps has one: read "
+                f"`model.inner_model.{name}`")
         own = name in _own_class_names(type(inner))
         held = isinstance(vars(inner).get(name), keras.layers.Layer)
         if not (own or held):
