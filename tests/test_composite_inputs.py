@@ -3,7 +3,8 @@ SMPStrategy as plain Keras does on one device (tests/workers/
 composite_inputs.py): a data-parallel model (it failed to build:
 TensorFlow's reduction of a sample batch has no sparse or ragged kernel),
 2 pipelines of 2 stages in one process and one stage per process (the
-batch failed to split into microbatches), with a partial last batch. A
+batch failed to split into microbatches), with a partial last batch, and
+SMP's `@smp.step` custom loop. A
 sparse input used on a later stage is a clear error (a stage boundary
 carries dense tensors).
 
@@ -28,7 +29,8 @@ from conftest import run_python
 WORKER = os.path.join(WORKERS, "composite_inputs.py")
 
 
-def _check(report, pipelined):
+def _check(report, pipelined, names=("evaluation", "history",
+                                     "predictions", "weights")):
     if pipelined:  # a sparse input used on the second stage
         assert re.search(
             r"The sparse tensor input 'b' is used on a later pipeline stage "
@@ -37,8 +39,7 @@ def _check(report, pipelined):
             report.pop("crossing")), report
     assert sorted(report) == ["ragged", "sparse"], report
     for kind, rows in report.items():
-        assert sorted(rows) == ["evaluation", "history", "predictions",
-                                "weights"], rows
+        assert sorted(rows) == sorted(names), rows
         for name, row in rows.items():
             assert row["shapes"][0] == row["shapes"][1], (kind, name, row)
             assert row["diff"] <= (RTOL + ATOL) * max(1.0, row["scale"]), (
@@ -50,6 +51,15 @@ def test_sparse_and_ragged_inputs_in_one_process(mode, tmp_path):
     run_python([WORKER, mode, str(tmp_path)])
     with open(tmp_path / "rank0.json") as f:
         _check(json.load(f), mode == "pp_dp")
+
+
+def test_sparse_and_ragged_inputs_in_an_smp_custom_loop(tmp_path):
+    # @smp.step splits them into microbatches along their rows (it failed
+    # in `tf.convert_to_tensor`); each step's loss, the last predictions
+    # and the weights against a tape.
+    run_python([WORKER, "custom_loop", str(tmp_path)])
+    with open(tmp_path / "rank0.json") as f:
+        _check(json.load(f), False, ("history", "predictions", "weights"))
 
 
 def test_sparse_and_ragged_inputs_with_one_stage_per_process(tmp_path):

@@ -188,10 +188,13 @@ def pad(tensor, m):
     if isinstance(t, tf.SparseTensor):
         # Up to m copies of its rows one after the other, cut to `padded`.
         copies = tf.sparse.concat(0, [t] * m)
-        return tf.sparse.slice(
+        out = tf.sparse.slice(
             copies, tf.zeros_like(copies.dense_shape),
             tf.concat([[tf.cast(padded, tf.int64)], copies.dense_shape[1:]],
                       0))
+        if t.shape.rank is not None:
+            out.set_shape([None] + t.shape[1:].as_list())
+        return out
     return tf.gather(t, tf.range(padded) % n)
 
 
@@ -223,10 +226,15 @@ def split_rows(tensor, m, sizes=None):
         return [tensor[start:start + size]
                 for start, size in zip(starts, sizes)]
     rest = tensor.dense_shape[1:]
-    return [tf.sparse.slice(
+    parts = [tf.sparse.slice(
         tensor, tf.concat([[tf.cast(start, tf.int64)], tf.zeros_like(rest)], 0),
         tf.concat([[tf.cast(size, tf.int64)], rest], 0))
         for start, size in zip(starts, sizes)]
+    if tensor.shape.rank is not None:  # (a slice's shape is dynamic)
+        for part, size in zip(parts, sizes):
+            part.set_shape([size if isinstance(size, int) else None]
+                           + tensor.shape[1:].as_list())
+    return parts
 
 
 def split(structure, m, axis=0, sizes=None):

@@ -748,8 +748,15 @@ def _maker(tensor, ops):
 def _split(value, m, axis, name):
     if value is None or isinstance(value, (int, float, bool, str)):
         return [value] * m
-    t = tf.convert_to_tensor(value)
+    composite = isinstance(value, (tf.SparseTensor, tf.RaggedTensor))
+    t = value if composite else tf.convert_to_tensor(value)
     rank = t.shape.rank
+    if composite and axis != 0:
+        raise ValueError(
+            f"@smp.step: argument '{name}' is a {type(value).__name__}, "
+            f"which splits into microbatches along axis 0 only, not "
+            f"input_split_axes={{'{name}': {axis}}}. Batch it along axis 0, "
+            f"or list it in non_split_inputs=['{name}'].")
     if rank is not None and not -rank <= axis < rank:
         raise ValueError(
             f"@smp.step: argument '{name}' is a tensor of shape "
@@ -763,6 +770,8 @@ def _split(value, m, axis, name):
                 "drop_remainder=True)), or list the argument in "
                 "non_split_inputs."))
     with tf.control_dependencies(checks):
+        if composite:  # (a sparse or ragged tensor's rows)
+            return microbatch.split_rows(t, m)
         return tf.split(t, m, axis=axis)
 
 
@@ -846,7 +855,7 @@ def step(func=None, *, input_signature=None, non_split_inputs=None,
         split = [t for name in bound.arguments if name not in whole
                  for t in tf.nest.flatten(per_arg[name][0])
                  if tf.is_tensor(t)]
-        rows = (tf.shape(split[0])[0] if split and not any(
+        rows = (microbatch.rows(split[0]) if split and not any(
             axes.get(name, 0) for name in bound.arguments
             if name not in whole) else None)
         _step_depth[0] += 1

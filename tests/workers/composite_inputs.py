@@ -18,7 +18,8 @@ split the batch (`tf.convert_to_tensor` of a sparse tensor).
 MODE: `dp` (a plain model, `local_devices=2`), `pp_dp` (a
 `DistributedModel`, `partitions=2, local_devices=4`: 2 pipelines of 2
 stages in one process), `mp` (one stage per process, under `keras-smp
-launch -n 2`). Writes OUT/rank{R}.json: per input kind, the largest
+launch -n 2`), `custom_loop` (SMP's `@smp.step`, 2 stages in one process,
+against a tape; equal batches). Writes OUT/rank{R}.json: per input kind, the largest
 difference of the weights, the history, the evaluation and the
 predictions, and their magnitudes.
 """
@@ -34,7 +35,10 @@ MODE, OUT = sys.argv[1], sys.argv[2]
 CONFIGS = {"dp": dict(local_devices=2),
            "pp_dp": dict(partitions=2, microbatches=2, local_devices=4),
            "mp": dict(partitions=2, microbatches=2)}
-strategy = keras_smp.SMPStrategy(**CONFIGS[MODE])
+if MODE == "custom_loop":  # SMP's API: @smp.step, 2 stages, 2 microbatches
+    keras_smp.init({"partitions": 2, "microbatches": 2})
+else:
+    strategy = keras_smp.SMPStrategy(**CONFIGS[MODE])
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -86,8 +90,56 @@ def build(kind, distributed):
         return compile_(model)
 
 
-report = {}
-for kind in ("sparse", "ragged"):
+def custom_loop(kind):
+    """Plain Keras with a tape, then a `DistributedModel` of the same
+    layers trained by `@smp.step` (each argument split into microbatches
+    along its rows): each step's loss, the last step's predictions and the
+    weights, as `compared`'s lists of arrays."""
+    runs = []
+    for distributed in (False, True):
+        base = build(kind, False)  # seeded; its layers, not compiled
+        model = keras_smp.DistributedModel(base) if distributed else base
+        optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+        def plain_step(x, y):
+            with tf.GradientTape() as tape:
+                predictions = model(x, training=True)
+                loss = loss_fn(y, predictions)
+            optimizer.apply_gradients(zip(tape.gradient(
+                loss, model.trainable_variables), model.trainable_variables))
+            return loss, predictions
+
+        @keras_smp.step
+        def grads(x, y):
+            predictions = model(x, training=True)
+            loss = loss_fn(y, predictions)
+            return (optimizer.get_gradients(loss, model.trainable_variables),
+                    loss, predictions)
+
+        @tf.function
+        def smp_step(x, y):
+            gradients, loss, predictions = grads(x, y)
+            optimizer.apply_gradients(zip([g.accumulate() for g in gradients],
+                                          model.trainable_variables))
+            return loss.reduce_mean(), predictions.merge()
+
+        data = tf.data.Dataset.from_tensor_slices((inputs(kind), Y)).batch(
+            16, drop_remainder=True)  # (@smp.step: equal microbatches)
+        losses = []
+        for x, y in data:
+            loss, predictions = (smp_step if distributed else plain_step)(
+                x, y)
+            losses.append(float(loss))
+        runs.append(dict(weights=model.get_weights(),
+                         history=[np.array(losses)],
+                         predictions=[np.asarray(predictions)]))
+    return runs
+
+
+def fitted(kind):
+    """Plain Keras, then the same model under the strategy: `fit`,
+    `evaluate` and `predict`, as `compared`'s lists of arrays."""
     runs = []
     for distributed in (False, True):
         model = build(kind, distributed)
@@ -98,15 +150,26 @@ for kind in ("sparse", "ragged"):
             history=[np.array(history[k]) for k in sorted(history)],
             evaluation=[np.array(model.evaluate(data, verbose=0))],
             predictions=[model.predict(data, verbose=0)]))
+    return runs
+
+
+def compared(runs):
+    """Per quantity, the shapes, the largest difference and the plain
+    run's magnitude."""
     ref, got = runs
-    report[kind] = {name: dict(
+    return {name: dict(
         shapes=[[list(a.shape) for a in r[name]] for r in runs],
         diff=max(float(np.max(np.abs(a - b)))
                  for a, b in zip(ref[name], got[name])),
         scale=max(float(np.max(np.abs(a))) for a in ref[name]))
         for name in ref}
 
-if MODE != "dp":
+
+report = {kind: compared(custom_loop(kind) if MODE == "custom_loop"
+                         else fitted(kind))
+          for kind in ("sparse", "ragged")}
+
+if MODE in ("pp_dp", "mp"):
     # A sparse input used on the second stage: a clear error when the
     # model is wrapped (a stage boundary carries dense tensors; it failed
     # in `tf.control_dependencies`, or in the collective across processes).
@@ -126,5 +189,5 @@ if MODE != "dp":
             report["crossing"] = str(e)
 
 os.makedirs(OUT, exist_ok=True)
-with open(os.path.join(OUT, f"rank{strategy.topology.rank}.json"), "w") as f:
+with open(os.path.join(OUT, f"rank{keras_smp.rank()}.json"), "w") as f:
     json.dump(report, f)
