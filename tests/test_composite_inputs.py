@@ -6,7 +6,7 @@ TensorFlow's reduction of a sample batch has no sparse or ragged kernel),
 batch failed to split into microbatches), with a partial last batch, and
 SMP's `@smp.step` custom loop. A
 sparse input used on a later stage is a clear error (a stage boundary
-carries dense tensors).
+carries dense tensors), and so is a string input across processes.
 
 Bounds: the suite's float32 bounds (conftest), `RTOL |ref| + ATOL *
 max|ref|` for each compared quantity (weights, `History`, `evaluate`,
@@ -30,13 +30,22 @@ WORKER = os.path.join(WORKERS, "composite_inputs.py")
 
 
 def _check(report, pipelined, names=("evaluation", "history",
-                                     "predictions", "weights")):
+                                     "predictions", "weights"),
+           processes=False):
     if pipelined:  # a sparse input used on the second stage
         assert re.search(
             r"The sparse tensor input 'b' is used on a later pipeline stage "
             r"than 0 \(by layer\(s\) \['late'\]\): a stage boundary "
             r"carries dense tensors only.*split_points",
             report.pop("crossing")), report
+        # ... and a string input: handed on in one process, an error
+        # across processes
+        strings = report.pop("strings")
+        assert (re.search(
+            r"The string tensor input 'words' is used on a later pipeline "
+            r"stage than 0 \(by layer\(s\) \['lookup'\]\): stage "
+            r"processes exchange numeric tensors only", strings)
+            if processes else strings == "wrapped"), strings
     assert sorted(report) == ["ragged", "sparse"], report
     for kind, rows in report.items():
         assert sorted(rows) == sorted(names), rows
@@ -66,4 +75,4 @@ def test_sparse_and_ragged_inputs_with_one_stage_per_process(tmp_path):
     launch(2, [WORKER, "mp", str(tmp_path)])
     for rank in range(2):
         with open(tmp_path / f"rank{rank}.json") as f:
-            _check(json.load(f), True)
+            _check(json.load(f), True, processes=True)

@@ -444,9 +444,15 @@ class StagedGraph:
                 and (any(c > s for c in needed_at.get(key, ()))
                      or any(key == id(o) for o in self.outputs))]
             self._plain_carries.append([t for _, _, t in keep])
-            self._refuse_composite_carries(s, keep, needed_at)
         self._plain_carries.append(list(self.outputs))
         self._carries = None
+        # (sending a sparse one failed in `tf.control_dependencies` in one
+        # process and in the collective across processes)
+        self.refuse_carried(
+            lambda t: ("sparse" if getattr(t, "sparse", False) else "ragged"
+                       if getattr(t, "ragged", False) else None),
+            range(last), "a stage boundary carries dense tensors only",
+            "make it dense (a `Dense` layer on it)")
         #: A context manager factory for `_runtime_masks`' trace (the
         #: model's: other stages' weights as shapes only).
         self.trace_scope = contextlib.nullcontext
@@ -454,28 +460,35 @@ class StagedGraph:
         #: rest are their masks).
         self.num_outputs = len(self.outputs)
 
-    def _refuse_composite_carries(self, s, keep, needed_at):
-        """Raises for a sparse or ragged tensor stage `s` would hand on to
-        a later stage: a stage boundary carries dense tensors (sending a
-        sparse one failed in `tf.control_dependencies` in one process and
-        in the collective across processes)."""
-        for order, _, t in keep:
-            kind = ("sparse" if getattr(t, "sparse", False) else "ragged"
-                    if getattr(t, "ragged", False) else None)
-            if kind is None:
-                continue
-            made = (f"input '{t.name}'" if order < 0 else "the output of "
-                    f"layer '{self.names[id(self.nodes[order])]}'")
-            users = sorted({self.names[id(n)] for n in self.nodes
-                            if self.stage_of[id(n)] > s and any(
-                                x is t for x in tree.flatten(n.input_tensors))})
-            raise ValueError(
-                f"The {kind} tensor {made} is used on a later pipeline "
-                f"stage than {s} (by layer(s) {users}): a stage boundary "
-                "carries dense tensors only. Put the layers that use it on "
-                + (f"stage {s} or earlier" if s else "the first stage")
-                + " (`split_points`, or `keras_smp.partition()` scopes), "
-                "or make it dense there (a `Dense` layer on it).")
+    def refuse_carried(self, kind_of, stages, why, fix):
+        """Raises for the first tensor that a stage in `stages` hands on
+        to the next and `kind_of(tensor)` names (e.g. "sparse"), naming
+        it, the later layers that use it, `why` and `fix` (what to make of
+        it on its stage)."""
+        producer = {id(t): node for node in self.nodes
+                    for t in tree.flatten(node.outputs)}
+        for s in stages:
+            for t in self._plain_carries[s]:
+                kind = kind_of(t)
+                if kind is None:
+                    continue
+                made = (f"input '{t.name}'" if id(t) not in producer else
+                        f"the output of layer "
+                        f"'{self.names[id(producer[id(t)])]}'")
+                users = sorted({self.names[id(n)] for n in self.nodes
+                                if self.stage_of[id(n)] > s and any(
+                                    x is t for x in tree.flatten(
+                                        n.input_tensors))})
+                use = (f"is used on a later pipeline stage than {s} (by "
+                       f"layer(s) {users})" if users else "is a model output "
+                       f"made before the last pipeline stage (stage {s})")
+                move = ("the layers that use it on " + (
+                    f"stage {s} or earlier" if s else "the first stage")
+                    if users else "the layer that makes it on the last stage")
+                raise ValueError(
+                    f"The {kind} tensor {made} {use}: {why}. Put {move} "
+                    "(`split_points`, or `keras_smp.partition()` scopes), "
+                    f"or {fix} there.")
 
     @property
     def carries(self):

@@ -14,10 +14,18 @@ FEW_ERROR = "is smaller than microbatches"
 
 def lead(flat):
     """The index in `flat` (a batch's tensors) of the tensor whose rows
-    count the batch: the first dense one, else the first (sparse or
-    ragged)."""
+    count the batch: the first dense one with rows, else the first sparse
+    or ragged one, else 0."""
     return next((i for i, t in enumerate(flat) if isinstance(t, tf.Tensor)
-                 and t.shape.rank != 0), 0)
+                 and t.shape.rank != 0), next((
+                     i for i, t in enumerate(flat) if isinstance(
+                         t, (tf.SparseTensor, tf.RaggedTensor))), 0))
+
+
+def batch_rows(flat):
+    """The rows of the batch of tensors `flat` (an int32 tensor): its
+    `lead` tensor's."""
+    return rows(flat[lead(flat)])
 
 
 def rows(tensor, axis=0):
@@ -186,8 +194,10 @@ def pad(tensor, m):
     n = rows(t)
     padded = (n + m - 1) // m * m
     if isinstance(t, tf.SparseTensor):
-        # Up to m copies of its rows one after the other, cut to `padded`.
-        copies = tf.sparse.concat(0, [t] * m)
+        # Copies of its rows one after the other (2 do when it has at
+        # least m rows, else up to m), cut to `padded`.
+        copies = tf.cond(n >= m, lambda: tf.sparse.concat(0, [t, t]),
+                         lambda: tf.sparse.concat(0, [t] * m))
         out = tf.sparse.slice(
             copies, tf.zeros_like(copies.dense_shape),
             tf.concat([[tf.cast(padded, tf.int64)], copies.dense_shape[1:]],
@@ -217,8 +227,10 @@ def split_rows(tensor, m, sizes=None):
     """
     if not isinstance(tensor, (tf.SparseTensor, tf.RaggedTensor)):
         return tf.split(tensor, m if sizes is None else sizes, axis=0, num=m)
-    sizes = ([rows(tensor) // m] * m if sizes is None
-             else [sizes[i] for i in range(m)])  # (a list or a tensor)
+    # Equal parts of a batch that divides (`check_divisible` first).
+    static = tensor.shape[0] if tensor.shape.rank else None
+    sizes = ([(rows(tensor) if static is None else static) // m] * m
+             if sizes is None else [sizes[i] for i in range(m)])
     starts = [0]
     for size in sizes[:-1]:
         starts.append(starts[-1] + size)
@@ -227,7 +239,8 @@ def split_rows(tensor, m, sizes=None):
                 for start, size in zip(starts, sizes)]
     rest = tensor.dense_shape[1:]
     parts = [tf.sparse.slice(
-        tensor, tf.concat([[tf.cast(start, tf.int64)], tf.zeros_like(rest)], 0),
+        tensor,
+        tf.concat([[tf.cast(start, tf.int64)], tf.zeros_like(rest)], 0),
         tf.concat([[tf.cast(size, tf.int64)], rest], 0))
         for start, size in zip(starts, sizes)]
     if tensor.shape.rank is not None:  # (a slice's shape is dynamic)

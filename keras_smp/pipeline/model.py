@@ -297,6 +297,8 @@ class DistributedModel(keras.Model):
             keras_smp.DistributedModel(graph).inputs
         except AttributeError as e:
             assert "read `model.inner_model.inputs`" in str(e)
+        else:
+            raise AssertionError("no AttributeError")
         ```
         """
         if hasattr(type(self), name):
@@ -502,6 +504,16 @@ class DistributedModel(keras.Model):
         graph.trace_scope = self._smp_symbolic
         self._smp_place_variables()
         if self._smp_multi_process():
+            # Strings cannot cross to another process (TensorFlow's
+            # collectives carry numbers: it failed inside the first step).
+            rank_of = self.schedule.rank_of
+            graph.refuse_carried(
+                lambda t: "string" if str(getattr(t, "dtype", "")) in (
+                    "string", "str") else None,
+                [s for s in range(graph.num_stages - 1)
+                 if rank_of(s) != rank_of(s + 1)],
+                "stage processes exchange numeric tensors only",
+                "turn it into numbers (a `StringLookup` layer on it)")
             self._smp_allocate_keys()
             # This stage's weights get storage; other stages' never do.
             self._smp_residency().materialize()

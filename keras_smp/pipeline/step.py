@@ -151,7 +151,7 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     with tf.control_dependencies(checks):
         true_batch = microbatch.rows(lead)
         padded = [microbatch.pad(t, m) for t in flat_x] if pads else flat_x
-        batch = microbatch.rows(padded[microbatch.lead(flat_x)])
+        batch = microbatch.batch_rows(padded)
         static = lead.shape[0]
         # Each microbatch's rows, or None: equal microbatches.
         rows = (microbatch.sizes(true_batch if static is None else static, m)
@@ -997,8 +997,8 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
         if divisors is not None:
             # The replica's share of the rows (its one microbatch is its
             # batch): a batch of unknown size may be split unevenly.
-            share = (1.0 if static else
-                     tf.cast(microbatch.rows(flat_x[microbatch.lead(flat_x)]), tf.float32) / batch)
+            share = (1.0 if static else tf.cast(
+                microbatch.batch_rows(flat_x), tf.float32) / batch)
             loss, _ = loss_shares.shared_loss(
                 model, context, divisors, ys[mb], y_pred, sws[mb], None,
                 rows_share=share)
@@ -1111,7 +1111,7 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
             # loss) of this replica's rows, which may differ from the
             # others'.
             factors[path] = [_share_factor(
-                microbatch.rows(flat_x[microbatch.lead(flat_x)]) // m, m, batch)] * m
+                microbatch.batch_rows(flat_x) // m, m, batch)] * m
     replicas = 1
     if totals and context is not None:
         keys = sorted(totals, key=repr)
@@ -1136,7 +1136,8 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
             _step_divisor, {path: total for (kind, path), total
                             in totals.items() if kind == "weights"},
             divides, m, step_rows,
-            rows[i] if rows is not None else microbatch.rows(flat_x[microbatch.lead(flat_x)]) // m)
+            rows[i] if rows is not None
+            else microbatch.batch_rows(flat_x) // m)
             for i in range(m)]
     checks = [_mask_checks(graph, parts, i) for i in range(m)]
     if not factors:

@@ -982,17 +982,17 @@ def _patch_train_and_test_on_batch(trainer):
             strategy = _batch_splitting_strategy(self)
             if strategy is None:
                 return _original(self, *args, **kwargs)
-            getattr(self, "make_" + _attr)()
-            function = getattr(self, _attr)
+            made = [getattr(self, _attr, None)]
 
             def split(iterator):
-                # Keras' generator of the one (x, y, sample_weight) batch,
-                # class weights already made sample weights.
-                import keras
-
-                return function(iter([_distributed_batch(
-                    strategy, keras.utils.pack_x_y_sample_weight(*data))
-                    for data in iterator]))
+                # Keras' generator of the one (x, y, sample_weight) batch
+                # (class weights already sample weights), after its checks
+                # and build: the step function made as Keras makes it.
+                setattr(self, _attr, made[0])
+                getattr(self, "make_" + _attr)()
+                made[0] = getattr(self, _attr)
+                return made[0](iter([_distributed_batch(strategy, data)
+                                     for data in iterator]))
 
             # Keras' method calls `self.<attr>` once, with its batch (a
             # `DistributedModel` may wrap it first: put back what was made).
@@ -1000,7 +1000,7 @@ def _patch_train_and_test_on_batch(trainer):
             try:
                 return _original(self, *args, **kwargs)
             finally:
-                setattr(self, _attr, function)
+                setattr(self, _attr, made[0])
 
         on_batch._smp_patched = True
         setattr(trainer, name, on_batch)
@@ -1018,15 +1018,21 @@ def _batch_splitting_strategy(model):
 
 
 def _distributed_batch(strategy, batch):
-    """`batch`, one global batch, split among `strategy`'s replicas as a
+    """`batch`, a tuple making one global batch (`(x, y, sample_weight)`,
+    `None` where absent), split among `strategy`'s replicas as a
     distributed dataset splits it."""
     import keras
     import tensorflow as tf
 
+    present = [i for i, part in enumerate(batch) if part is not None]
     # tf.data reads a list as one tensor: inputs given as a list (a
     # multi-input model) become a tuple, as in `predict`.
-    dataset = tf.data.Dataset.from_tensors(keras.tree.lists_to_tuples(batch))
-    return next(iter(strategy.experimental_distribute_dataset(dataset)))
+    dataset = tf.data.Dataset.from_tensors(keras.tree.lists_to_tuples(
+        tuple(batch[i] for i in present)))
+    parts = iter(next(iter(strategy.experimental_distribute_dataset(
+        dataset))))
+    return tuple(next(parts) if part is not None else None
+                 for part in batch)
 
 
 # -- files -----------------------------------------------------------------

@@ -188,6 +188,25 @@ if MODE in ("pp_dp", "mp"):
         except ValueError as e:
             report["crossing"] = str(e)
 
+    # A string input used on the second stage: in one process it is handed
+    # on as any tensor; across processes a clear error (TensorFlow's
+    # collectives carry numbers: it failed inside the first step).
+    with strategy.scope():
+        a = keras.Input((8,), name="a")
+        words = keras.Input((3,), dtype="string", name="words")
+        h = keras.layers.Dense(16, name="d1")(a)
+        h = keras.layers.Dense(16, name="d2")(h)
+        ids = keras.layers.StringLookup(vocabulary=["a", "b"],
+                                        name="lookup")(words)
+        h = keras.layers.Concatenate()([h, ids])
+        try:
+            keras_smp.DistributedModel(
+                keras.Model([a, words], keras.layers.Dense(3, name="d3")(h)),
+                split_points=["d2"])
+            report["strings"] = "wrapped"
+        except ValueError as e:
+            report["strings"] = str(e)
+
 os.makedirs(OUT, exist_ok=True)
 with open(os.path.join(OUT, f"rank{keras_smp.rank()}.json"), "w") as f:
     json.dump(report, f)
