@@ -169,43 +169,37 @@ report = {kind: compared(custom_loop(kind) if MODE == "custom_loop"
                          else fitted(kind))
           for kind in ("sparse", "ragged")}
 
+def wrapping(late_input, late_layer):
+    """"wrapped", or the error, of a DistributedModel of 2 stages whose
+    second stage uses `late_input` (through `late_layer`)."""
+    with strategy.scope():
+        a = keras.Input((8,), name="a")
+        h = keras.layers.Dense(16, name="d1")(a)
+        h = keras.layers.Dense(16, name="d2")(h)
+        h = keras.layers.Concatenate()([h, late_layer(late_input)])
+        try:
+            keras_smp.DistributedModel(
+                keras.Model([a, late_input],
+                            keras.layers.Dense(3, name="d3")(h)),
+                split_points=["d2"])
+            return "wrapped"
+        except ValueError as e:
+            return str(e)
+
+
 if MODE in ("pp_dp", "mp"):
     # A sparse input used on the second stage: a clear error when the
     # model is wrapped (a stage boundary carries dense tensors; it failed
     # in `tf.control_dependencies`, or in the collective across processes).
-    with strategy.scope():
-        a = keras.Input((8,), name="a")
-        b = keras.Input((FEATURES,), sparse=True, name="b")
-        h = keras.layers.Dense(16, name="d1")(a)
-        h = keras.layers.Dense(16, name="d2")(h)
-        h = keras.layers.Concatenate()([h, keras.layers.Dense(
-            4, name="late")(b)])
-        try:
-            keras_smp.DistributedModel(
-                keras.Model([a, b], keras.layers.Dense(3, name="d3")(h)),
-                split_points=["d2"])
-            report["crossing"] = "wrapped"
-        except ValueError as e:
-            report["crossing"] = str(e)
-
+    report["crossing"] = wrapping(
+        keras.Input((FEATURES,), sparse=True, name="b"),
+        keras.layers.Dense(4, name="late"))
     # A string input used on the second stage: in one process it is handed
     # on as any tensor; across processes a clear error (TensorFlow's
     # collectives carry numbers: it failed inside the first step).
-    with strategy.scope():
-        a = keras.Input((8,), name="a")
-        words = keras.Input((3,), dtype="string", name="words")
-        h = keras.layers.Dense(16, name="d1")(a)
-        h = keras.layers.Dense(16, name="d2")(h)
-        ids = keras.layers.StringLookup(vocabulary=["a", "b"],
-                                        name="lookup")(words)
-        h = keras.layers.Concatenate()([h, ids])
-        try:
-            keras_smp.DistributedModel(
-                keras.Model([a, words], keras.layers.Dense(3, name="d3")(h)),
-                split_points=["d2"])
-            report["strings"] = "wrapped"
-        except ValueError as e:
-            report["strings"] = str(e)
+    report["strings"] = wrapping(
+        keras.Input((3,), dtype="string", name="words"),
+        keras.layers.StringLookup(vocabulary=["a", "b"], name="lookup"))
 
 os.makedirs(OUT, exist_ok=True)
 with open(os.path.join(OUT, f"rank{keras_smp.rank()}.json"), "w") as f:
