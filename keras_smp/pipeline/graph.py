@@ -446,11 +446,15 @@ class StagedGraph:
             self._plain_carries.append([t for _, _, t in keep])
         self._plain_carries.append(list(self.outputs))
         self._carries = None
-        # (sending a sparse one failed in `tf.control_dependencies` in one
-        # process and in the collective across processes)
+        # Sparse and ragged model inputs (sending one failed in
+        # `tf.control_dependencies` in one process and in the collective
+        # across processes). Only inputs: Keras marks some dense results
+        # sparse (`x * 0.5` of a Dense layer's output).
+        inputs = {id(t) for t in self.inputs}
         self.refuse_carried(
-            lambda t: ("sparse" if getattr(t, "sparse", False) else "ragged"
-                       if getattr(t, "ragged", False) else None),
+            lambda t: None if id(t) not in inputs else (
+                "sparse" if getattr(t, "sparse", False) else "ragged"
+                if getattr(t, "ragged", False) else None),
             range(last), "a stage boundary carries dense tensors only",
             "make it dense (a `Dense` layer on it)")
         #: A context manager factory for `_runtime_masks`' trace (the
@@ -461,10 +465,10 @@ class StagedGraph:
         self.num_outputs = len(self.outputs)
 
     def refuse_carried(self, kind_of, stages, why, fix):
-        """Raises for the first tensor that a stage in `stages` hands on
-        to the next and `kind_of(tensor)` names (e.g. "sparse"), naming
-        it, the later layers that use it, `why` and `fix` (what to make of
-        it on its stage)."""
+        """Raises for the first tensor that a stage in `stages` (not the
+        last) hands on to the next and `kind_of(tensor)` names (e.g.
+        "sparse"), naming it, the later layers that use it, `why` and `fix`
+        (what to make of it on its stage)."""
         producer = {id(t): node for node in self.nodes
                     for t in tree.flatten(node.outputs)}
         for s in stages:

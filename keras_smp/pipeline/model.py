@@ -498,22 +498,28 @@ class DistributedModel(keras.Model):
         return graph
 
     def _smp_set_graph(self, graph):
+        if self._smp_multi_process():
+            # String model inputs cannot cross to another stage's process
+            # (TensorFlow's collectives carry numbers: it failed inside the
+            # first step). Only inputs: Keras gives some layers' string
+            # outputs another dtype (`StringLookup(invert=True)`: int64).
+            # (Checked before the graph is set: a retried build checks
+            # again.)
+            rank_of = self.schedule.rank_of
+            inputs = {id(t) for t in graph.inputs}
+            graph.refuse_carried(
+                lambda t: "string" if id(t) in inputs and str(getattr(
+                    t, "dtype", "")) in ("string", "str") else None,
+                [s for s in range(graph.num_stages - 1)
+                 if rank_of(s) != rank_of(s + 1)],
+                "stage processes exchange numeric tensors only",
+                "turn it into numbers (a `StringLookup` layer on it)")
         self._smp_graph = graph
         # Its one-off trace of the stages (which tensors hold masks) reads
         # other stages' weights: as shapes only, with one stage per process.
         graph.trace_scope = self._smp_symbolic
         self._smp_place_variables()
         if self._smp_multi_process():
-            # Strings cannot cross to another process (TensorFlow's
-            # collectives carry numbers: it failed inside the first step).
-            rank_of = self.schedule.rank_of
-            graph.refuse_carried(
-                lambda t: "string" if str(getattr(t, "dtype", "")) in (
-                    "string", "str") else None,
-                [s for s in range(graph.num_stages - 1)
-                 if rank_of(s) != rank_of(s + 1)],
-                "stage processes exchange numeric tensors only",
-                "turn it into numbers (a `StringLookup` layer on it)")
             self._smp_allocate_keys()
             # This stage's weights get storage; other stages' never do.
             self._smp_residency().materialize()
