@@ -46,7 +46,6 @@ def _check(report, pipelined, names=("evaluation", "history",
             r"stage than 0 \(by layer\(s\) \['lookup'\]\): stage "
             r"processes exchange numeric tensors only", strings)
             if processes else strings == "wrapped"), strings
-
     assert sorted(report) == ["ragged", "sparse"], report
     for kind, rows in report.items():
         assert sorted(rows) == sorted(names), rows
