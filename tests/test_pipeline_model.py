@@ -555,6 +555,16 @@ def test_forward_and_backward_ops_run_on_their_stage_device(placement):
 
 
 ERROR_CASES = {
+    # A stateful RNN keeps one state row per batch row: every part of a
+    # split batch would start from the whole batch's states (Keras failed
+    # inside the first step; with one stage per process, a graph error).
+    **{case: ("ValueError", [
+        "Layer 'lstm' (LSTM)", "is stateful=True", f"into {parts}, each",
+        "Use stateful=False", "microbatches=1 and one replica"])
+       for case, parts in (
+           ("stateful_rnn_in_microbatches", "2 microbatches"),
+           ("stateful_rnn_in_replicas", "2 replicas"),
+           ("stateful_rnn_in_pipeline_replicas", "2 replicas"))},
     "compiled_to_run_eagerly": ("ValueError", [
         "is a DistributedModel compiled with run_eagerly=True",
         "Compile without run_eagerly", "run the plain Keras model"]),
@@ -656,6 +666,9 @@ ERROR_CASES = {
 
 # Data that trains: fit's early checks refuse only certain failures.
 ACCEPTED_CASES = ["unbuilt_subclass_with_validation",
+                  # a stateful RNN in a pipeline of whole batches: equal to
+                  # plain Keras (its states carried batch to batch)
+                  "stateful_rnn_in_one_microbatch",
                   "validation_not_run_is_not_checked",
                   # a compiled stage assigning its weight (without state):
                   # equal to plain Keras compiled whole

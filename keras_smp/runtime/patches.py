@@ -147,6 +147,40 @@ def check_not_eager(model):
         "one device (`model.inner_model`, or the model before wrapping).")
 
 
+def check_unsplit_states(model):
+    """Raises for a `stateful=True` layer (Keras' RNNs) in a model whose
+    batches this strategy splits into microbatches or replicas: the layer
+    keeps one state row per batch row, and each part would start from the
+    whole batch's states (Keras failed inside the first step: "the batch
+    size of the input sequences must be the same as the batch size of the
+    initial state"; with one stage per process, a graph error naming an
+    `Add`)."""
+    strategy = getattr(model, "_distribute_strategy", None)
+    runtime = _runtime_of(strategy)
+    if runtime is None:
+        return
+    from keras_smp.runtime import keras_private
+
+    replicas = strategy.num_replicas_in_sync
+    microbatches = (model.num_microbatches if is_pipelined(model) else 1)
+    if replicas * microbatches < 2:
+        return
+    for layer in keras_private.flatten_layers(model):
+        if layer is model or getattr(layer, "stateful", False) is not True:
+            continue
+        parts = " x ".join(
+            f"{n} {what}" for n, what in ((microbatches, "microbatches"),
+                                          (replicas, "replicas")) if n > 1)
+        raise ValueError(
+            f"Layer '{layer.name}' ({type(layer).__name__}) of model "
+            f"'{model.name}' is stateful=True: it keeps one state row per "
+            f"batch row, and this SMPStrategy splits every batch into "
+            f"{parts}, each of which would start from the whole batch's "
+            "states. Use stateful=False (carry states yourself with "
+            "`return_state=True` and `initial_state`), or train it with "
+            "microbatches=1 and one replica (num_replicas_in_sync == 1).")
+
+
 def _multi_worker_runtime(model):
     runtime = _runtime_of(getattr(model, "_distribute_strategy", None))
     if runtime is not None and runtime.cluster.world_size > 1:
@@ -166,6 +200,7 @@ def _patch_make_functions(trainer):
         def make(self, *args, _original=original, _attr=attr, **kwargs):
             check_pipelined(self)
             check_not_eager(self)
+            check_unsplit_states(self)
             tensor.check_model(self)
             before = getattr(self, _attr, None)
             smp = _runtime_of(getattr(self, "_distribute_strategy",
@@ -880,6 +915,7 @@ def _patch_symbolic_build(trainer):
 
         # (before Keras builds the optimizer on weights without a stage)
         check_pipelined(self)
+        check_unsplit_states(self)
         if not keras_private.implements_call(self):
             # A model whose own steps call its parts (a GAN's generator
             # and discriminator), not itself: built as its steps are

@@ -525,6 +525,55 @@ def compiled_to_run_eagerly():
     refused_before_training(model, X, Y, batch_size=8, epochs=1, verbose=0)
 
 
+def stateful_rnn(pipelined, **config):
+    """A `stateful=True` LSTM (one state row per batch row) trained for 2
+    epochs of 4 batches of 30 under `SMPStrategy(**config)`, wrapped with
+    `pipelined`, then evaluated and run through predict: must raise
+    before a step where the strategy splits batches (refused_before_training),
+    else end equal to plain Keras on one device (the states carried from
+    batch to batch and epoch to epoch)."""
+    xs = X.reshape(120, 2, 4)
+    results = []
+    for strategy in (None, keras_smp.SMPStrategy(**config)):
+        keras.utils.set_random_seed(3)
+        with (strategy.scope() if strategy else contextlib.nullcontext()):
+            model = keras.Sequential([
+                keras.Input((2, 4), batch_size=30),
+                keras.layers.LSTM(8, stateful=True, name="lstm"),
+                keras.layers.Dense(2)])
+            if strategy and pipelined:
+                model = keras_smp.DistributedModel(model)
+            model.compile(optimizer="adam", loss="mse")
+        if strategy:
+            refused_before_training(model, xs, Y, batch_size=30, epochs=2,
+                                    verbose=0, shuffle=False)
+        else:
+            model.fit(xs, Y, batch_size=30, epochs=2, verbose=0,
+                      shuffle=False)
+        results.append(model.get_weights() + [
+            model.evaluate(xs, Y, batch_size=30, verbose=0),
+            model.predict(xs, batch_size=30, verbose=0)])
+    for a, b in zip(*results):
+        # float32 rounding of values of magnitude ~1 (observed: equal)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def stateful_rnn_in_microbatches():
+    stateful_rnn(True, partitions=2, microbatches=2)
+
+
+def stateful_rnn_in_replicas():
+    stateful_rnn(False, local_devices=2)
+
+
+def stateful_rnn_in_pipeline_replicas():
+    stateful_rnn(True, partitions=2, microbatches=1, local_devices=4)
+
+
+def stateful_rnn_in_one_microbatch():
+    stateful_rnn(True, partitions=2, microbatches=1)
+
+
 def devices_not_divisible():
     keras_smp.SMPStrategy(partitions=3, local_devices=4)
 
