@@ -470,10 +470,6 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
         local replicas, batches of 8 rows: shares 0 and 2 on process 0);
         tensor-parallel copies share their rank's. It holds rows
         `[i * b, (i + 1) * b)`, `b` its first argument's rows."""
-        layout = self._smp_layout
-        local = 1 if self._smp_local_tp > 1 else layout.num_local_replicas
-        processes = self._smp_topology.dp_size
-
         def run(*args, **kwargs):
             first = next((t for t in tf.nest.flatten((args, kwargs))
                           if isinstance(t, tf.Tensor) and t.shape.rank),
@@ -481,12 +477,37 @@ class _SMPExtended(tf_private.CollectiveAllReduceExtended):
             if first is None:
                 return fn(*args, **kwargs)
             rows = tf.shape(first)[0]
-            index = self._smp_topology.dp_rank + processes * (
-                tf_private.local_replica_index(local) if local > 1 else 0)
-            with split_draws.part(index * rows, rows):
+            with split_draws.part(self._smp_share_index() * rows, rows):
                 return fn(*args, **kwargs)
 
         return run
+
+    def _smp_share_index(self):
+        """The index of this replica's share of the global batch (in a
+        replica context): `l * D + d` (`_smp_drawing_its_rows`)."""
+        local = (1 if self._smp_local_tp > 1
+                 else self._smp_layout.num_local_replicas)
+        return self._smp_topology.dp_rank + self._smp_topology.dp_size * (
+            tf_private.local_replica_index(local) if local > 1 else 0)
+
+    def _smp_share_bounds(self, rows):
+        """`(offset, total)`: the first row of this replica's share of the
+        global batch, which holds `rows` rows, and the batch's rows (int32
+        scalars), from every replica's rows (one all-reduce in the replica
+        context: all replicas must call it). TensorFlow splits a batch of
+        a size the replicas do not divide as evenly as it can (27 rows over
+        2 replicas: 14 and 13, measured), so a share's first row is not
+        its index times its rows."""
+        n = self._num_replicas_in_sync
+        index = self._smp_share_index()
+        mine = tf.one_hot(index, n, dtype=tf.float32) * tf.cast(
+            rows, tf.float32)
+        every = tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, mine)
+        before = tf.reduce_sum(tf.where(tf.range(n) < index, every,
+                                        tf.zeros_like(every)))
+        return (tf.cast(before, tf.int32),
+                tf.cast(tf.reduce_sum(every), tf.int32))
 
     def _smp_own_values(self, value):
         """A tensor-parallel rank's own value of `value` for every local

@@ -1098,7 +1098,13 @@ def on_epoch_iterator(hook):
     _wrap_once(trainer_lib.TFEpochIterator, "__init__", wrap)
 
 
-def on_loss_scaling(keeps_value, unscaled=lambda: False):
+# `gradient_share()` of `on_loss_scaling`: this replica's weight in the
+# step's gradients, or None.
+_gradient_share = [lambda: None]
+
+
+def on_loss_scaling(keeps_value, unscaled=lambda: False,
+                    gradient_share=lambda: None, shares_weighed=lambda: True):
     """Where `keeps_value()` holds (checked as a step is traced), Keras'
     `scale_loss_for_distribution` (a mean loss divided by the replicas in
     sync, so that their gradients sum to the batch's) keeps the loss's
@@ -1110,8 +1116,17 @@ def on_loss_scaling(keeps_value, unscaled=lambda: False):
     checked against `keras.src.losses.loss`, whose functions Keras'
     losses, compile utilities and trainer look up at call time). Where
     `unscaled()` holds, neither scales (a loss's value and gradient stay
-    the one device's)."""
+    the one device's). Where `gradient_share()` gives a scalar tensor (the
+    replica's weight, by which its step's gradients are multiplied before
+    the replicas' sum), a kept loss's gradient is divided by it, so that
+    the loss's gradient is the one it had; except a mean loss computed
+    where `shares_weighed()` does not hold (a loss object called in a
+    model's own step, not inside `compute_loss`, which weighs each
+    replica's losses by its share): it keeps its value and gradient, as
+    a loss computed by hand does, both weighed by the share."""
     from keras.src.losses import loss as loss_module
+
+    _gradient_share[0] = gradient_share
 
     def wrap_scale(original):
         def scale_loss_for_distribution(value):
@@ -1120,6 +1135,8 @@ def on_loss_scaling(keeps_value, unscaled=lambda: False):
             scaled = original(value)
             if scaled is value or not keeps_value():
                 return scaled
+            if gradient_share() is not None and not shares_weighed():
+                return value
             return kept_loss(value, scaled)
         return scale_loss_for_distribution
 
@@ -1158,10 +1175,14 @@ _kept_losses = weakref.WeakKeyDictionary()
 
 def kept_loss(value, part):
     """A loss with the value of `value` and the gradient of `part` (a
-    replica's part of it: `value` divided by the replicas), marked so
-    that Keras' unscaling leaves it (`on_loss_scaling`)."""
+    replica's part of it: `value` divided by the replicas; divided by
+    `on_loss_scaling`'s `gradient_share()` too, where it gives one),
+    marked so that Keras' unscaling leaves it (`on_loss_scaling`)."""
     import tensorflow as tf
 
+    share = _gradient_share[0]()
+    if share is not None:
+        part = tf.math.divide_no_nan(part, tf.cast(share, part.dtype))
     out = part + tf.stop_gradient(value - part)
     graph = getattr(out, "graph", None)
     if graph is not None:

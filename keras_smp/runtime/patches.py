@@ -249,7 +249,8 @@ def _patch_compute_loss(trainer):
                                                   sample_weight)
                    if y is not None and y_pred is not None else {})
         with loss_shares.computing_parts(
-                f"{context.num_replicas_in_sync} replicas", outputs):
+                f"{context.num_replicas_in_sync} replicas", outputs), \
+                _raised(_weighing_shares):
             return _global_share_loss(self, original, context, x, y, y_pred,
                                       sample_weight, training)
 
@@ -325,6 +326,98 @@ def _global_share_loss(model, original, context, x, y, y_pred,
             total, rows_share,
             keras.ops.sum(unshared) if unshared else None)
     return total
+
+
+class _OwnStepShare(threading.local):
+    """This replica's share of the batch's rows (a float32 scalar) while a
+    model's own `train_step` is traced under an `SMPStrategy` with several
+    data-parallel replicas (`own_step_share`)."""
+
+    value = None
+
+    @contextlib.contextmanager
+    def set(self, share):
+        before, self.value = self.value, share
+        try:
+            yield
+        finally:
+            self.value = before
+
+
+_own_step_share = _OwnStepShare()
+
+
+class _WeighingShares(threading.local):
+    """Set while `compute_loss` weighs each replica's losses by its share
+    (`_global_share_loss`) under an `SMPStrategy`."""
+
+    active = False
+
+
+_weighing_shares = _WeighingShares()
+
+
+def _shares_weighed():
+    return _weighing_shares.active
+
+
+def own_step_share():
+    """The weight of this replica's gradients in the replicas' sum inside a
+    model's own `train_step` (outside Keras' steps it may call), or None.
+
+    Such a step is written for one device (as Keras' guides and examples
+    write it): a loss it computes by hand (`ops.mean` over the batch, a
+    penalty on the weights) is its replica's part of the batch's loss,
+    which Keras does not divide by the replicas (only its own losses: they
+    go through `scale_loss_for_distribution`). Summed over the replicas,
+    such gradients were the replicas' count times one device's (stock
+    Keras under any `tf.distribute` strategy too: Keras' VAE example
+    stepped twice as far with 2 replicas). Each replica's gradients are
+    multiplied by its share of the batch's rows before the sum, so they
+    add up to the batch's mean; Keras' losses (whose gradients are already
+    divided) keep their gradient (`keras_private.kept_loss` divides it by
+    the share)."""
+    if _in_keras_step.active or not _in_step_function.active:
+        return None
+    return _own_step_share.value
+
+
+def _replica_share(model, data):
+    """`(share, part)` of this replica's part of the batch `data` under
+    several data-parallel replicas: its share of the batch's rows (a
+    float32 scalar) and `(offset, rows)` of its rows in the batch (for
+    `split_draws.exactly`), from every replica's rows (one all-reduce);
+    for a batch of a static size (every replica holds the same rows)
+    `1 / replicas` and None (the strategy's part is exact). `(None,
+    None)` with one replica or without a batch tensor."""
+    import keras
+    import tensorflow as tf
+
+    from keras_smp.runtime import loss_shares
+
+    strategy = model._distribute_strategy
+    context = loss_shares.replica_context(strategy)
+    if context is None:
+        return None, None
+    flat = [t for t in keras.tree.flatten(data)
+            if isinstance(t, (tf.Tensor, tf.SparseTensor, tf.RaggedTensor))
+            and t.shape.rank]
+    if not flat:
+        return None, None
+    first = flat[0]
+    if first.shape[0] is not None:
+        return tf.constant(1.0 / context.num_replicas_in_sync), None
+    if isinstance(first, tf.SparseTensor):
+        rows = first.dense_shape[0]
+    elif isinstance(first, tf.RaggedTensor):
+        rows = first.nrows()
+    else:
+        rows = tf.shape(first)[0]
+    rows = tf.cast(rows, tf.int32)
+    offset, total = strategy.extended._smp_share_bounds(rows)
+    share = tf.math.divide_no_nan(tf.cast(rows, tf.float32),
+                                  tf.cast(total, tf.float32))
+    return share, (offset, rows)
 
 
 class _KerasStep(threading.local):
@@ -420,12 +513,26 @@ def _patch_keras_steps(trainer):
     if not getattr(original_make, "_smp_patched", False):
         @functools.wraps(original_make)
         def _make_function(self, step_function):
+            from keras_smp.runtime import keras_private
+
             group = _tensor_group_of(self)
             # Position embeddings (data-parallel replicas, training; not
             # with tensor-parallel layers, whose collectives a trace would
             # issue).
             positions = (group is None and getattr(
                 step_function, "__name__", None) == "train_step")
+            # A model's own `train_step` (not Keras', which it may call):
+            # its gradients count by the replica's share of the rows.
+            own_train_step = (
+                getattr(step_function, "__name__", None) == "train_step"
+                and type(self).train_step is not trainer.train_step)
+            # Random layers in training and evaluation steps: each
+            # replica draws its rows of the batch's draws, from its
+            # share's first row (shares of unequal rows: see
+            # `_replica_share`).
+            draws = getattr(step_function, "__name__", None) in (
+                "train_step", "test_step") and bool(
+                    keras_private.seed_generator_states([self]))
             if group is not None:
                 inner = step_function
 
@@ -440,8 +547,15 @@ def _patch_keras_steps(trainer):
 
                     free = (_position_summed(self, args[0])
                             if positions and args else [])
+                    share, part = (_replica_share(self, args[0])
+                                   if (own_train_step or draws) and args
+                                   else (None, None))
                     with _raised(_in_step_function), \
-                            sparse.summed_by_position(free):
+                            sparse.summed_by_position(free), \
+                            _own_step_share.set(
+                                share if own_train_step else None), \
+                            (split_draws.exactly(part) if draws and part
+                             else contextlib.nullcontext()):
                         return user(*args, **kwargs)
             return original_make(self, step_function)
 
@@ -1759,6 +1873,10 @@ def _patch_optimizer(keras):
 
     def wrap_apply(apply_gradients):
         def backend_apply_gradients(self, grads, trainable_variables):
+            share = own_step_share()
+            if share is not None and not _step(self, "tp_summed", False):
+                grads = [None if g is None else _scaled(g, share)
+                         for g in grads]
             group = _tensor_group(self)
             if group is not None and not _step(self, "tp_summed", False):
                 # Tensor parallelism: each rank holds shards, so the global
@@ -2240,7 +2358,8 @@ def install():
         _patch_calls(TensorFlowTrainer)
         keras_private.on_epoch_iterator(_on_epoch_iterator)
         keras_private.on_array_dataset(_array_shuffle)
-        keras_private.on_loss_scaling(_keeps_loss_value, _custom_loop_loss)
+        keras_private.on_loss_scaling(_keeps_loss_value, _custom_loop_loss,
+                                      own_step_share, _shares_weighed)
         keras_private.before_unbuilt_optimizer_applies(
             _build_across_replicas)
         keras_private.loss_scale_read_when_applied()

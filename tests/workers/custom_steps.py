@@ -131,3 +131,73 @@ def make_gan():
                           keras.layers.Dense(6)]))
     model.compile(keras.optimizers.Adam(1e-2), keras.optimizers.Adam(1e-2))
     return model
+
+
+class Sampling(keras.layers.Layer):
+    """Keras' VAE example's sampling layer: `z_mean + exp(z_log_var / 2) *
+    eps`, `eps` drawn from its own `SeedGenerator`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(1337)
+
+    def call(self, inputs):
+        z_mean, z_log_var = inputs
+        eps = keras.random.normal(keras.ops.shape(z_mean),
+                                  seed=self.seed_generator)
+        return z_mean + keras.ops.exp(0.5 * z_log_var) * eps
+
+
+class VAE(keras.Model):
+    """Keras' VAE example's shape: no `call`; a `train_step` whose loss is
+    written by hand (the batch mean of each row's summed squared error,
+    the mean KL divergence, as `ops.mean` computes them), plus a Keras
+    loss object's term (`MeanAbsoluteError`: Keras divides its gradient
+    by the replicas) and a penalty on a weight computed by hand (the same
+    on every replica: on one device it counts once)."""
+
+    def __init__(self, encoder, decoder, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder, self.decoder = encoder, decoder
+        self.total_tracker = keras.metrics.Mean(name="loss")
+        self.kl_tracker = keras.metrics.Mean(name="kl_loss")
+        self.mae = keras.losses.MeanAbsoluteError()
+
+    @property
+    def metrics(self):
+        return [self.total_tracker, self.kl_tracker]
+
+    def train_step(self, data):
+        ops = keras.ops
+        with tf.GradientTape() as tape:
+            z_mean, z_log_var, z = self.encoder(data)
+            rec = self.decoder(z)
+            rec_loss = ops.mean(ops.sum(ops.square(data - rec), axis=1))
+            kl = -0.5 * (1 + z_log_var - ops.square(z_mean)
+                         - ops.exp(z_log_var))
+            kl = ops.mean(ops.sum(kl, axis=1))
+            penalty = 1e-2 * ops.sum(ops.square(
+                self.decoder.layers[-1].kernel))
+            total = rec_loss + kl + 0.5 * self.mae(data, rec) + penalty
+        grads = tape.gradient(total, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+        self.total_tracker.update_state(total)
+        self.kl_tracker.update_state(kl)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def make_vae(features=6):
+    """A VAE of `features` features (latent 2), SGD with momentum (the
+    replicas' gradient sum shows in full, where Adam would hide a
+    factor)."""
+    inputs = keras.Input((features,))
+    h = keras.layers.Dense(8, activation="tanh")(inputs)
+    z_mean, z_log_var = keras.layers.Dense(2)(h), keras.layers.Dense(2)(h)
+    encoder = keras.Model(inputs, [z_mean, z_log_var,
+                                   Sampling()([z_mean, z_log_var])])
+    latent = keras.Input((2,))
+    decoder = keras.Model(latent, keras.layers.Dense(features)(
+        keras.layers.Dense(8, activation="tanh")(latent)))
+    model = VAE(encoder, decoder)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+    return model

@@ -1,5 +1,6 @@
 """Models with steps of their own (`tests/workers/custom_steps.py`: a
-GAN, a loss object with its own metrics, Keras' guide's steps) trained
+GAN, a loss object with its own metrics, Keras' guide's steps, a VAE
+whose loss is written by hand) trained
 by `fit` as data-parallel worker processes (`keras-smp launch -n 2`,
 `--mode strategy`) or on one device (`--mode plain`). Writes
 OUT/rank{R}.json: `{model: {"history": ..., "weights": [...]}}`.
@@ -32,6 +33,7 @@ import numpy as np  # noqa: E402
 from custom_steps import GuideSteps  # noqa: E402
 from custom_steps import OwnLossSteps  # noqa: E402
 from custom_steps import make_gan  # noqa: E402
+from custom_steps import make_vae  # noqa: E402
 
 rng = np.random.RandomState(0)
 X = rng.randn(128, 6).astype("float32")
@@ -40,6 +42,10 @@ Y = rng.randn(128, 1).astype("float32")
 
 def gan():
     return make_gan(), (X,), {}
+
+
+def vae():
+    return make_vae(), (X,), {}
 
 
 def own_loss():
@@ -60,7 +66,8 @@ def guide():
 
 
 results = {}
-for name, make in (("gan", gan), ("own_loss", own_loss), ("guide", guide)):
+for name, make in (("gan", gan), ("own_loss", own_loss), ("guide", guide),
+                   ("vae", vae)):
     keras.utils.set_random_seed(7)
     with strategy.scope() if strategy else contextlib.nullcontext():
         model, data, kwargs = make()

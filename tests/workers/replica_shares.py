@@ -20,6 +20,13 @@ Cases:
 - gan: a model without a `call` whose `train_step` trains a discriminator
   and a generator with two optimizers (Keras' GAN example): `fit` failed to
   build it ("Unable to automatically build the model").
+- vae: a model without a `call` whose `train_step` writes its loss by
+  hand (Keras' VAE example: `ops.mean` of each row's error, the mean KL
+  divergence, a `keras.random` draw), plus a Keras loss object's term and
+  a weight penalty, SGD with momentum, equal shares and a last batch of
+  14/13 rows: each replica's gradients count by its share of the rows
+  (they were summed: twice one device's), and its draws are its rows of
+  the batch's.
 - empty_replica: 33 samples in batches of 32 (the last, 1 row, leaves a
   replica nothing) with weight and activity regularizers: the logged loss
   keeps the weight regularizers whole.
@@ -78,6 +85,7 @@ import tensorflow as tf  # noqa: E402
 from custom_steps import GuideFunctional  # noqa: E402
 from custom_steps import GuideSteps  # noqa: E402
 from custom_steps import OwnLossSteps  # noqa: E402
+from custom_steps import make_vae  # noqa: E402
 from custom_steps import make_gan  # noqa: E402
 
 rng = np.random.RandomState(0)
@@ -302,6 +310,33 @@ def gan():
     return compare(train(build, fit, True), train(build, fit, False))
 
 
+def vae():
+    # A loss written by hand in the step (Keras' VAE example), with a Keras
+    # loss object's term and a weight penalty. Its gradients were summed
+    # over the replicas (twice one device's). 96 rows in batches of 32:
+    # weights and logs. 91 rows: the last batch (27 rows) splits 14/13,
+    # each replica's gradients weighed by its share of the rows, and its
+    # `Sampling` drawing from its share's first row (it drew from
+    # `index * rows`): weights only (the step's `Mean` trackers average
+    # the replicas' values unweighted, as Keras does under any strategy).
+    worst = 0.0
+    for rows in (96, 91):
+        data = rng.randn(rows, 6).astype("float32")
+
+        def build():
+            keras.utils.set_random_seed(7)
+            return make_vae()
+
+        def fit(model, data=data):
+            return model.fit(data, batch_size=32, epochs=2, shuffle=False,
+                             verbose=0)
+
+        (w1, h1), (w0, h0) = train(build, fit, True), train(build, fit, False)
+        worst = max(worst, compare((w1, h1 if rows == 96 else {}),
+                                   (w0, h0 if rows == 96 else {})))
+    return worst
+
+
 def empty_replica():
     x = rng.randn(33, 4).astype("float32")
     y = rng.randn(33, 2).astype("float32")
@@ -391,7 +426,7 @@ def mean_with_sample_weight(pipelined=False, weighted=True, xla=False,
 CASES = {"custom_loop": custom_loop, "super_train_step": super_train_step,
          "guide_steps": guide_steps, "own_loss_steps": own_loss_steps,
          "guide_steps_two_losses": guide_steps_two_losses,
-         "gan": gan,
+         "gan": gan, "vae": vae,
          "empty_replica": empty_replica, "two_masks": two_masks,
          "mean_with_sample_weight": mean_with_sample_weight,
          "mean_with_sample_weight_unweighted":
