@@ -446,6 +446,7 @@ class StagedGraph:
             self._plain_carries.append([t for _, _, t in keep])
         self._plain_carries.append(list(self.outputs))
         self._carries = None
+        self._dtypes = None
         # Sparse and ragged model inputs (sending one failed in
         # `tf.control_dependencies` in one process and in the collective
         # across processes). Only inputs: Keras marks some dense results
@@ -506,6 +507,54 @@ class StagedGraph:
                                if id(t) in masked[s]]
                 for s, plain in enumerate(self._plain_carries)]
         return self._carries
+
+    def dtype_of(self, tensor):
+        """The dtype `tensor` (a carried tensor: one a stage hands on, or
+        a model output) has when the stages run, which the transfers
+        between stage processes send it as.
+
+        Keras gives a layer whose class defines `compute_output_shape`
+        (and not `compute_output_spec`) outputs of its compute dtype
+        whatever its `call` returns: a `Lambda` returning
+        `ops.argmax(...)` (int32) is float32 in the graph, and with one
+        stage per process the receiving rank waited for a float32 tensor
+        while the sender sent int32 ("expected ... data_type 1 but got
+        ... data_type 3"). Tensors made by a `Lambda` or a layer of a
+        class from outside Keras are traced once (`_trace_stages`), the
+        others keep the graph's dtype."""
+        if self._dtypes is None:
+            self._dtypes = self._runtime_dtypes()
+        return self._dtypes.get(id(tensor), getattr(tensor, "dtype", None))
+
+    def _runtime_dtypes(self):
+        """`{id(tensor): dtype}` of the carried tensors made by a `Lambda`
+        or a layer from outside Keras, as the stages run (`dtype_of`);
+        `{}` when there are none (no trace)."""
+        import keras
+
+        producer = {id(t): node.operation for node in self.nodes
+                    for t in tree.flatten(node.outputs)}
+        carried = {id(t): t for carry in self._plain_carries for t in carry}
+
+        def unsure(op):
+            return op is not None and (
+                isinstance(op, keras.layers.Lambda)
+                or not type(op).__module__.startswith("keras"))
+
+        if not any(unsure(producer.get(i)) for i in carried):
+            return {}
+        found = {}
+
+        def stage_done(s, values):
+            for t in self._plain_carries[s]:
+                value = values.get(id(t))
+                if value is not None and hasattr(value, "dtype"):
+                    found[id(t)] = backend.standardize_dtype(value.dtype)
+
+        self._trace_stages([(t.shape, t.dtype) for t in self.inputs],
+                           stage_done)
+        return {i: d for i, d in found.items()
+                if d != backend.standardize_dtype(carried[i].dtype)}
 
     def _runtime_masks(self):
         """Per stage, `{id(tensor): (shape, dtype)}` of its carried tensors

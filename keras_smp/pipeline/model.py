@@ -815,10 +815,10 @@ class DistributedModel(keras.Model):
 
         def floating(carry):
             return [i for i, t in enumerate(carry)
-                    if tf.as_dtype(t.dtype).is_floating]
+                    if tf.as_dtype(graph.dtype_of(t)).is_floating]
 
         def sent(carry):
-            specs = boundary_specs(carry, rows)
+            specs = boundary_specs(carry, rows, dtype_of=graph.dtype_of)
             return specs, [is_dynamic(shape) for shape, _ in specs]
 
         @tf.custom_gradient
@@ -827,7 +827,9 @@ class DistributedModel(keras.Model):
                 ins = list(xs)
             else:
                 ins = links.receive_from(stage, stage - 1, "F", slot,
-                                         boundary_specs(carry_in, rows), rows)
+                                         boundary_specs(
+                                             carry_in, rows,
+                                             dtype_of=graph.dtype_of), rows)
             with keras_private.call_context(self, training):
                 keras_private.clear_added_losses(layers)
                 outs = fn(ins)

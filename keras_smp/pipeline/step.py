@@ -273,10 +273,12 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         for s in held:
             if s > 0 and not links.holds(s - 1):
                 specs[("F", s)] = sends[("B", s)] = functools.partial(
-                    boundary_specs, graph.carries[s - 1], tp=tp)
+                    boundary_specs, graph.carries[s - 1], tp=tp,
+                    dtype_of=graph.dtype_of)
             if s < p - 1 and not links.holds(s + 1):
                 specs[("B", s)] = sends[("F", s)] = functools.partial(
-                    boundary_specs, graph.carries[s], tp=tp)
+                    boundary_specs, graph.carries[s], tp=tp,
+                    dtype_of=graph.dtype_of)
         transport = CollectiveTransport(
             links, specs, batch // m if rows is None else
             [rows[i] for i in range(m)], send_specs=sends, after=local)
@@ -669,7 +671,7 @@ def _model_inputs_constant(fn):
     return run
 
 
-def boundary_specs(tensors, rows, split=1, tp=False):
+def boundary_specs(tensors, rows, split=1, tp=False, dtype_of=None):
     """`(shape, dtype)` of tensors crossing a process boundary (`split`:
     their last axis is split in that many slices).
 
@@ -679,9 +681,11 @@ def boundary_specs(tensors, rows, split=1, tp=False):
     the length of this step's batch, so sender and receiver decide alike
     from the graph they both hold (each rank's batch may differ). `tp`:
     the model has tensor-parallel layers, whose collectives need every
-    size known: such a tensor is refused."""
+    size known: such a tensor is refused. `dtype_of(t)`: the dtype it
+    travels as (default `t.dtype`; `StagedGraph.dtype_of`)."""
     out = []
     for t in tensors:
+        dtype = t.dtype if dtype_of is None else dtype_of(t)
         rest = list(t.shape[1:])
         if split > 1 and rest and rest[-1] is not None:
             rest[-1] //= split
@@ -695,10 +699,10 @@ def boundary_specs(tensors, rows, split=1, tp=False):
                     "(`keras.Input((128,))` for `keras.Input((None,))`) "
                     "and pad the data to it, or run the stages in one "
                     "process (`local_devices`).")
-            out.append((Dynamic([None] + rest), t.dtype))
+            out.append((Dynamic([None] + rest), dtype))
             continue
         out.append((tf.concat([[rows], tf.constant(rest, tf.int32)], axis=0),
-                    t.dtype))
+                    dtype))
     return out
 
 
@@ -722,7 +726,7 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
     # (with their Keras masks, which are not split)
     pred_specs = (boundary_specs(graph.outputs, batch,
                                  split=group.size if group is not None
-                                 else 1, tp=tp)
+                                 else 1, tp=tp, dtype_of=graph.dtype_of)
                   + boundary_specs(graph.carries[-1][graph.num_outputs:],
                                    batch, tp=tp)
                   if need_outputs else [])

@@ -374,9 +374,11 @@ def own_step_share():
     Keras under any `tf.distribute` strategy too: Keras' VAE example
     stepped twice as far with 2 replicas). Each replica's gradients are
     multiplied by its share of the batch's rows before the sum, so they
-    add up to the batch's mean; Keras' losses (whose gradients are already
-    divided) keep their gradient (`keras_private.kept_loss` divides it by
-    the share)."""
+    add up to the batch's mean. Keras' losses keep their gradient: what
+    `compute_loss` returns (weighed by the replicas' shares already) has
+    its gradient divided by the share (`keras_private.kept_loss`); a
+    loss object called in the step is left undivided, as a loss written
+    by hand (`keras_private.on_loss_scaling`)."""
     if _in_keras_step.active or not _in_step_function.active:
         return None
     return _own_step_share.value

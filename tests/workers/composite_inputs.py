@@ -5,7 +5,11 @@ under an SMPStrategy against plain Keras on one device (same seeds):
 - `sparse`: a `tf.SparseTensor` of 30 features, 10% of them set, into a
   `Dense` layer;
 - `ragged`: token ids of 1 to 5 per sample (a `tf.RaggedTensor`) looked up
-  in an `Embedding` and averaged.
+  in an `Embedding` and averaged;
+- `ints`: ids a `Lambda` computes on the first stage (`ops.argmax`: int32,
+  where Keras' graph says float32), looked up on the second (with one
+  stage per process the ranks' collectives disagreed on the dtype); with
+  pipelines also `int_output`, such ids as a model output (`predict`).
 
 63 samples in batches of 16 from a tf.data dataset (a last batch of 15:
 unequal microbatches in training, padded ones in evaluate and predict).
@@ -24,6 +28,7 @@ difference of the weights, the history, the evaluation and the
 predictions, and their magnitudes.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -51,11 +56,14 @@ DENSE = ((rng.rand(SAMPLES, FEATURES) < 0.1)
 LENGTHS = rng.randint(1, 6, SAMPLES)
 IDS = rng.randint(0, VOCAB, LENGTHS.sum()).astype("int32")
 Y = rng.randint(0, 3, SAMPLES)
+INTS_X = np.random.RandomState(1).randn(SAMPLES, 8).astype("float32")
 
 
 def inputs(kind):
     if kind == "sparse":
         return tf.sparse.from_dense(DENSE)
+    if kind == "ints":
+        return INTS_X
     return tf.RaggedTensor.from_row_lengths(IDS, LENGTHS)
 
 
@@ -63,6 +71,17 @@ def build(kind, distributed):
     keras.utils.set_random_seed(1)
 
     def layers():
+        if kind == "ints":
+            # A `Lambda` returning int32 (Keras' graph says float32),
+            # looked up on the second stage.
+            x = keras.Input((8,))
+            h = keras.layers.Dense(16, activation="tanh", name="d1")(x)
+            ids = keras.layers.Lambda(
+                lambda t: keras.ops.argmax(t, axis=-1), name="ids")(h)
+            h = keras.layers.Dense(16, activation="tanh", name="d2")(h)
+            h = keras.layers.Add()([h, keras.layers.Embedding(
+                16, 16, name="emb")(ids)])
+            return keras.Model(x, keras.layers.Dense(3, name="d3")(h))
         if kind == "sparse":
             x = keras.Input((FEATURES,), sparse=True)
             h = keras.layers.Dense(16, activation="tanh", name="d1")(x)
@@ -167,7 +186,34 @@ def compared(runs):
 
 report = {kind: compared(custom_loop(kind) if MODE == "custom_loop"
                          else fitted(kind))
-          for kind in ("sparse", "ragged")}
+          for kind in ("sparse", "ragged", "ints")}
+
+
+def int_output():
+    """A model whose second output is a `Lambda`'s int32 (float32 in
+    Keras' graph): `predict`'s outputs of plain Keras and of the
+    strategy's model (the same seed), their largest difference and
+    dtypes."""
+    x = inputs("ints")
+    outputs = []
+    for distributed in (False, True):
+        keras.utils.set_random_seed(1)
+        with (strategy.scope() if distributed
+              else contextlib.nullcontext()):
+            a = keras.Input((8,))
+            h = keras.layers.Dense(16, activation="tanh", name="d1")(a)
+            h = keras.layers.Dense(3, name="d2")(h)
+            model = keras.Model(a, [h, keras.layers.Lambda(
+                lambda t: keras.ops.argmax(t, axis=-1), name="cls")(h)])
+            if distributed:
+                model = keras_smp.DistributedModel(model, split_points=["d2"])
+        outputs.append(model.predict(x, batch_size=16, verbose=0))
+    (logits0, cls0), (logits1, cls1) = outputs
+    return dict(diff=max(float(np.max(np.abs(logits0 - logits1))),
+                         float(np.max(np.abs(cls0 - cls1)))),
+                scale=float(np.max(np.abs(logits0))),
+                dtypes=[str(cls0.dtype), str(cls1.dtype)])
+
 
 def wrapping(late_input, late_layer):
     """"wrapped", or the error, of a DistributedModel of 2 stages whose
@@ -188,6 +234,7 @@ def wrapping(late_input, late_layer):
 
 
 if MODE in ("pp_dp", "mp"):
+    report["int_output"] = int_output()
     # A sparse input used on the second stage: a clear error when the
     # model is wrapped (a stage boundary carries dense tensors; it failed
     # in `tf.control_dependencies`, or in the collective across processes).
