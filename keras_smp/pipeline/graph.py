@@ -520,8 +520,9 @@ class StagedGraph:
         stage per process the receiving rank waited for a float32 tensor
         while the sender sent int32 ("expected ... data_type 1 but got
         ... data_type 3"). Tensors made by a `Lambda` or a layer of a
-        class from outside Keras are traced once (`_trace_stages`), the
-        others keep the graph's dtype."""
+        class from outside Keras are traced once (`_trace_stages`; not in
+        models with tensor-parallel layers), the others keep the graph's
+        dtype."""
         if self._dtypes is None:
             self._dtypes = self._runtime_dtypes()
         return self._dtypes.get(id(tensor), getattr(tensor, "dtype", None))
@@ -539,9 +540,12 @@ class StagedGraph:
         def unsure(op):
             return op is not None and (
                 isinstance(op, keras.layers.Lambda)
-                or not type(op).__module__.startswith("keras"))
+                or type(op).__module__.split(".")[0] not in ("keras",
+                                                             "keras_smp"))
 
-        if not any(unsure(producer.get(i)) for i in carried):
+        # (tensor-parallel layers: their collectives are traced per stage)
+        if self.has_tensor_parallel_layers() or not any(
+                unsure(producer.get(i)) for i in carried):
             return {}
         found = {}
 
@@ -551,8 +555,18 @@ class StagedGraph:
                 if value is not None and hasattr(value, "dtype"):
                     found[id(t)] = backend.standardize_dtype(value.dtype)
 
-        self._trace_stages([(t.shape, t.dtype) for t in self.inputs],
-                           stage_done)
+        try:
+            self._trace_stages([(t.shape, t.dtype) for t in self.inputs],
+                               stage_done)
+        except Exception as e:  # noqa: BLE001 - the graph's dtypes then
+            warnings.warn(
+                "keras-smp: tracing the pipeline stages to find the dtypes "
+                "of the tensors crossing stage boundaries failed "
+                f"({type(e).__name__}: {e}); they travel as the dtypes "
+                "of Keras' graph (a layer returning another dtype than "
+                "its compute dtype then fails in the transfer).",
+                stacklevel=2)
+            return {}
         return {i: d for i, d in found.items()
                 if d != backend.standardize_dtype(carried[i].dtype)}
 
