@@ -1,6 +1,7 @@
 """SMP's custom-loop API: `smp.init`, `@smp.step`, `StepOutput`."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -941,3 +942,25 @@ def test_one_stage_per_process_refuses_what_smp_init_cannot_run():
     for says in ("tensor_parallel_degree=2", "horovod=True",
                  "virtual_stages=2", "outside any strategy's scope"):
         assert says in out, out
+
+
+@pytest.mark.slow
+def test_one_stage_per_process_custom_loop_carries_ids_a_lambda_computes(
+        tmp_path):
+    # tests/workers/custom_loop_ints.py: a Lambda's argmax (int32; Keras'
+    # graph says float32) crosses to the second stage's Embedding. The
+    # stages' collectives disagreed on its dtype; now it travels as int32
+    # and the 3 steps equal a tape on one device (float32 bounds).
+    worker = os.path.join(WORKERS, "custom_loop_ints.py")
+    run_python([worker, str(tmp_path), "--reference"])
+    launch(2, [worker, str(tmp_path)],
+           extra_env={"SMP_CONFIG": '{"collective_timeout_seconds": 60}'})
+    with open(tmp_path / "reference.json") as f:
+        ref = json.load(f)
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            got = json.load(f)
+        np.testing.assert_allclose(got["loss"], ref["loss"], rtol=RTOL,
+                                   atol=scaled_atol(ref["loss"]))
+        for a, b in zip(got["weights"], ref["weights"], strict=True):
+            np.testing.assert_allclose(a, b, rtol=RTOL, atol=scaled_atol(b))
