@@ -560,7 +560,7 @@ ERROR_CASES = {
     # inside the first step; with one stage per process, a graph error).
     **{case: ("ValueError", [
         "Layer 'lstm' (LSTM)", "is stateful=True", f"into {parts}, each",
-        "Use stateful=False", "microbatches=1 and one replica"])
+        "Use stateful=False", "run it with microbatches=1 and one replica"])
        for case, parts in (
            ("stateful_rnn_in_microbatches", "2 microbatches"),
            ("stateful_rnn_in_replicas", "2 replicas"),

@@ -1225,14 +1225,41 @@ def before_unbuilt_optimizer_applies(hook):
     _wrap_once(multi_optimizer.MultiOptimizer, "apply", wrap)
 
 
-def _wrap_once(cls, name, wrap):
-    """Replaces `cls.name` by `wrap(original)` unless already replaced."""
+def _wrap_once(cls, name, wrap, marker="_smp_patched"):
+    """Replaces `cls.name` by `wrap(original)` unless already replaced
+    (by a wrapper carrying `marker`)."""
     original = getattr(cls, name)
-    if getattr(original, "_smp_patched", False):
+    if getattr(original, marker, False):
         return
     wrapped = functools.wraps(original)(wrap(original))
-    wrapped._smp_patched = True
+    setattr(wrapped, marker, True)
     setattr(cls, name, wrapped)
+
+
+def on_optimizer_apply(transform):
+    """Keras optimizers' `apply(grads, trainable_variables)` runs inside
+    `with transform(optimizer, grads) as new:` (`grads` a list, `None`s
+    kept) and applies `new` instead of `grads`, in the caller's thread,
+    before a `LossScaleOptimizer` or a
+    `MultiOptimizer` hands them on (a `LossScaleOptimizer` under a
+    `tf.distribute` strategy runs its inner optimizer's `apply` in other
+    threads, through `merge_call`) (idempotent; checked against
+    `BaseOptimizer.apply`, `LossScaleOptimizer.apply` and
+    `MultiOptimizer.apply`)."""
+    from keras.src.optimizers import base_optimizer
+    from keras.src.optimizers import loss_scale_optimizer
+    from keras.src.optimizers import multi_optimizer
+
+    def wrap(original):
+        def apply(self, grads, trainable_variables=None):
+            with transform(self, list(grads)) as new:
+                return original(self, new, trainable_variables)
+        return apply
+
+    for cls in (base_optimizer.BaseOptimizer,
+                loss_scale_optimizer.LossScaleOptimizer,
+                multi_optimizer.MultiOptimizer):
+        _wrap_once(cls, "apply", wrap, marker="_smp_transforms")
 
 
 def on_array_dataset(hook):

@@ -177,7 +177,7 @@ def check_unsplit_states(model):
             f"batch row, and this SMPStrategy splits every batch into "
             f"{parts}, each of which would start from the whole batch's "
             "states. Use stateful=False (carry states yourself with "
-            "`return_state=True` and `initial_state`), or train it with "
+            "`return_state=True` and `initial_state`), or run it with "
             "microbatches=1 and one replica (num_replicas_in_sync == 1).")
 
 
@@ -382,6 +382,49 @@ def own_step_share():
     if _in_keras_step.active or not _in_step_function.active:
         return None
     return _own_step_share.value
+
+
+class _SharingGradients(threading.local):
+    """Set while an optimizer's `apply` hands on gradients this thread
+    already weighed by `own_step_share` (`_weighed_by_share`)."""
+
+    active = False
+
+
+_sharing_gradients = _SharingGradients()
+
+
+@contextlib.contextmanager
+def _weighed_by_share(optimizer, grads):
+    """`grads` as `optimizer.apply` applies them in a model's own
+    `train_step`: each multiplied by this replica's `own_step_share`, once
+    (not again by the optimizers a `LossScaleOptimizer` or a
+    `MultiOptimizer` hands them to inside this `apply`; a
+    `LossScaleOptimizer` under a strategy applies its inner optimizer in
+    other threads, where no share is set)."""
+    share = own_step_share()
+    if share is None or _sharing_gradients.active:
+        yield grads
+        return
+    _sharing_gradients.active = True
+    try:
+        yield [None if g is None else _times_share(g, share) for g in grads]
+    finally:
+        _sharing_gradients.active = False
+
+
+def _times_share(grad, share):
+    """`grad` times `share` (a float32 scalar), multiplied in float32 for
+    16-bit gradients (a share such as 1/3 rounds in bfloat16)."""
+    import tensorflow as tf
+
+    if grad.dtype in (tf.float32, tf.float64):
+        return _scaled(grad, share)
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.cast(tf.cast(grad.values, tf.float32) * share, grad.dtype),
+            grad.indices, grad.dense_shape)
+    return tf.cast(tf.cast(grad, tf.float32) * share, grad.dtype)
 
 
 def _replica_share(model, data):
@@ -1875,10 +1918,6 @@ def _patch_optimizer(keras):
 
     def wrap_apply(apply_gradients):
         def backend_apply_gradients(self, grads, trainable_variables):
-            share = own_step_share()
-            if share is not None and not _step(self, "tp_summed", False):
-                grads = [None if g is None else _scaled(g, share)
-                         for g in grads]
             group = _tensor_group(self)
             if group is not None and not _step(self, "tp_summed", False):
                 # Tensor parallelism: each rank holds shards, so the global
@@ -2364,6 +2403,7 @@ def install():
                                       own_step_share, _shares_weighed)
         keras_private.before_unbuilt_optimizer_applies(
             _build_across_replicas)
+        keras_private.on_optimizer_apply(_weighed_by_share)
         keras_private.loss_scale_read_when_applied()
         keras_private.python_scalars_of_distributed_variables()
         _patch_files(keras)

@@ -7,7 +7,8 @@ under an SMPStrategy against plain Keras on one device (same seeds):
 - `ragged`: token ids of 1 to 5 per sample (a `tf.RaggedTensor`) looked up
   in an `Embedding` and averaged;
 - `ints`: ids a `Lambda` computes on the first stage (`ops.argmax`: int32,
-  where Keras' graph says float32), looked up on the second (with one
+  where Keras' graph says float32), reshaped by a `Reshape` (which hands
+  the graph's float32 on), looked up on the second (with one
   stage per process the ranks' collectives disagreed on the dtype); with
   pipelines also `int_output`, such ids as a model output (`predict`).
 
@@ -78,9 +79,12 @@ def build(kind, distributed):
             h = keras.layers.Dense(16, activation="tanh", name="d1")(x)
             ids = keras.layers.Lambda(
                 lambda t: keras.ops.argmax(t, axis=-1), name="ids")(h)
+            # (a Keras layer handing on the Lambda's graph dtype: the
+            # tensor crossing the boundary is a Reshape's)
+            ids = keras.layers.Reshape((1,), name="column")(ids)
             h = keras.layers.Dense(16, activation="tanh", name="d2")(h)
-            h = keras.layers.Add()([h, keras.layers.Embedding(
-                16, 16, name="emb")(ids)])
+            h = keras.layers.Add()([h, keras.layers.Flatten()(
+                keras.layers.Embedding(16, 16, name="emb")(ids))])
             return keras.Model(x, keras.layers.Dense(3, name="d3")(h))
         if kind == "sparse":
             x = keras.Input((FEATURES,), sparse=True)

@@ -186,10 +186,11 @@ class VAE(keras.Model):
         return {m.name: m.result() for m in self.metrics}
 
 
-def make_vae(features=6):
+def make_vae(features=6, loss_scale=False):
     """A VAE of `features` features (latent 2), SGD with momentum (the
     replicas' gradient sum shows in full, where Adam would hide a
-    factor)."""
+    factor), inside a `LossScaleOptimizer` with `loss_scale` (under a
+    strategy it applies its inner optimizer in other threads)."""
     inputs = keras.Input((features,))
     h = keras.layers.Dense(8, activation="tanh")(inputs)
     z_mean, z_log_var = keras.layers.Dense(2)(h), keras.layers.Dense(2)(h)
@@ -199,5 +200,7 @@ def make_vae(features=6):
     decoder = keras.Model(latent, keras.layers.Dense(features)(
         keras.layers.Dense(8, activation="tanh")(latent)))
     model = VAE(encoder, decoder)
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+    optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(optimizer)
+                  if loss_scale else optimizer)
     return model

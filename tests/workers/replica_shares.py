@@ -26,7 +26,8 @@ Cases:
   a weight penalty, SGD with momentum, equal shares and a last batch of
   14/13 rows: each replica's gradients count by its share of the rows
   (they were summed: twice one device's), and its draws are its rows of
-  the batch's.
+  the batch's; also inside a `LossScaleOptimizer`, and Keras' guide's
+  step with one.
 - empty_replica: 33 samples in batches of 32 (the last, 1 row, leaves a
   replica nothing) with weight and activity regularizers: the logged loss
   keeps the weight regularizers whole.
@@ -319,13 +320,16 @@ def vae():
     # `Sampling` drawing from its share's first row (it drew from
     # `index * rows`): weights only (the step's `Mean` trackers average
     # the replicas' values unweighted, as Keras does under any strategy).
+    # 96 rows with a LossScaleOptimizer (whose inner optimizer applies in
+    # other threads under a strategy: a share set in the step's thread
+    # did not reach it).
     worst = 0.0
-    for rows in (96, 91):
+    for rows, loss_scale in ((96, False), (91, False), (96, True)):
         data = rng.randn(rows, 6).astype("float32")
 
-        def build():
+        def build(loss_scale=loss_scale):
             keras.utils.set_random_seed(7)
-            return make_vae()
+            return make_vae(loss_scale=loss_scale)
 
         def fit(model, data=data):
             return model.fit(data, batch_size=32, epochs=2, shuffle=False,
@@ -334,6 +338,25 @@ def vae():
         (w1, h1), (w0, h0) = train(build, fit, True), train(build, fit, False)
         worst = max(worst, compare((w1, h1 if rows == 96 else {}),
                                    (w0, h0 if rows == 96 else {})))
+    # Keras' guide's step (`compute_loss`) with a LossScaleOptimizer.
+    x = rng.randn(96, 8).astype("float32")
+    y = rng.randn(96, 1).astype("float32")
+
+    def guide():
+        keras.utils.set_random_seed(7)
+        model = GuideSteps([keras.Input((8,)),
+                            keras.layers.Dense(16, activation="tanh"),
+                            keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.05, momentum=0.9)), loss="mse")
+        return model
+
+    def fit_guide(model):
+        return model.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                         verbose=0)
+
+    worst = max(worst, compare(train(guide, fit_guide, True),
+                               train(guide, fit_guide, False)))
     return worst
 
 
