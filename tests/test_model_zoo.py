@@ -4,7 +4,8 @@ Each zoo entry (tests/workers/zoo.py: a small transformer LM with a tied
 embedding/output projection, a BERT-style classifier, an LSTM/GRU text
 model on padded, masked sequences, a token tagger with a loss per token
 under the embedding's mask (uneven padding) and a masked-pooling sequence
-head, self-attention with a residual over padded sequences (its masks
+head, losses that mask targets out themselves (`ignore_class`, with and
+without the embedding's mask, also `"mean_with_sample_weight"`), self-attention with a residual over padded sequences (its masks
 cleared at run time, as Keras' MultiHeadAttention does), CNNs with BatchNormalization, a ResNet-style skip across stages, a
 dict-input two-output model with loss weights, per-output and weighted
 metrics (one a custom Metric whose `result()` returns its variable) and
@@ -66,7 +67,7 @@ from conftest import scaled_atol
 
 MODELS = [
     "transformer_lm", "bert_classifier", "rnn_text", "token_tagger",
-    "masked_attention", "cnn_bn", "cnn_sync_bn", "dropout", "resnet", "multi_io", "regularized", "frozen",
+    "ignore_class", "masked_attention", "cnn_bn", "cnn_sync_bn", "dropout", "resnet", "multi_io", "regularized", "frozen",
     "mixed_bfloat16", "mixed_float16", "loss_scale_skip", "class_weight_lr"]
 MODES = ["dp", "pipe", "stage", "hybrid"]
 RANKS = {"dp": 2, "pipe": 1, "stage": 2, "hybrid": 2}

@@ -969,7 +969,8 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
     checks, step_divisors = [], None
     if m > 1:
         sws, checks, step_divisors = _microbatch_weights(
-            model, entries, flat_x, m, sws, rows, batch, context, static)
+            model, entries, flat_x, m, ys, sws, rows, batch, context,
+            static)
     # One microbatch and several replicas: the replica's shares, from the
     # outputs' masks as the model made them (nothing computed ahead).
     once = m == 1 and context is not None
@@ -1027,7 +1028,7 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
     return loss_fn
 
 
-def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
+def _microbatch_weights(model, entries, flat_x, m, ys, sws, rows, batch,
                         context=None, static=True):
     """`(sample weights, checks, divisors)` per microbatch that make each
     output's microbatch losses, weighted `1/m`, sum to Keras' loss of the
@@ -1035,7 +1036,9 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
 
     - A `"sum"` loss: its sample weights scaled by `m`.
     - A mean loss divides by the batch's entries, a masked one by its
-      unmasked entries (`apply_mask`): by the whole batch's in one step,
+      unmasked entries (`apply_mask`; also those its targets leave,
+      `keras_private.label_mask`, from each microbatch's `ys`, e.g.
+      `ignore_class`): by the whole batch's in one step,
       by each microbatch's own here. A microbatch holding the share `c` of
       them (unequal microbatches, `rows` of `batch`; or masks) has the
       output's sample weights scaled by `m * c`. The outputs' masks are
@@ -1081,30 +1084,49 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
     def split(t):
         return microbatch.split_rows(t, m, rows)
 
+    # (each microbatch's targets of the losses that mask targets out)
+    targets = ([keras_private.compiled_loss_targets(model, y,
+                                                    graph.outputs_struct)
+                for y in ys]
+               if any(keras_private.masks_by_labels(loss)
+                      for _, loss in entries) else None)
+    labelled = set()  # the paths whose losses' label masks are planned
+
     factors = {}  # path -> per microbatch, its factor
     parts = {}  # output index -> its mask's microbatch parts
     totals = {}  # (kind, path) -> summed over microbatches (and replicas)
     for path, loss in entries:
         k = index[path]
         reduction = reduction_of(loss)
+        labels = ([keras_private.label_mask(loss, t[path]) for t in targets]
+                  if targets is not None
+                  and keras_private.masks_by_labels(loss) else None)
+
+        def masked(i):
+            return keras_private.merged_masks(
+                parts[k][i] if k in parts else None,
+                labels[i] if labels else None)
+
         if reduction == "sum":
             factors[path] = [float(m)] * m
         elif path in divides:
             given = [loss_shares.weights_at(path, sw) for sw in sws]
             if masks[k] is not None:
                 parts[k] = split(masks[k])
-            if masks[k] is not None or given[0] is not None:
+            if labels:
+                labelled.add(path)
+            if masks[k] is not None or given[0] is not None or labels:
                 totals[("weights", path)] = tf.add_n([tf.reduce_sum(tf.cast(
-                    keras_private.merged_loss_weights(
-                        loss, w, parts[k][i] if k in parts else None),
+                    keras_private.merged_loss_weights(loss, w, masked(i)),
                     tf.float32)) for i, w in enumerate(given)])
         elif reduction == "mean_with_sample_weight":
             continue  # (a custom one: equal microbatches, no weights, no
             # mask: checked)
-        elif masks[k] is not None:
-            parts[k] = split(masks[k])
-            counts = [tf.reduce_sum(tf.cast(p, tf.float32))
-                      for p in parts[k]]
+        elif masks[k] is not None or labels:
+            if masks[k] is not None:
+                parts[k] = split(masks[k])
+            counts = [tf.reduce_sum(tf.cast(masked(i), tf.float32))
+                      for i in range(m)]
             factors[path] = counts
             totals[("mask", path)] = tf.add_n(counts)
         elif rows is not None:
@@ -1139,7 +1161,7 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
         divisors = [functools.partial(
             _step_divisor, {path: total for (kind, path), total
                             in totals.items() if kind == "weights"},
-            divides, m, step_rows,
+            divides, labelled, m, step_rows,
             rows[i] if rows is not None
             else microbatch.batch_rows(flat_x) // m)
             for i in range(m)]
@@ -1153,8 +1175,8 @@ def _microbatch_weights(model, entries, flat_x, m, sws, rows, batch,
     return out, checks, divisors
 
 
-def _step_divisor(weighted, divides, m, step_rows, mb_rows, path, values,
-                  weights, values_masked=False):
+def _step_divisor(weighted, divides, labelled, m, step_rows, mb_rows, path,
+                  values, weights, values_masked=False):
     """`1/m` of what a `"mean_with_sample_weight"` loss at `path` divides
     the step's batch by (`loss_shares.divided_by`'s `divisor` for one
     microbatch of `mb_rows` rows): its weights' sum over the step
@@ -1162,7 +1184,8 @@ def _step_divisor(weighted, divides, m, step_rows, mb_rows, path, values,
     microbatch's entries per row times the step's rows."""
     if path not in divides:
         raise AssertionError(f"no divisor planned for the loss at {path}")
-    if values_masked or (path in weighted) != (weights is not None):
+    if ((values_masked and path not in labelled)
+            or (path in weighted) != (weights is not None)):
         where = ("output " + "/".join(map(str, path)) if path
                  else "the model's output")
         raise ValueError(

@@ -216,6 +216,114 @@ def loss_weights_and_mask(loss, values, y_pred, sample_weight):
     return loss_lib.squeeze_or_expand_to_same_rank(values, weights)
 
 
+def label_mask(loss, y_true):
+    """The Keras mask that `loss` (a compiled Keras `Loss`) attaches to
+    its values and that its targets `y_true` alone decide, as a bool
+    tensor of the targets' entries (its count is what Keras' mean
+    reduction divides by, with the output's own mask and'ed in), or None
+    for a loss that attaches none this way.
+
+    Keras' `sparse_categorical_crossentropy` with `ignore_class` (the
+    `SparseCategoricalCrossentropy(ignore_class=...)` loss) masks out the
+    targets equal to it, compared in the loss's dtype as Keras compares
+    them.
+
+    Example:
+
+    ```python
+    import keras
+    from keras_smp.runtime.keras_private import label_mask
+
+    loss = keras.losses.SparseCategoricalCrossentropy(ignore_class=0)
+    mask = label_mask(loss, [[3, 0, 1], [0, 0, 2]])
+    assert int(keras.ops.sum(keras.ops.cast(mask, "int32"))) == 3
+    assert label_mask(keras.losses.MeanSquaredError(), [[1.0]]) is None
+    ```
+    """
+    from keras import ops
+    from keras.src.losses import losses as losses_lib
+
+    kwargs = getattr(loss, "_fn_kwargs", None) or {}
+    if (getattr(loss, "fn", None)
+            is not losses_lib.sparse_categorical_crossentropy
+            or kwargs.get("ignore_class") is None):
+        return None
+    dtype = getattr(loss, "dtype", None) or "float32"
+    return ops.not_equal(ops.cast(y_true, dtype),
+                         ops.cast(kwargs["ignore_class"], dtype))
+
+
+def masks_by_labels(loss):
+    """Whether `label_mask` gives `loss` (a compiled Keras `Loss`) a mask."""
+    from keras.src.losses import losses as losses_lib
+
+    kwargs = getattr(loss, "_fn_kwargs", None) or {}
+    return (getattr(loss, "fn", None)
+            is losses_lib.sparse_categorical_crossentropy
+            and kwargs.get("ignore_class") is not None)
+
+
+def compiled_loss_targets(model, y_true, y_pred):
+    """`{path: target}`: the targets Keras' compiled loss of `model` gives
+    the loss at each path of `compiled_loss_entries`, for the step's
+    `y_true` and outputs `y_pred` (any leaves in the outputs' structure:
+    only their layout is read). Resolved by Keras' own `CompileLoss.call`
+    on a copy whose losses only record their targets: nothing computed,
+    no loss tracker updated."""
+    from keras import ops
+
+    loss = compiled_loss(model)
+    if loss is None:
+        return {}
+    compiled_loss_entries(model, y_true, y_pred)  # built
+    seen = {}
+
+    def recorder(path):
+        def record(y_t, y_p, sample_weight=None):
+            seen[path] = y_t
+            return ops.zeros((), dtype=loss.dtype)
+        return record
+
+    out = object.__new__(type(loss))
+    out.__dict__.update(loss.__dict__)
+    out.__dict__["_flat_losses"] = [
+        entry._replace(loss=recorder(tuple(entry.path)))
+        for entry in loss._flat_losses]
+    # (one tracker per loss: Keras zips the losses with its trackers)
+    out.__dict__["_metrics"] = [_NoTracker()] * len(loss._flat_losses)
+    out.call(y_true, y_pred)
+    return seen
+
+
+class _NoTracker:
+    """Stands in for a compiled loss's per-output loss tracker."""
+
+    def update_state(self, *args, **kwargs):
+        pass
+
+
+def merged_masks(mask, labels):
+    """The mask Keras' `Loss.__call__` reduces with, from the output's
+    Keras `mask` and the loss's `label_mask` `labels` (either may be
+    None): their conjunction, the labels laid out as the mask (Keras
+    reshapes them to the values' shape); None when both are."""
+    import tensorflow as tf
+
+    if mask is None or labels is None:
+        return mask if labels is None else tf.cast(labels, tf.bool)
+    mask = tf.cast(mask, tf.bool)
+    return mask & tf.reshape(tf.cast(labels, tf.bool), tf.shape(mask))
+
+
+def counted_entries(mask, labels):
+    """The number (float32) of entries a mean loss divides by under the
+    output's Keras `mask` and its `label_mask` `labels` (either may be
+    None, not both): `merged_masks`' unmasked entries."""
+    import tensorflow as tf
+
+    return tf.reduce_sum(tf.cast(merged_masks(mask, labels), tf.float32))
+
+
 def compiled_loss_layout(model, outputs):
     """The structure the compiled loss looks each output up in (by the
     paths of `compiled_loss_entries`): the outputs' (`outputs`, any

@@ -171,7 +171,14 @@ def _per_row(loss, path):
         return loss
 
     def call(own, y_true, y_pred):
-        values = keras.ops.convert_to_tensor(own(y_true, y_pred))
+        out = own(y_true, y_pred)
+        if (_parts.current is not None and loss.reduction in MEANS
+                and keras_private.keras_mask(out) is not None
+                and not keras_private.masks_by_labels(loss)):
+            # ("mean_with_sample_weight": divided by all parts' weights,
+            # its values' mask included, or refused: `divided_by`)
+            _warn_own_mask(loss.name, _parts.current[0])
+        values = keras.ops.convert_to_tensor(out)
         first = keras.tree.flatten(y_pred)[0]
         if (_parts.current is None or values.shape.rank != 0
                 or first.shape.rank == 0):
@@ -214,6 +221,25 @@ def _warn_weighted_parts(name, parts, weighted, masked):
         "per row to train as on one device (reduce over the other axes "
         "only, e.g. `ops.mean(..., axis=-1)`; for Keras' losses give the "
         "outputs and targets the shape (batch, 1)).", stacklevel=2)
+
+
+def _warn_own_mask(name, parts):
+    """Once per loss: a loss whose `call` masks its values itself, from
+    more than its targets (`keras_private.label_mask` knows Keras'
+    `ignore_class`), computed on parts of a split batch."""
+    if ("mask", name) in _warned:
+        return
+    _warned.add(("mask", name))
+    warnings.warn(
+        f"keras-smp: the loss {name!r} attaches a Keras mask to its values "
+        f"in its `call`, and this step splits the batch into {parts}: each "
+        "part's mean divides by its own unmasked entries, where one device "
+        "divides by the whole batch's, so the step's loss and gradients "
+        "differ from one device's wherever the parts' unmasked counts "
+        "differ. Give the mask as sample weights (0 or 1 per entry) to a "
+        "loss with reduction='mean_with_sample_weight' (divided by the "
+        "whole batch's weights), or use microbatches=1 with one replica.",
+        stacklevel=2)
 
 
 def weights_at(path, given):
@@ -298,8 +324,9 @@ def replica_divisors(model, y, y_pred, static, weighted=False):
     in every replica, and no `"mean_with_sample_weight"` loss is given
     sample weights: `weighted`).
 
-    A masked output (its `y_pred` holds a Keras mask) divides by its
-    unmasked entries; any other mean loss by its rows times its entries
+    A masked output (its `y_pred` holds a Keras mask, or its loss masks
+    targets out: `keras_private.label_mask`, e.g. `ignore_class`) divides
+    by its unmasked entries; any other mean loss by its rows times its entries
     per row, assumed the same in every replica (a dataset that pads each
     replica's sequences to its own length breaks this). `"sum"` losses
     add up across replicas as they are. A `"mean_with_sample_weight"`
@@ -316,17 +343,23 @@ def replica_divisors(model, y, y_pred, static, weighted=False):
         flat = keras.tree.flatten(y_pred)
         index = keras_private.compiled_loss_output_index(model, y_pred,
                                                          len(flat))
+        targets = (keras_private.compiled_loss_targets(model, y, y_pred)
+                   if any(keras_private.masks_by_labels(loss)
+                          for _, loss in entries) else {})
         for path, loss in entries:
             mask = keras_private.keras_mask(flat[index[path]])
+            labels = (keras_private.label_mask(loss, targets[path])
+                      if path in targets else None)
             if divides_by_weights(loss):
-                if weighted or mask is not None or not static:
+                if (weighted or mask is not None or labels is not None
+                        or not static):
                     divisors[WEIGHTS] = masked = True
                 continue
             if reduction_of(loss) not in MEANS:
                 continue
-            if mask is not None:
+            if mask is not None or labels is not None:
                 masked = True
-                divisors[path] = tf.reduce_sum(tf.cast(mask, tf.float32))
+                divisors[path] = keras_private.counted_entries(mask, labels)
             else:
                 divisors[path] = ROWS
     if not masked and static:

@@ -35,6 +35,10 @@ Cases:
   and a `Masking` layer's), per-output sample weights given as a dict,
   both losses means (each divides by its own mask's count): weights and
   every log.
+- ignore_class: a loss masking targets out itself (`ignore_class`) under
+  the embedding's mask, a last batch of 14/13 rows: weights and logs.
+- own_values_mask: a loss whose `call` masks its values from its
+  predictions: `{"warned": n, "fix": n}`, the warning's count.
 - mean_with_sample_weight: two outputs whose losses divide by their
   sample weights' sum (`reduction="mean_with_sample_weight"`), per-token
   weights under the embedding's mask and per-row weights (each replica's
@@ -69,6 +73,7 @@ os.environ["TF_DETERMINISTIC_OPS"] = "0" if any(
     name.endswith("_xla") for name in sys.argv[1:]) else "1"
 
 import keras_smp  # noqa: E402
+from keras_smp.runtime import keras_private  # noqa: E402
 
 # "pipelined" cases: 2 replicas of a 2-stage pipeline (4 logical CPUs),
 # "pipelined_m4_": with 4 microbatches.
@@ -393,6 +398,61 @@ def two_masks():
                    train(two_masks_model, fit, False))
 
 
+def ignore_class():
+    # The loss masks targets out itself (ignore_class=2), and'ed with the
+    # embedding's mask: each replica counts by its share of the targets
+    # left, also in the 14/13 last batch (they counted by the Keras mask
+    # alone).
+    targets = Y.copy()
+    targets[rng.rand(*Y.shape) < 0.3] = 2
+
+    def build():
+        model = tokens_model()
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.5, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, ignore_class=2),
+            metrics=["sparse_categorical_accuracy"])
+        return model
+
+    def fit(model):
+        return model.fit(X, targets, batch_size=32, epochs=2, shuffle=False,
+                         verbose=0, validation_data=(X[:40], targets[:40]))
+
+    return compare(train(build, fit, True), train(build, fit, False))
+
+
+class OwnMask(keras.losses.Loss):
+    """Masks its values itself from its predictions (not its targets)."""
+
+    def call(self, y_true, y_pred):
+        values = keras.losses.sparse_categorical_crossentropy(
+            y_true, y_pred, from_logits=True)
+        keras_private.set_keras_mask(values, y_pred[..., 0] > 0.0)
+        return values
+
+
+def own_values_mask():
+    # A loss whose `call` masks its values from more than its targets:
+    # the parts cannot know the batch's unmasked count, so a warning (once)
+    # names the loss and the fix; training runs.
+    def build():
+        model = tokens_model()
+        model.compile(optimizer="sgd", loss=OwnMask(name="own_mask"))
+        return model
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = train(build, lambda model: model.fit(
+            X, Y, batch_size=32, epochs=2, verbose=0), True)
+    messages = [str(w.message) for w in seen]
+    assert all(np.all(np.isfinite(w)) for w in got[0])
+    return {"warned": sum("the loss 'own_mask' attaches a Keras mask to "
+                          "its values" in m for m in messages),
+            "fix": sum("reduction='mean_with_sample_weight'" in m
+                       for m in messages)}
+
+
 def mean_with_sample_weight(pipelined=False, weighted=True, xla=False,
                             policy=None):
     rows = rng.uniform(0.1, 3.0, size=len(X)).astype("float32")
@@ -451,6 +511,7 @@ CASES = {"custom_loop": custom_loop, "super_train_step": super_train_step,
          "guide_steps_two_losses": guide_steps_two_losses,
          "gan": gan, "vae": vae,
          "empty_replica": empty_replica, "two_masks": two_masks,
+         "ignore_class": ignore_class, "own_values_mask": own_values_mask,
          "mean_with_sample_weight": mean_with_sample_weight,
          "mean_with_sample_weight_unweighted":
              lambda: mean_with_sample_weight(weighted=False),

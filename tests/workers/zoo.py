@@ -172,6 +172,41 @@ def token_tagger(rng):
     return model, compile_args, (x, y, None), {}
 
 
+def ignore_class(rng):
+    # Targets the loss masks out itself (SparseCategoricalCrossentropy's
+    # ignore_class): Keras divides by the targets left, and'ed with the
+    # output's Keras mask, so each microbatch and replica counts by its
+    # share of them (they counted by their rows or by the Keras mask
+    # alone). "tag": ignore_class=-1 under the embedding's mask (void
+    # targets inside and beyond each sequence); "seg": no Keras mask,
+    # ignore_class=3 and reduction="mean_with_sample_weight" (divided by
+    # the weights of the targets left).
+    tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
+    h = layers.Embedding(VOCAB, WIDTH, mask_zero=True, name="ic_emb")(tokens)
+    h = layers.Dense(WIDTH, activation="tanh", name="ic_h")(h)
+    tag = layers.Dense(5, name="tag")(
+        layers.Dense(WIDTH, activation="tanh", name="ic_tag_h")(h))
+    g = layers.Embedding(VOCAB, WIDTH, name="ic_emb2")(tokens)
+    seg = layers.Dense(4, name="seg")(
+        layers.Dense(WIDTH, activation="tanh", name="ic_seg_h")(g))
+    model = keras.Model(tokens, {"tag": tag, "seg": seg})
+    x = _tokens(rng)
+    for i, n in enumerate(rng.randint(2, SEQ + 1, size=SAMPLES)):
+        x[i, n:] = 0
+    tag = (x % 5).astype("int32")
+    tag[rng.rand(*x.shape) < 0.3] = -1
+    y = {"tag": tag, "seg": (x % 4).astype("int32")}  # 3: void
+    compile_args = dict(
+        optimizer=keras.optimizers.SGD(0.2, momentum=0.9),
+        loss={"tag": keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, ignore_class=-1),
+            "seg": keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, ignore_class=3,
+                reduction="mean_with_sample_weight")},
+        metrics={"tag": ["sparse_categorical_accuracy"]})
+    return model, compile_args, (x, y, None), {}
+
+
 def masked_attention(rng):
     # Self-attention over padded sequences (the embedding's mask_zero)
     # with a residual: MultiHeadAttention clears its inputs' masks when it
@@ -444,7 +479,7 @@ def class_weight_lr(rng):
 
 ZOO = {f.__name__: f for f in (
     transformer_lm, bert_classifier, rnn_text, token_tagger,
-    masked_attention, cnn_bn,
+    ignore_class, masked_attention, cnn_bn,
     cnn_sync_bn, dropout, resnet, multi_io, regularized,
     frozen, mixed_bfloat16, mixed_float16, loss_scale_skip,
     frozen_stage_loss_scale, class_weight_lr)}
