@@ -123,7 +123,8 @@ def weight_meetings(ops, inputs, variables, outputs=None):
     ```
     """
     handles = _handles_in_graph(variables)
-    act = {t.ref() for t in inputs}
+    # (a sparse input: its component tensors)
+    act = {t.ref() for t in tf.nest.flatten(inputs, expand_composites=True)}
     weighted = set()
     found = []
     reads = 0

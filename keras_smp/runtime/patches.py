@@ -1917,6 +1917,46 @@ def _patch_optimizer(keras):
                    for a in ("clipnorm", "global_clipnorm", "clipvalue"))
 
     def wrap_apply(apply_gradients):
+        inner = wrap_apply_summed(apply_gradients)
+
+        def backend_apply_gradients(self, grads, trainable_variables):
+            # Lookups of distinct ids (a sparse input's matmul): one
+            # device's gradient holds each id of the batch once; the
+            # microbatches' (concatenated) and, after the all-reduce, the
+            # replicas' are summed by id.
+            if not _smp_optimizer(self):
+                return inner(self, grads, trainable_variables)
+            grads, variables = list(grads), list(trainable_variables)
+            distinct = [i for i, g in enumerate(grads)
+                        if isinstance(g, tf.IndexedSlices)
+                        and sparse.from_unique(g.indices)]
+            if not distinct:
+                return inner(self, grads, variables)
+            before = _step(self, "distinct", None)
+            ids = set(before or ())
+            for i in distinct:
+                grads[i] = sparse.summed_by_id(grads[i])
+                ids.update((id(variables[i]), id(
+                    keras_private.backing_variable(variables[i]))))
+            _set_step(self, "distinct", frozenset(ids))
+            try:
+                return inner(self, grads, variables)
+            finally:
+                _set_step(self, "distinct", before)
+
+        return backend_apply_gradients
+
+    def by_id(optimizer, grads, variables):
+        # (the replicas' rows of `_step(optimizer, "distinct")`'s
+        # variables, gathered by the all-reduce, summed by id)
+        distinct = _step(optimizer, "distinct", None)
+        if not distinct:
+            return list(grads)
+        return [sparse.summed_by_id(g) if isinstance(g, tf.IndexedSlices)
+                and id(v) in distinct else g
+                for g, v in zip(grads, variables)]
+
+    def wrap_apply_summed(apply_gradients):
         def backend_apply_gradients(self, grads, trainable_variables):
             group = _tensor_group(self)
             if group is not None and not _step(self, "tp_summed", False):
@@ -1966,6 +2006,7 @@ def _patch_optimizer(keras):
                                           tf.distribute.ReduceOp.SUM),
                         [grads[i] for i in present],
                         [variables[i] for i in present], context)
+                summed = by_id(self, summed, [variables[i] for i in present])
                 for i, g in zip(present, summed):
                     grads[i] = g
                 _set_step(self, "synced", True)
@@ -1997,7 +2038,10 @@ def _patch_optimizer(keras):
                     runtime_package.summing_gradients():
                 context = tf.distribute.get_replica_context()
                 if context is None or not sparse.active():
-                    return all_reduce(self, grads_and_vars)
+                    pairs = list(all_reduce(self, grads_and_vars))
+                    variables = [v for _, v in pairs]
+                    return list(zip(by_id(self, [g for g, _ in pairs],
+                                          variables), variables))
                 # Position embeddings' rows added position by position.
                 pairs = list(grads_and_vars)
                 variables = [v for _, v in pairs]
@@ -2005,7 +2049,7 @@ def _patch_optimizer(keras):
                     lambda gs: [g for g, _ in all_reduce(
                         self, list(zip(gs, variables)))],
                     [g for g, _ in pairs], variables, context)
-                return list(zip(grads, variables))
+                return list(zip(by_id(self, grads, variables), variables))
 
         return all_reduce_sum_gradients
 

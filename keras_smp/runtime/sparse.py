@@ -88,6 +88,79 @@ def from_shapes(tensor):
     return True
 
 
+# Ops a sparse gradient's ids pass through unchanged (values or order).
+_ID_PASS_OPS = frozenset({"Identity", "Cast", "Reshape"})
+_CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+
+
+def from_unique(indices):
+    """Whether the ids `indices` of a traced sparse gradient are the
+    distinct ids `tf.unique` found (its first output), or such ids of
+    parts of the batch concatenated (microbatches' gradients put
+    together): a lookup of distinct ids (Keras' matmul of a sparse input,
+    `tf.nn.embedding_lookup_sparse`, gathers each id once, its row summed
+    over the batch). One device's gradient then holds each id of the
+    batch once (`summed_by_id` makes the parts' so). False for any other
+    ids, and eagerly (no graph to read)."""
+    from keras_smp.runtime import tf_private
+
+    # (tensor, the call ops whose function graphs it is in, innermost
+    # last: a function's input is its caller's input)
+    try:
+        stack, found = [(indices, ())], False
+        while stack:
+            t, calls = stack.pop()
+            op = t.op
+            if op.type in ("Unique", "UniqueV2") and t.value_index == 0:
+                found = True
+            elif op.type in _ID_PASS_OPS:
+                stack.append((op.inputs[0], calls))
+            elif op.type == "ConcatV2":
+                # (the last input: the axis)
+                stack.extend((x, calls) for x in op.inputs[:-1])
+            elif op.type in _CALL_OPS:
+                graph = tf_private.called_graph(op)
+                if graph is None:
+                    return False
+                stack.append((graph.outputs[t.value_index], calls + (op,)))
+            elif op.type == "Placeholder" and calls:
+                inputs = [id(x) for x in op.graph.inputs]
+                if id(t) not in inputs:
+                    return False
+                stack.append((calls[-1].inputs[inputs.index(id(t))],
+                              calls[:-1]))
+            else:
+                return False
+        return found
+    except AttributeError:  # an eager tensor
+        return False
+
+
+def summed_by_id(grad):
+    """The sparse gradient `grad` (`tf.IndexedSlices`) with each id once,
+    its rows summed, in order of first appearance: what one device's
+    lookup of distinct ids (`from_unique`) gives for the batch whose
+    parts' gradients `grad` concatenates (an optimizer like Adam applies
+    a repeated id's rows one after the other, not their sum).
+
+    Example:
+
+    ```python
+    import tensorflow as tf
+    from keras_smp.runtime.sparse import summed_by_id
+
+    g = tf.IndexedSlices(tf.constant([[1.0], [2.0], [4.0]]),
+                         tf.constant([3, 0, 3]), tf.constant([5, 1]))
+    s = summed_by_id(g)
+    assert s.indices.numpy().tolist() == [3, 0]
+    assert s.values.numpy().tolist() == [[5.0], [2.0]]
+    ```
+    """
+    ids, where = tf.unique(grad.indices)
+    values = tf.math.unsorted_segment_sum(grad.values, where, tf.size(ids))
+    return tf.IndexedSlices(values, ids, grad.dense_shape)
+
+
 def add_rows(total, part, what="a sparse gradient"):
     """`total` and `part` (`tf.IndexedSlices` of the same ids in the same
     order) as one: their rows added position by position, the ids (and

@@ -367,3 +367,16 @@ def function_with_python(fn, python_function):
     `python_function` (what TensorFlow's mirrored run does to run a
     function's replicas in one trace)."""
     return fn._clone(python_function=python_function)
+
+
+def called_graph(op):
+    """The traced graph (`FuncGraph`) of the function a call op
+    (`PartitionedCall`, `StatefulPartitionedCall`) of a traced graph
+    calls, or None: its outputs are the op's outputs, its `inputs` the
+    op's inputs, in order."""
+    try:
+        name = op.get_attr("f").name
+        function = op.graph._get_function(name)
+        return getattr(function, "graph", None)
+    except (ValueError, AttributeError, KeyError):
+        return None

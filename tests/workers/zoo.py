@@ -207,6 +207,37 @@ def ignore_class(rng):
     return model, compile_args, (x, y, None), {}
 
 
+def sparse_input(rng):
+    # A bag-of-words input (`keras.Input(sparse=True)`, a SciPy CSR
+    # matrix) into a Dense layer, beside a dense input, with Adam: Keras
+    # multiplies a sparse input by looking up each word once
+    # (`tf.nn.embedding_lookup_sparse`), so one device's sparse gradient
+    # holds each word of the batch once, its row summed over the batch.
+    # The microbatches' and replicas' gradients, put together, held a
+    # word once per part, which Adam applies row by row (weights 0.065
+    # from one device in every mode).
+    import scipy.sparse
+
+    bow = keras.Input((BIG_VOCAB,), sparse=True, name="bow")
+    dense = keras.Input((4,), name="f")
+    h = layers.Dense(WIDTH, activation="relu", name="bow_dense")(bow)
+    h = layers.Dense(WIDTH, activation="tanh", name="sp_h")(
+        layers.Concatenate()([h, dense]))
+    out = layers.Dense(3, name="sp_out")(h)
+    model = keras.Model({"bow": bow, "f": dense}, out)
+    # A few hundred words, most in several rows of a batch.
+    words = (rng.rand(SAMPLES, 300) < 0.08) * rng.rand(SAMPLES, 300)
+    counts = np.zeros((SAMPLES, BIG_VOCAB), "float32")
+    counts[:, 1000:1300] = words
+    x = {"bow": scipy.sparse.csr_matrix(counts), "f": _flat(rng, d=4)}
+    y = _classes(np.concatenate([words, x["f"]], 1), 3, rng)
+    compile_args = dict(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["sparse_categorical_accuracy"])
+    return model, compile_args, (x, y, None), {}
+
+
 def masked_attention(rng):
     # Self-attention over padded sequences (the embedding's mask_zero)
     # with a residual: MultiHeadAttention clears its inputs' masks when it
@@ -479,7 +510,7 @@ def class_weight_lr(rng):
 
 ZOO = {f.__name__: f for f in (
     transformer_lm, bert_classifier, rnn_text, token_tagger,
-    ignore_class, masked_attention, cnn_bn,
+    ignore_class, sparse_input, masked_attention, cnn_bn,
     cnn_sync_bn, dropout, resnet, multi_io, regularized,
     frozen, mixed_bfloat16, mixed_float16, loss_scale_skip,
     frozen_stage_loss_scale, class_weight_lr)}
