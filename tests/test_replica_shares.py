@@ -76,6 +76,19 @@ def test_loss_masking_its_values_itself_warns_once_naming_the_fix():
     assert row["atol"] == {"warned": 1, "fix": 1}, (row, proc.stderr[-3000:])
 
 
+def test_layer_on_two_sparse_inputs_warns_once_naming_the_fix():
+    # One Dense layer called on two sparse inputs (Keras looks up each
+    # input's distinct ids once): one device's sparse gradient holds each
+    # id once per lookup, which the replicas' parts cannot rebuild (a
+    # single lookup's are summed by id: test_model_zoo's sparse_input).
+    # Training runs; one warning names the weight and the fix.
+    proc = run_python([os.path.join(WORKERS, "replica_shares.py"),
+                       "two_sparse_lookups"], timeout=300)
+    row = next(json.loads(l) for l in proc.stdout.splitlines()
+               if l.startswith("{"))
+    assert row["atol"] == {"warned": 1, "fix": 1}, (row, proc.stderr[-3000:])
+
+
 @pytest.mark.parametrize("cases", [
     ["pipelined_mean_with_sample_weight"],
     ["pipelined_m4_mean_with_sample_weight",

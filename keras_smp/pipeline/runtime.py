@@ -44,6 +44,7 @@ from keras_smp.pipeline.backward import stage_backward
 from keras_smp.pipeline.backward import weight_backward
 from keras_smp.pipeline.backward import weight_meetings
 from keras_smp.pipeline.schedule import Action
+from keras_smp.runtime import sparse
 
 
 @dataclasses.dataclass
@@ -513,9 +514,22 @@ class _Builder:
         total, summed = self.grads[s], []
         stage = self.stages[s]
         for i, g in enumerate(var_grads):
+            # A lookup of distinct ids (a sparse input's): one device's
+            # gradient holds each id of the batch once.
+            distinct = (isinstance(g, tf.IndexedSlices)
+                        and isinstance(total[i], tf.IndexedSlices)
+                        and i not in stage.merge_rows
+                        and sparse.from_unique(g.indices))
             total[i] = accumulate(
                 total[i], g, merge=i in stage.merge_rows,
                 what=f"the gradient of {_name(stage.variables[i])}")
+            if distinct:
+                total[i] = sparse.summed_by_id(total[i])
+            elif (isinstance(g, tf.IndexedSlices) and total[i] is not g
+                  and sparse.distinct_lookups(g.indices) > 1):
+                sparse.warn_split_lookups(
+                    stage.variables[i], sparse.distinct_lookups(g.indices),
+                    "microbatches")
             if g is not None:
                 summed.append(total[i])
         return summed

@@ -249,6 +249,11 @@ def label_mask(loss, y_true):
             or kwargs.get("ignore_class") is None):
         return None
     dtype = getattr(loss, "dtype", None) or "float32"
+    y_true = ops.convert_to_tensor(y_true)
+    if len(y_true.shape) >= 2 and y_true.shape[-1] == 1:
+        # Keras squeezes class ids of shape (..., 1) against predictions
+        # of shape (..., classes).
+        y_true = ops.squeeze(y_true, axis=-1)
     return ops.not_equal(ops.cast(y_true, dtype),
                          ops.cast(kwargs["ignore_class"], dtype))
 

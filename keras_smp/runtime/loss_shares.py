@@ -224,8 +224,8 @@ def _warn_weighted_parts(name, parts, weighted, masked):
 
 
 def _warn_own_mask(name, parts):
-    """Once per loss: a loss whose `call` masks its values itself, from
-    more than its targets (`keras_private.label_mask` knows Keras'
+    """Once per loss: a loss whose `call` masks its values itself in a
+    way `keras_private.label_mask` does not know ahead (it knows Keras'
     `ignore_class`), computed on parts of a split batch."""
     if ("mask", name) in _warned:
         return

@@ -1930,6 +1930,16 @@ def _patch_optimizer(keras):
             distinct = [i for i, g in enumerate(grads)
                         if isinstance(g, tf.IndexedSlices)
                         and sparse.from_unique(g.indices)]
+            context = tf.distribute.get_replica_context()
+            if (context is not None and context.num_replicas_in_sync > 1
+                    and not rows_sum_linearly(self)):
+                for g, v in zip(grads, variables):
+                    lookups = (sparse.distinct_lookups(g.indices)
+                               if isinstance(g, tf.IndexedSlices) else 0)
+                    if lookups > 1:
+                        sparse.warn_split_lookups(
+                            v, lookups,
+                            f"{context.num_replicas_in_sync} replicas")
             if not distinct:
                 return inner(self, grads, variables)
             before = _step(self, "distinct", None)

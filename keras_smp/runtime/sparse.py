@@ -90,50 +90,93 @@ def from_shapes(tensor):
 
 # Ops a sparse gradient's ids pass through unchanged (values or order).
 _ID_PASS_OPS = frozenset({"Identity", "Cast", "Reshape"})
+# {output index: op types}: outputs holding distinct ids.
+_DISTINCT_IDS = {0: frozenset({"Unique", "UniqueV2"}),
+                 1: frozenset({"SparseSegmentSumGradV2",
+                               "SparseSegmentMeanGradV2",
+                               "SparseSegmentSqrtNGradV2"})}
 _CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 
 
 def from_unique(indices):
     """Whether the ids `indices` of a traced sparse gradient are the
-    distinct ids `tf.unique` found (its first output), or such ids of
-    parts of the batch concatenated (microbatches' gradients put
-    together): a lookup of distinct ids (Keras' matmul of a sparse input,
-    `tf.nn.embedding_lookup_sparse`, gathers each id once, its row summed
-    over the batch). One device's gradient then holds each id of the
-    batch once (`summed_by_id` makes the parts' so). False for any other
-    ids, and eagerly (no graph to read)."""
+    distinct ids of one lookup: `tf.unique`'s first output (Keras' matmul
+    of a sparse input, `tf.nn.embedding_lookup_sparse`, gathers each id
+    once, its row summed over the batch) or the ids a sparse segment
+    reduction's gradient gives (an `Embedding` of sparse ids), passed on
+    unchanged, also through function calls. One device's gradient then
+    holds each id of the batch once: the parts of a split batch (the
+    microbatches', the replicas') are summed by id (`summed_by_id`).
+    False for anything else: ids with a row per sample, the reads of two
+    lookups put together (`distinct_lookups`), and eager tensors (no
+    graph to read: `run_eagerly=True` keeps each part's rows)."""
+    return distinct_lookups(indices, concatenated=False) == 1
+
+
+def distinct_lookups(indices, concatenated=True):
+    """How many lookups of distinct ids (see `from_unique`) the ids
+    `indices` of a traced sparse gradient put together (`tf.concat`, as a
+    tape adds a weight's reads: a layer called on two sparse inputs), or
+    0 when any part of them is something else. `concatenated=False`:
+    only one lookup's, passed on unchanged."""
     from keras_smp.runtime import tf_private
 
     # (tensor, the call ops whose function graphs it is in, innermost
     # last: a function's input is its caller's input)
+    stack, found = [(indices, ())], 0
     try:
-        stack, found = [(indices, ())], False
         while stack:
             t, calls = stack.pop()
             op = t.op
-            if op.type in ("Unique", "UniqueV2") and t.value_index == 0:
-                found = True
+            if op.type in _DISTINCT_IDS.get(t.value_index, ()):
+                found += 1
             elif op.type in _ID_PASS_OPS:
                 stack.append((op.inputs[0], calls))
-            elif op.type == "ConcatV2":
+            elif op.type == "ConcatV2" and concatenated:
                 # (the last input: the axis)
                 stack.extend((x, calls) for x in op.inputs[:-1])
             elif op.type in _CALL_OPS:
                 graph = tf_private.called_graph(op)
                 if graph is None:
-                    return False
+                    return 0
                 stack.append((graph.outputs[t.value_index], calls + (op,)))
             elif op.type == "Placeholder" and calls:
                 inputs = [id(x) for x in op.graph.inputs]
                 if id(t) not in inputs:
-                    return False
+                    return 0
                 stack.append((calls[-1].inputs[inputs.index(id(t))],
                               calls[:-1]))
             else:
-                return False
+                return 0
         return found
     except AttributeError:  # an eager tensor
-        return False
+        return 0
+
+
+_warned_lookups = set()
+
+
+def warn_split_lookups(variable, lookups, parts):
+    """Once per weight: `variable`'s gradient puts together `lookups`
+    (> 1) lookups of distinct ids, and the batch is split into `parts`."""
+    name = getattr(variable, "path", None) or getattr(variable, "name", "?")
+    if name in _warned_lookups:
+        return
+    _warned_lookups.add(name)
+    import warnings
+
+    warnings.warn(
+        f"keras-smp: the weight {name!r} is read by {lookups} lookups of "
+        "distinct ids (a layer called on several sparse inputs), and this "
+        f"step splits the batch into {parts}: one device's sparse gradient "
+        "holds each id once per lookup, summed over the batch; the parts' "
+        "gradients hold it once per part and lookup, which optimizers "
+        "other than SGD (Adam, Adagrad, RMSprop, ...) apply one row after "
+        "another, so the step differs from one device's (SGD steps alike). "
+        "Give each sparse "
+        "input a layer of its own, or concatenate the inputs into one "
+        "sparse input, or use microbatches=1 with one replica.",
+        stacklevel=3)
 
 
 def summed_by_id(grad):
@@ -141,7 +184,8 @@ def summed_by_id(grad):
     its rows summed, in order of first appearance: what one device's
     lookup of distinct ids (`from_unique`) gives for the batch whose
     parts' gradients `grad` concatenates (an optimizer like Adam applies
-    a repeated id's rows one after the other, not their sum).
+    a repeated id's rows one after the other, not their sum). Its ids are
+    `tf.unique`'s: `from_unique` holds for the result.
 
     Example:
 

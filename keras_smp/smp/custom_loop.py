@@ -486,7 +486,9 @@ class StepOutput:
         rows are put one after another (a lookup with a row per sample:
         token ids), or added position by position for a position
         embedding's gradient (ids the same in every microbatch) from
-        `optimizer.get_gradients` or a `tf.GradientTape` in the step."""
+        `optimizer.get_gradients` or a `tf.GradientTape` in the step, or
+        summed by id for a lookup of distinct ids (a sparse input's,
+        `sparse.from_unique`)."""
         parts = self.outputs
         m = len(parts)
         if self._by_position:
@@ -508,7 +510,13 @@ class StepOutput:
                 values = _gather_over_replicas(values) / tf.cast(
                     size, values.dtype)
                 indices = _gather_over_replicas(indices)
-        return tf.IndexedSlices(values, indices, parts[0].dense_shape)
+        total = tf.IndexedSlices(values, indices, parts[0].dense_shape)
+        if not self._by_position and all(sparse.from_unique(p.indices)
+                                          for p in parts):
+            # A lookup of distinct ids (a sparse input's): one device's
+            # gradient holds each id of the batch once.
+            total = sparse.summed_by_id(total)
+        return total
 
 
 class _NoMicrobatchValues(ValueError, AttributeError):

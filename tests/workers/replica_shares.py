@@ -39,6 +39,8 @@ Cases:
   the embedding's mask, a last batch of 14/13 rows: weights and logs.
 - own_values_mask: a loss whose `call` masks its values from its
   predictions: `{"warned": n, "fix": n}`, the warning's count.
+- two_sparse_lookups: one Dense layer called on two sparse inputs, Adam:
+  `{"warned": n, "fix": n}`, the warning's count.
 - mean_with_sample_weight: two outputs whose losses divide by their
   sample weights' sum (`reduction="mean_with_sample_weight"`), per-token
   weights under the embedding's mask and per-row weights (each replica's
@@ -453,6 +455,43 @@ def own_values_mask():
                        for m in messages)}
 
 
+def two_sparse_lookups():
+    # One Dense layer called on two sparse inputs: its gradient holds each
+    # id once per lookup on one device; the replicas' parts cannot be
+    # summed back into that (the lookups' rows are not told apart), so a
+    # warning (once) names the weight and the fix; training runs.
+    a = ((rng.rand(64, 20) < 0.2) * rng.rand(64, 20)).astype("float32")
+    b = ((rng.rand(64, 20) < 0.2) * rng.rand(64, 20)).astype("float32")
+    targets = rng.randint(0, 3, 64).astype("int32")
+    data = tf.data.Dataset.from_tensor_slices((
+        {"a": tf.sparse.from_dense(a), "b": tf.sparse.from_dense(b)},
+        targets)).batch(32)
+
+    def build():
+        keras.utils.set_random_seed(7)
+        ia = keras.Input((20,), sparse=True, name="a")
+        ib = keras.Input((20,), sparse=True, name="b")
+        shared = keras.layers.Dense(4, name="shared")
+        out = keras.layers.Dense(3)(keras.layers.Concatenate()(
+            [shared(ia), shared(ib)]))
+        model = keras.Model({"a": ia, "b": ib}, out)
+        model.compile(optimizer="adam",
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True))
+        return model
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = train(build, lambda model: model.fit(data, epochs=1,
+                                                   verbose=0), True)
+    messages = [str(w.message) for w in seen]
+    assert all(np.all(np.isfinite(w)) for w in got[0])
+    return {"warned": sum("the weight 'shared/kernel' is read by 2 lookups "
+                          "of distinct ids" in m for m in messages),
+            "fix": sum("Give each sparse input a layer of its own" in m
+                       for m in messages)}
+
+
 def mean_with_sample_weight(pipelined=False, weighted=True, xla=False,
                             policy=None):
     rows = rng.uniform(0.1, 3.0, size=len(X)).astype("float32")
@@ -512,6 +551,7 @@ CASES = {"custom_loop": custom_loop, "super_train_step": super_train_step,
          "gan": gan, "vae": vae,
          "empty_replica": empty_replica, "two_masks": two_masks,
          "ignore_class": ignore_class, "own_values_mask": own_values_mask,
+         "two_sparse_lookups": two_sparse_lookups,
          "mean_with_sample_weight": mean_with_sample_weight,
          "mean_with_sample_weight_unweighted":
              lambda: mean_with_sample_weight(weighted=False),

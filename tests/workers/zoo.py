@@ -180,7 +180,8 @@ def ignore_class(rng):
     # alone). "tag": ignore_class=-1 under the embedding's mask (void
     # targets inside and beyond each sequence); "seg": no Keras mask,
     # ignore_class=3 and reduction="mean_with_sample_weight" (divided by
-    # the weights of the targets left).
+    # the weights of the targets left), targets of shape (batch, SEQ, 1).
+    # Per-token sample weights on both.
     tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
     h = layers.Embedding(VOCAB, WIDTH, mask_zero=True, name="ic_emb")(tokens)
     h = layers.Dense(WIDTH, activation="tanh", name="ic_h")(h)
@@ -195,7 +196,10 @@ def ignore_class(rng):
         x[i, n:] = 0
     tag = (x % 5).astype("int32")
     tag[rng.rand(*x.shape) < 0.3] = -1
-    y = {"tag": tag, "seg": (x % 4).astype("int32")}  # 3: void
+    # 3: void; targets of shape (batch, SEQ, 1), as Keras squeezes them
+    y = {"tag": tag, "seg": (x % 4).astype("int32")[..., None]}
+    sw = {"tag": rng.uniform(0.5, 1.5, size=x.shape).astype("float32"),
+          "seg": rng.uniform(0.5, 1.5, size=x.shape).astype("float32")}
     compile_args = dict(
         optimizer=keras.optimizers.SGD(0.2, momentum=0.9),
         loss={"tag": keras.losses.SparseCategoricalCrossentropy(
@@ -204,35 +208,43 @@ def ignore_class(rng):
                 from_logits=True, ignore_class=3,
                 reduction="mean_with_sample_weight")},
         metrics={"tag": ["sparse_categorical_accuracy"]})
-    return model, compile_args, (x, y, None), {}
+    return model, compile_args, (x, y, sw), {}
 
 
 def sparse_input(rng):
     # A bag-of-words input (`keras.Input(sparse=True)`, a SciPy CSR
-    # matrix) into a Dense layer, beside a dense input, with Adam: Keras
-    # multiplies a sparse input by looking up each word once
-    # (`tf.nn.embedding_lookup_sparse`), so one device's sparse gradient
-    # holds each word of the batch once, its row summed over the batch.
-    # The microbatches' and replicas' gradients, put together, held a
-    # word once per part, which Adam applies row by row (weights 0.065
-    # from one device in every mode).
+    # matrix) into a Dense layer, and sparse ids into an Embedding, beside
+    # a dense input, with Adam and clipnorm: Keras looks up each word (and
+    # each id) once for the batch (`tf.nn.embedding_lookup_sparse`, a
+    # sparse segment reduction), so one device's sparse gradient holds
+    # each id of the batch once, its row summed over the batch. The
+    # microbatches' and replicas' gradients, put together, held an id once
+    # per part, which Adam applies row by row (weights 0.045 from one
+    # device in every mode).
     import scipy.sparse
 
-    bow = keras.Input((BIG_VOCAB,), sparse=True, name="bow")
+    # (both sparse inputs' layers on the first stage: a stage boundary
+    # carries dense tensors only; the wide layer after them balances)
+    bow = keras.Input((300,), sparse=True, name="bow")
+    ids = keras.Input((SEQ,), sparse=True, dtype="int64", name="ids")
     dense = keras.Input((4,), name="f")
     h = layers.Dense(WIDTH, activation="relu", name="bow_dense")(bow)
-    h = layers.Dense(WIDTH, activation="tanh", name="sp_h")(
-        layers.Concatenate()([h, dense]))
+    # (Keras' symbolic shape of the lookup keeps the ids' axis)
+    e = layers.Flatten()(layers.Embedding(VOCAB, 4, name="ids_emb")(ids))
+    h = layers.Dense(256, activation="tanh", name="sp_h")(
+        layers.Concatenate()([h, e, dense]))
     out = layers.Dense(3, name="sp_out")(h)
-    model = keras.Model({"bow": bow, "f": dense}, out)
+    model = keras.Model({"bow": bow, "ids": ids, "f": dense}, out)
     # A few hundred words, most in several rows of a batch.
     words = (rng.rand(SAMPLES, 300) < 0.08) * rng.rand(SAMPLES, 300)
-    counts = np.zeros((SAMPLES, BIG_VOCAB), "float32")
-    counts[:, 1000:1300] = words
-    x = {"bow": scipy.sparse.csr_matrix(counts), "f": _flat(rng, d=4)}
+    counts = words.astype("float32")
+    tokens = _tokens(rng) * (rng.rand(SAMPLES, SEQ) < 0.5)
+    x = {"bow": scipy.sparse.csr_matrix(counts),
+         "ids": scipy.sparse.csr_matrix(tokens.astype("int64")),
+         "f": _flat(rng, d=4)}
     y = _classes(np.concatenate([words, x["f"]], 1), 3, rng)
     compile_args = dict(
-        optimizer=keras.optimizers.Adam(0.01),
+        optimizer=keras.optimizers.Adam(0.01, clipnorm=0.1),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["sparse_categorical_accuracy"])
     return model, compile_args, (x, y, None), {}
