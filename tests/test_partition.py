@@ -83,3 +83,23 @@ def test_unknown_cost_and_duplicate_names_are_errors():
         plan_partitions([LayerInfo("a", 1)], 1, cost="bytes")
     with pytest.raises(ValueError, match="repeated"):
         plan_partitions([LayerInfo("a"), LayerInfo("a")], 1)
+
+
+def test_first_stage_keeps_a_prefix_of_layers_on_stage_0():
+    # The layers of a sparse model input (moved first by StagedGraph.auto):
+    # a stage boundary carries dense tensors only. The heavy first layer
+    # alone would be stage 0; the prefix is balanced as one layer.
+    layers = [LayerInfo("words", 4096), LayerInfo("ids", 128),
+              LayerInfo("h", 800), LayerInfo("out", 50)]
+    assert plan_partitions(layers, 2).layers_of(0) == ["words"]
+    plan = plan_partitions(layers, 2, first_stage=2)
+    assert plan.layers_of(0) == ["words", "ids"]
+    assert plan.layers_of(1) == ["h", "out"]
+    three = plan_partitions(layers, 3, first_stage=2)
+    assert [three.stage_of(n) for n in ("words", "ids", "h", "out")] == [
+        0, 0, 1, 2]
+    # Too few other layers for the other stages: the balance as without.
+    assert plan_partitions(layers, 4, first_stage=2).stages == (0, 1, 2, 3)
+    # Split points given by the user win.
+    assert plan_partitions(layers, 2, split_points=["ids"],
+                           first_stage=2).layers_of(0) == ["words"]

@@ -41,6 +41,14 @@ from keras_smp.runtime import patches
 from keras_smp.runtime import sparse
 
 
+def _reads_inputs_only(node, given, some):
+    """Whether `node` reads model inputs only (ids in `given`), one of
+    them in `some`."""
+    xs = [id(x) for x in tree.flatten(node.input_tensors)]
+    return bool(xs) and all(x in given for x in xs) and any(
+        x in some for x in xs)
+
+
 def _node_name(node, seen):
     name = node.operation.name
     count = seen.get(name, 0)
@@ -317,6 +325,18 @@ class StagedGraph:
         `stages_name`: how errors name the stage count (default
         `partitions=<num_stages>`)."""
         nodes = cls.topological_nodes(inputs, outputs)
+        # Layers reading only model inputs, one of them sparse or ragged:
+        # first, and kept on stage 0 (a stage boundary carries dense
+        # tensors only).
+        given = {id(t) for t in tree.flatten(inputs)}
+        unsplit = {id(t) for t in tree.flatten(inputs)
+                   if getattr(t, "sparse", False)
+                   or getattr(t, "ragged", False)}
+        first = [n for n in nodes if unsplit
+                 and _reads_inputs_only(n, given, unsplit)]
+        if first:
+            chosen = {id(n) for n in first}
+            nodes = first + [n for n in nodes if id(n) not in chosen]
         seen, names, infos, counted = {}, {}, [], set()
         for node in nodes:
             name = _node_name(node, seen)
@@ -336,7 +356,8 @@ class StagedGraph:
                 + ("partitions x virtual_stages" if stages_name
                    else "partitions") + f" <= {len(infos)}.")
         plan = partition_lib.plan_partitions(
-            infos, num_stages, cost=cost, split_points=split_points)
+            infos, num_stages, cost=cost, split_points=split_points,
+            first_stage=len(first))
         stages = {id(n): s for n, s in zip(nodes, plan.stages)}
         graph = cls(inputs, outputs, stages, num_stages, names)
         graph.plan = plan

@@ -157,7 +157,8 @@ def balance(costs, num_stages):
     return stages
 
 
-def plan_partitions(layers, num_stages, cost="parameters", split_points=None):
+def plan_partitions(layers, num_stages, cost="parameters", split_points=None,
+                    first_stage=0):
     """Assigns every layer to a pipeline stage.
 
     Args:
@@ -167,6 +168,10 @@ def plan_partitions(layers, num_stages, cost="parameters", split_points=None):
         split_points: optional names of the layers that start stages
             1, 2, ... (exactly `num_stages - 1` names, in model order).
             Overrides the automatic balance.
+        first_stage: how many of the first layers the automatic balance
+            keeps on stage 0 (layers of a sparse model input: a stage
+            boundary carries dense tensors only); kept when there are too
+            few other layers for the other stages.
 
     Returns:
         A `PartitionPlan`.
@@ -175,6 +180,11 @@ def plan_partitions(layers, num_stages, cost="parameters", split_points=None):
 
     >>> plan = plan_partitions(
     ...     [LayerInfo("a", 10), LayerInfo("b", 10), LayerInfo("c", 20)], 2)
+    >>> plan.layers_of(0), plan.layers_of(1)
+    (['a', 'b'], ['c'])
+    >>> plan = plan_partitions(
+    ...     [LayerInfo("a", 30), LayerInfo("b", 1), LayerInfo("c", 20)], 2,
+    ...     first_stage=2)
     >>> plan.layers_of(0), plan.layers_of(1)
     (['a', 'b'], ['c'])
     """
@@ -187,7 +197,15 @@ def plan_partitions(layers, num_stages, cost="parameters", split_points=None):
     if split_points is None:
         if cost != "uniform" and sum(costs) == 0:
             costs = [1.0] * len(layers)  # nothing to weigh: balance counts
-        stages = balance(costs, num_stages)
+        pinned = first_stage if 1 < first_stage <= len(costs) - (
+            num_stages - 1) else 0
+        if pinned:
+            # The pinned layers balanced as one.
+            merged = balance([sum(costs[:pinned])] + list(costs[pinned:]),
+                             num_stages)
+            stages = [merged[0]] * pinned + merged[1:]
+        else:
+            stages = balance(costs, num_stages)
     else:
         stages = _stages_from_split_points(names, num_stages, split_points)
     return PartitionPlan(layers, tuple(stages), num_stages, cost)
