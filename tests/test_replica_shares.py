@@ -64,26 +64,19 @@ def test_two_local_replicas_match_single_device(in_process, case):
     assert in_process[case]["atol"] <= ATOL, in_process[case]
 
 
-def test_loss_masking_its_values_itself_warns_once_naming_the_fix():
-    # A loss whose `call` attaches a Keras mask computed from its
-    # predictions: the replicas cannot know the batch's unmasked count
-    # (one computed from the targets, `ignore_class`, is counted exactly:
-    # above). Training runs; one warning names the loss and the fix.
-    proc = run_python([os.path.join(WORKERS, "replica_shares.py"),
-                       "own_values_mask"], timeout=300)
-    row = next(json.loads(l) for l in proc.stdout.splitlines()
-               if l.startswith("{"))
-    assert row["atol"] == {"warned": 1, "fix": 1}, (row, proc.stderr[-3000:])
-
-
-def test_layer_on_two_sparse_inputs_warns_once_naming_the_fix():
-    # One Dense layer called on two sparse inputs (Keras looks up each
-    # input's distinct ids once): one device's sparse gradient holds each
-    # id once per lookup, which the replicas' parts cannot rebuild (a
-    # single lookup's are summed by id: test_model_zoo's sparse_input).
-    # Training runs; one warning names the weight and the fix.
-    proc = run_python([os.path.join(WORKERS, "replica_shares.py"),
-                       "two_sparse_lookups"], timeout=300)
+@pytest.mark.parametrize("case", ["own_values_mask", "two_sparse_lookups"])
+def test_unsplittable_losses_and_gradients_warn_once_naming_the_fix(case):
+    # own_values_mask: a loss whose `call` attaches a Keras mask computed
+    # from its predictions: the replicas cannot know the batch's unmasked
+    # count (one computed from the targets, `ignore_class`, is counted
+    # exactly: above). two_sparse_lookups: one Dense layer called on two
+    # sparse inputs (Keras looks up each input's distinct ids once): one
+    # device's sparse gradient holds each id once per lookup, which the
+    # replicas' parts cannot rebuild (a single lookup's are summed by id:
+    # test_model_zoo's sparse_input). Training runs; one warning names the
+    # loss or weight and the fix.
+    proc = run_python([os.path.join(WORKERS, "replica_shares.py"), case],
+                      timeout=300)
     row = next(json.loads(l) for l in proc.stdout.splitlines()
                if l.startswith("{"))
     assert row["atol"] == {"warned": 1, "fix": 1}, (row, proc.stderr[-3000:])

@@ -443,16 +443,23 @@ def own_values_mask():
         model.compile(optimizer="sgd", loss=OwnMask(name="own_mask"))
         return model
 
+    return warned(build, lambda model: model.fit(
+        X, Y, batch_size=32, epochs=2, verbose=0),
+        "the loss 'own_mask' attaches a Keras mask to its values",
+        "reduction='mean_with_sample_weight'")
+
+
+def warned(build, fit, warning, fix):
+    """`{"warned": n, "fix": n}`: how many warnings holding `warning`,
+    and `fix`, training `build()` with `fit` on the replicas gave (its
+    weights finite)."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        got = train(build, lambda model: model.fit(
-            X, Y, batch_size=32, epochs=2, verbose=0), True)
+        got = train(build, fit, True)
     messages = [str(w.message) for w in seen]
     assert all(np.all(np.isfinite(w)) for w in got[0])
-    return {"warned": sum("the loss 'own_mask' attaches a Keras mask to "
-                          "its values" in m for m in messages),
-            "fix": sum("reduction='mean_with_sample_weight'" in m
-                       for m in messages)}
+    return {"warned": sum(warning in m for m in messages),
+            "fix": sum(fix in m for m in messages)}
 
 
 def two_sparse_lookups():
@@ -480,16 +487,9 @@ def two_sparse_lookups():
                           from_logits=True))
         return model
 
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        got = train(build, lambda model: model.fit(data, epochs=1,
-                                                   verbose=0), True)
-    messages = [str(w.message) for w in seen]
-    assert all(np.all(np.isfinite(w)) for w in got[0])
-    return {"warned": sum("the weight 'shared/kernel' is read by 2 lookups "
-                          "of distinct ids" in m for m in messages),
-            "fix": sum("Give each sparse input a layer of its own" in m
-                       for m in messages)}
+    return warned(build, lambda model: model.fit(data, epochs=1, verbose=0),
+                  "the weight 'shared/kernel' is read by 2 lookups of "
+                  "distinct ids", "Give each sparse input a layer of its own")
 
 
 def mean_with_sample_weight(pipelined=False, weighted=True, xla=False,
