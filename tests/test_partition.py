@@ -98,8 +98,11 @@ def test_first_stage_keeps_a_prefix_of_layers_on_stage_0():
     three = plan_partitions(layers, 3, first_stage=2)
     assert [three.stage_of(n) for n in ("words", "ids", "h", "out")] == [
         0, 0, 1, 2]
-    # Too few other layers for the other stages: the balance as without.
-    assert plan_partitions(layers, 4, first_stage=2).stages == (0, 1, 2, 3)
+    # Too few other layers for the other stages: refused, naming them.
+    with pytest.raises(ValueError, match=r"\['words', 'ids'\] read a "
+                       r"sparse .* leaves 2 layers for the 3 other stages\. "
+                       r"Use partitions <= 3"):
+        plan_partitions(layers, 4, first_stage=2)
     # Split points given by the user win.
     assert plan_partitions(layers, 2, split_points=["ids"],
                            first_stage=2).layers_of(0) == ["words"]

@@ -334,13 +334,14 @@ class StagedGraph:
                    or getattr(t, "ragged", False)}
         first = [n for n in nodes if unsplit
                  and _reads_inputs_only(n, given, unsplit)]
+        seen, names, infos, counted = {}, {}, [], set()
+        for node in nodes:  # (named in the model's order: "dense#1")
+            names[id(node)] = _node_name(node, seen)
         if first:
             chosen = {id(n) for n in first}
             nodes = first + [n for n in nodes if id(n) not in chosen]
-        seen, names, infos, counted = {}, {}, [], set()
         for node in nodes:
-            name = _node_name(node, seen)
-            names[id(node)] = name
+            name = names[id(node)]
             params = 0
             for w in _operation_weights(node.operation):
                 if id(w) not in counted:

@@ -170,8 +170,8 @@ def plan_partitions(layers, num_stages, cost="parameters", split_points=None,
             Overrides the automatic balance.
         first_stage: how many of the first layers the automatic balance
             keeps on stage 0 (layers of a sparse model input: a stage
-            boundary carries dense tensors only); kept when there are too
-            few other layers for the other stages.
+            boundary carries dense tensors only); an error when too few
+            other layers are left for the other stages.
 
     Returns:
         A `PartitionPlan`.
@@ -197,8 +197,15 @@ def plan_partitions(layers, num_stages, cost="parameters", split_points=None,
     if split_points is None:
         if cost != "uniform" and sum(costs) == 0:
             costs = [1.0] * len(layers)  # nothing to weigh: balance counts
-        pinned = first_stage if 1 < first_stage <= len(costs) - (
-            num_stages - 1) else 0
+        pinned = first_stage if first_stage > 1 else 0
+        if pinned and len(costs) - pinned < num_stages - 1:
+            raise ValueError(
+                f"The layers {names[:pinned]} read a sparse or ragged model "
+                "input, so they share stage 0 (a stage boundary carries "
+                f"dense tensors only), which leaves {len(costs) - pinned} "
+                f"layers for the {num_stages - 1} other stages. Use "
+                f"partitions <= {len(costs) - pinned + 1}, or make the "
+                "input dense.")
         if pinned:
             # The pinned layers balanced as one.
             merged = balance([sum(costs[:pinned])] + list(costs[pinned:]),

@@ -79,6 +79,10 @@ class Stage:
             ids do not depend on the batch, as a position embedding's).
         around: optional `microbatch -> context manager`, entered around
             a microbatch's forward (its snapshot too).
+        rows_add_up: whether the optimizer applies a sparse gradient's
+            repeated ids as their sum (SGD): a weight read by several
+            lookups of distinct ids then steps alike, without a warning
+            (`sparse.warn_split_lookups`).
     """
 
     index: int
@@ -90,6 +94,7 @@ class Stage:
     adds_loss: bool = False
     merge_rows: frozenset = frozenset()
     around: object = None
+    rows_add_up: bool = False
 
     def scope(self, microbatch):
         """`around(microbatch)`, or no change without one."""
@@ -526,6 +531,7 @@ class _Builder:
             if distinct:
                 total[i] = sparse.summed_by_id(total[i])
             elif (isinstance(g, tf.IndexedSlices) and total[i] is not g
+                  and not stage.rows_add_up
                   and sparse.distinct_lookups(g.indices) > 1):
                 sparse.warn_split_lookups(
                     stage.variables[i], sparse.distinct_lookups(g.indices),

@@ -37,6 +37,7 @@ from keras_smp.pipeline.transport import LocalTransport
 from keras_smp.pipeline.transport import is_dynamic
 from keras_smp.runtime import keras_private
 from keras_smp.runtime import loss_shares
+from keras_smp.runtime import patches
 from keras_smp.runtime import split_draws
 from keras_smp.runtime import tracing
 from keras_smp.runtime import xla
@@ -256,7 +257,9 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                           devices[s], adds_loss=True,
                           merge_rows=frozenset(
                               i for i, v in enumerate(stage_vars[s])
-                              if id(v) in batch_free and m > 1))
+                              if id(v) in batch_free and m > 1),
+                          rows_add_up=model.optimizer is not None
+                          and patches.rows_sum_linearly(model.optimizer))
         if whole:
             stages[s].snapshot, stages[s].replay = _replay(
                 model, graph, s, m, batch_rows, mode)

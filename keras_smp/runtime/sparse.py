@@ -157,16 +157,20 @@ _warned_lookups = set()
 
 
 def warn_split_lookups(variable, lookups, parts):
-    """Once per weight: `variable`'s gradient puts together `lookups`
-    (> 1) lookups of distinct ids, and the batch is split into `parts`."""
-    name = getattr(variable, "path", None) or getattr(variable, "name", "?")
-    if name in _warned_lookups:
+    """Once per weight: `variable`'s gradient (None: one of SMP's custom
+    loop, whose variable is not known) puts together `lookups` (> 1)
+    lookups of distinct ids, and the batch is split into `parts`."""
+    name = (getattr(variable, "path", None) or getattr(variable, "name", None)
+            if variable is not None else None)
+    what = (f"the weight {name!r}" if name else
+            "a weight whose gradient `StepOutput.accumulate` sums")
+    if what in _warned_lookups:
         return
-    _warned_lookups.add(name)
+    _warned_lookups.add(what)
     import warnings
 
     warnings.warn(
-        f"keras-smp: the weight {name!r} is read by {lookups} lookups of "
+        f"keras-smp: {what} is read by {lookups} lookups of "
         "distinct ids (a layer called on several sparse inputs), and this "
         f"step splits the batch into {parts}: one device's sparse gradient "
         "holds each id once per lookup, summed over the batch; the parts' "

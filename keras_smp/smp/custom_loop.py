@@ -491,6 +491,22 @@ class StepOutput:
         `sparse.from_unique`)."""
         parts = self.outputs
         m = len(parts)
+        distinct = not self._by_position and all(
+            sparse.from_unique(p.indices) for p in parts)
+        if distinct and _replica_sync():
+            raise ValueError(
+                "StepOutput.accumulate: a gradient whose ids are a lookup's "
+                "distinct ids (a layer on a sparse input, "
+                "`keras.Input(sparse=True)`) with several data-parallel "
+                "replicas: each replica holds its own number of ids, which "
+                "the replicas' gradients cannot be gathered by. Train the "
+                "model with `model.fit` under an `SMPStrategy` (supported), "
+                "or make this gradient dense (`tf.convert_to_tensor`; "
+                "optimizers other than SGD then step the ids absent from "
+                "the batch too).")
+        lookups = max(sparse.distinct_lookups(p.indices) for p in parts)
+        if lookups > 1 and (m > 1 or _replica_sync()):
+            sparse.warn_split_lookups(None, lookups, f"{m} microbatches")
         if self._by_position:
             total = parts[0]
             for part in parts[1:]:
@@ -511,8 +527,7 @@ class StepOutput:
                     size, values.dtype)
                 indices = _gather_over_replicas(indices)
         total = tf.IndexedSlices(values, indices, parts[0].dense_shape)
-        if not self._by_position and all(sparse.from_unique(p.indices)
-                                          for p in parts):
+        if distinct:
             # A lookup of distinct ids (a sparse input's): one device's
             # gradient holds each id of the batch once.
             total = sparse.summed_by_id(total)
