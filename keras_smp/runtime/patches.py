@@ -673,7 +673,9 @@ def _position_summed(model, data):
             specs = [tf.TensorSpec((rows,) + tuple(
                 8 if d is None else d for d in t.shape[1:]), t.dtype)
                 for t in flat]
-            with tf.init_scope(), scope:
+            # (the model's own call: with XLA the step calls a compiled
+            # one, whose reads are inside its function's graph)
+            with tf.init_scope(), scope, xla.plain_calls(model):
                 tf.function(trace, autograph=False).get_concrete_function(
                     *specs)
             traces.append(free)

@@ -137,10 +137,22 @@ def compiled_calls(model, step_function):
 
     def call(*args, **kwargs):
         # `training` and `mask` stay Python values (static in the trace).
-        return original(*args, **kwargs)
+        # The outputs' Keras masks (an `Embedding(mask_zero=True)`'s, for
+        # the loss) come out beside them: a compiled function's outputs
+        # carry none.
+        out = original(*args, **kwargs)
+        return out, [keras_private.keras_mask(t)
+                     for t in tf.nest.flatten(out)]
 
-    fast = compiled(call, f"model {model.name!r}",
-                    keras_private.flatten_layers(model))
+    compiled_call = compiled(call, f"model {model.name!r}",
+                             keras_private.flatten_layers(model))
+
+    def fast(*args, **kwargs):
+        out, masks = compiled_call(*args, **kwargs)
+        for t, mask in zip(tf.nest.flatten(out), masks):
+            if mask is not None:
+                keras_private.set_keras_mask(t, mask)
+        return out
 
     @functools.wraps(step_function)
     def run(*args, **kwargs):
@@ -156,3 +168,20 @@ def compiled_calls(model, step_function):
                 object.__setattr__(model, "call", before)
 
     return run
+
+
+@contextlib.contextmanager
+def plain_calls(model):
+    """Within, `model.call` is its class's again, not `compiled_calls`'
+    compiled function (a trace that takes gradients of the weights' reads
+    inside the call: they would be inside the compiled function's
+    graph)."""
+    compiled_call = model.__dict__.get("call")
+    if compiled_call is None:
+        yield
+        return
+    object.__delattr__(model, "call")
+    try:
+        yield
+    finally:
+        object.__setattr__(model, "call", compiled_call)
