@@ -258,7 +258,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
                           merge_rows=frozenset(
                               i for i, v in enumerate(stage_vars[s])
                               if id(v) in batch_free and m > 1),
-                          rows_add_up=model.optimizer is not None
+                          rows_add_up=getattr(model, "optimizer", None)
+                          is not None
                           and patches.rows_sum_linearly(model.optimizer))
         if whole:
             stages[s].snapshot, stages[s].replay = _replay(
