@@ -327,12 +327,13 @@ class StagedGraph:
         nodes = cls.topological_nodes(inputs, outputs)
         # Layers reading only model inputs, one of them sparse or ragged:
         # first, and kept on stage 0 (a stage boundary carries dense
-        # tensors only).
+        # tensors only). Split points name stages' first layers in the
+        # model's order: kept as given.
         given = {id(t) for t in tree.flatten(inputs)}
         unsplit = {id(t) for t in tree.flatten(inputs)
                    if getattr(t, "sparse", False)
                    or getattr(t, "ragged", False)}
-        first = [n for n in nodes if unsplit
+        first = [n for n in nodes if unsplit and split_points is None
                  and _reads_inputs_only(n, given, unsplit)]
         seen, names, infos, counted = {}, {}, [], set()
         for node in nodes:  # (named in the model's order: "dense#1")
