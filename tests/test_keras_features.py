@@ -71,6 +71,7 @@ CASES = ("arrays", "tf.data", "generator", "PyDataset",
          "gradient_accumulation",
          "gradient_accumulation_clipnorm_weight_decay",
          "gradient_accumulation_global_clipnorm", "ema_overwrite",
+         "schedule_free",
          "multi_optimizer_map", "multi_optimizer_selector",
          "frozen_stage_accumulation_global_clipnorm",
          "loss_scale_ema_frozen_stage_accumulation",
@@ -87,7 +88,7 @@ CASES = ("arrays", "tf.data", "generator", "PyDataset",
 # timeout in one process with 2 pipelines of 2 stages, and 184 s across 2
 # processes (Intel Xeon, 2 cores, the suite's other file running beside),
 # too close on a slower CPU.
-HALVES = (CASES[:9], CASES[9:] + ("inference",))
+HALVES = (CASES[:10], CASES[10:] + ("inference",))
 
 
 def _h5_values(path):

@@ -9,6 +9,7 @@ plain Keras on one device (same seeds):
   `gradient_accumulation_steps` (with and without `clipnorm` and
   `weight_decay`), `use_ema` with `ema_overwrite_frequency`; a
   `MultiOptimizer` (an `OptimizerMap`, and a selector function);
+  `ScheduleFreeAdamW` (slots its `build` copies from the weights);
 - callbacks that touch the weights: `EarlyStopping` with
   `restore_best_weights`, `SwapEMAWeights` (evaluating and finishing with
   the moving averages), `ModelCheckpoint` with `save_best_only` into a
@@ -141,6 +142,13 @@ def build(distributed, optimizer=momentum_sgd, frozen=False,
         # Momentum carries each step's batch into every later step.
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         model.compile(optimizer(), {"cls": loss} if partial_loss else loss)
+        if isinstance(model.optimizer, keras.optimizers.ScheduleFreeAdamW):
+            # Built now, as Keras builds it under any tf.distribute
+            # strategy: plain Keras without one builds it inside the traced
+            # step, where the copy of the weights its `build` assigns is
+            # lost (the slots start at zero and the first step discards
+            # the initial weights), a Keras bug.
+            model.optimizer.build(model.trainable_variables)
         return model
 
     if not distributed:
@@ -205,6 +213,11 @@ OPTIMIZERS = {
                              gradient_accumulation_steps=2)),
     "ema_overwrite": lambda: keras.optimizers.SGD(
         0.1, momentum=0.9, use_ema=True, ema_overwrite_frequency=3),
+    # Slots that `build` sets from the weights (a copy of each), with a
+    # warmup: every stage and replica builds its slots from the weights it
+    # trains.
+    "schedule_free": lambda: keras.optimizers.ScheduleFreeAdamW(
+        0.05, warmup_steps=2),
     # One optimizer per group of weights: with one stage per process, a
     # stage holding none of a sub-optimizer's weights (the first stage
     # has no "d3") still steps it (before, the slots of the other stage's
