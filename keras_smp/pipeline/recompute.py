@@ -49,7 +49,7 @@ def snapshot(state):
             [tf.identity(v.value) for v in state], split_draws.current())
 
 
-def rerun(state, snap, fn, what, fix, collect_losses=False):
+def rerun(state, snap, fn, what, fix, collect_losses=False, weights=()):
     """Runs `fn()` again as it ran when `snap` was taken (see the module).
 
     `what` names the recomputed part in errors ("stage 1", "layer
@@ -57,11 +57,18 @@ def rerun(state, snap, fn, what, fix, collect_losses=False):
     result (`run_stateless` also returns the state updates).
     `collect_losses`: layers' `add_loss()` losses are kept for `fn` to
     collect (`keras_private.added_losses`); otherwise Keras drops them.
+    `weights`: the recomputed layers' weights, to name one that `fn`
+    assigns although it is not in `state` (a trainable weight: a
+    `SpectralNormalization` normalises its kernel in place in training,
+    which a recomputation would do again to the normalised kernel, and
+    differentiate through): that raises a `ValueError` naming it and `fix`.
     """
-    return run_stateless(state, snap, fn, what, fix, collect_losses)[0]
+    return run_stateless(state, snap, fn, what, fix, collect_losses,
+                         weights)[0]
 
 
-def run_stateless(state, snap, fn, what, fix, collect_losses=False):
+def run_stateless(state, snap, fn, what, fix, collect_losses=False,
+                  weights=()):
     """`(fn(), updates)`: `fn()` run as `rerun` runs it, and
     `[(variable, new value)]` of the state it assigned (not applied)."""
     seeds, seeds_value, values, part = snap
@@ -85,6 +92,17 @@ def run_stateless(state, snap, fn, what, fix, collect_losses=False):
             "Use Keras layers (Dropout, GaussianNoise...) or keras.random "
             "ops with a `keras.random.SeedGenerator` attached to the layer, "
             f"or {fix}.")
+    known = {id(v) for v, _ in mapping}
+    others = keras_private.stateless_assigned(scope) - known
+    if others:
+        names = sorted(v.path for v in weights if id(v) in others)
+        raise ValueError(
+            f"activation_checkpointing: {what} assigns "
+            f"{'weights ' + str(names) if names else 'a trainable weight'} "
+            "in its training call (a SpectralNormalization normalises "
+            "its kernel in place); a recomputation would assign it again "
+            "and differ from the forward pass. Keep that layer out of "
+            f"the recomputed part, or {fix}.")
     updates = []
     for v, before in mapping:
         value = scope.get_current_value(v)
@@ -208,7 +226,7 @@ def checkpointed(call, layer):
             a, k = rebuild(tensors)
             (out, losses), made = run_stateless(
                 state, snap, lambda: with_losses(call(*a, **k)), what, fix,
-                collect_losses=True)
+                collect_losses=True, weights=layer.weights)
             updates.extend(made)
             out_structure.append(out)
             counts.append(len(losses))
@@ -228,7 +246,8 @@ def checkpointed(call, layer):
                     a2, k2 = rebuild(tensors)
                     again, again_losses = rerun(
                         state, snap, lambda: with_losses(call(*a2, **k2)),
-                        what, fix, collect_losses=True)
+                        what, fix, collect_losses=True,
+                        weights=layer.weights)
                 for t, mask in zip(tensors, now):
                     keras_private.set_keras_mask(t, mask)
                 if len(again_losses) != counts[0]:

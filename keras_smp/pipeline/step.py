@@ -395,7 +395,7 @@ def _microbatch_draws(graph, m, rows, batch):
 
     `rows`: the microbatches' rows (a list of ints, an int32 tensor) or
     `None` (equal microbatches of a batch of `batch` rows)."""
-    states = {s: keras_private.seed_generator_states(graph.stage_layers(s))
+    states = {s: keras_private.once_per_step_states(graph.stage_layers(s))
               for s in range(graph.num_stages)}
     uses = collections.Counter(id(v) for own in states.values()
                                for v in own)
@@ -930,8 +930,9 @@ def _replay(model, graph, stage, m, batch=None, mode=True):
     fn = _adding_losses(model, graph, stage,
                         graph.stage_fn(stage, training=mode), True, m,
                         batch=batch, mode=mode)
-    state = recompute.state_of(node.operation
-                               for node in graph.stage_nodes(stage))
+    layers = [node.operation for node in graph.stage_nodes(stage)]
+    state = recompute.state_of(layers)
+    weights = [w for layer in layers for w in getattr(layer, "weights", [])]
 
     def snapshot():
         return recompute.snapshot(state)
@@ -944,7 +945,7 @@ def _replay(model, graph, stage, m, batch=None, mode=True):
         return recompute.rerun(
             state, snap, lambda: again(inputs, finish), f"stage {stage}",
             f"turn activation_checkpointing off for stage {stage}",
-            collect_losses=True)
+            collect_losses=True, weights=weights)
 
     return snapshot, replay
 

@@ -874,6 +874,12 @@ def stateless_value(variable):
     return None if scope is None else scope.get_current_value(variable)
 
 
+def stateless_assigned(scope):
+    """The ids of the variables a Keras `StatelessScope` holds values for:
+    those it was given and those assigned inside it."""
+    return set(scope.state_mapping)
+
+
 def wrap_variable_direct_assign(wrap):
     """Replaces `_direct_assign(value)` of Keras variables (TensorFlow
     backend: where `assign` writes the storage) by `wrap(original)`."""
@@ -1557,6 +1563,30 @@ def floatx():
     import keras
 
     return keras.config.floatx()
+
+
+def once_per_step_states(layers):
+    """The variables of `layers` (and the layers inside them) that a
+    training call assigns from their own values alone, not from its
+    inputs, so that one call on the whole batch assigns them once: the
+    states of their `SeedGenerator`s, and a `SpectralNormalization`'s
+    kernel (normalised in place) and power-iteration vector. A split
+    batch's parts (microbatches) each start from the values the first
+    started from, and assign what the whole batch's call assigns."""
+    from keras.src.layers.normalization import spectral_normalization
+
+    states = seed_generator_states(layers)
+    seen = {id(v) for v in states}
+    for layer in layers:
+        flatten = getattr(layer, "_flatten_layers", None)
+        for sub in (flatten(include_self=True) if flatten else [layer]):
+            if (isinstance(sub, spectral_normalization.SpectralNormalization)
+                    and sub.built):
+                for v in (sub.kernel, sub.vector_u):
+                    if id(v) not in seen:
+                        seen.add(id(v))
+                        states.append(v)
+    return states
 
 
 def seed_generator_states(layers):

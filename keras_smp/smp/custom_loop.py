@@ -171,7 +171,7 @@ def seeds_as_in_first_microbatch(model, layers):
         return  # (no part: each microbatch draws for its own shape)
     slot = _microbatch_calls.get(id(model), 0)
     _microbatch_calls[id(model)] = slot + 1
-    states = keras_private.seed_generator_states(layers)
+    states = keras_private.once_per_step_states(layers)
     if states:
         split_draws.remembered_seeds(
             states, _seed_starts,

@@ -2,8 +2,9 @@
 Dropout and BatchNormalization, 2 stages x 4 microbatches in one process,
 trained with and without recomputation. Prints one JSON line: the largest
 differences (weights, BatchNorm's moving statistics included; losses), how
-many recomputations were traced, and the error a stage drawing TensorFlow's
-stateful random numbers gets with recomputation on.
+many recomputations were traced, and the errors a stage drawing TensorFlow's
+stateful random numbers, or holding a `SpectralNormalization` (which assigns
+its trainable kernel in training), gets with recomputation on.
 
     recompute_stateful.py
 """
@@ -32,7 +33,7 @@ class Noise(keras.layers.Layer):
         return x * tf.random.uniform(tf.shape(x))
 
 
-def train(recompute, noise=False):
+def train(recompute, noise=False, spectral=False):
     strategy = keras_smp.SMPStrategy(
         partitions=2, microbatches=4, activation_checkpointing=recompute,
         local_devices=2)
@@ -46,6 +47,8 @@ def train(recompute, noise=False):
             keras.layers.Dense(16, activation="tanh", name="d2"),
             keras.layers.Dropout(0.2, name="drop2")]
             + ([Noise(name="noise")] if noise else [])
+            + ([keras.layers.SpectralNormalization(
+                keras.layers.Dense(16), name="sn")] if spectral else [])
             + [keras.layers.Dense(3, name="out")]))
         model.compile(optimizer="adam", loss=keras.losses.
                       SparseCategoricalCrossentropy(from_logits=True))
@@ -100,6 +103,18 @@ try:
     layer_random_error = "no error"
 except ValueError as e:
     layer_random_error = str(e)
+# A SpectralNormalization normalises its (trainable) kernel in place in
+# training: recomputing it would normalise it again.
+try:
+    train(True, spectral=True)
+    spectral_error = "no error"
+except ValueError as e:
+    spectral_error = str(e)
+try:
+    train(["sn"], spectral=True)
+    layer_spectral_error = "no error"
+except ValueError as e:
+    layer_spectral_error = str(e)
 try:
     train(["d9"])
     unknown_error = "no error"
@@ -108,6 +123,8 @@ except ValueError as e:
 print(json.dumps({
     "random_error": random_error,
     "layer_random_error": layer_random_error,
+    "spectral_error": spectral_error,
+    "layer_spectral_error": layer_spectral_error,
     "unknown_error": unknown_error,
     "replays": replays[0],
     "layer_replays": layer_replays[0],

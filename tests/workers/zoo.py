@@ -405,16 +405,22 @@ def regularized(rng):
     # Losses added in `call` on both stages: activity regularizers (L1,
     # L2) and a custom layer's add_loss (each stage differentiates its
     # own; the logged loss sums them). Weight constraints (applied by each
-    # stage's optimizer to its weights) and a learning-rate schedule.
+    # stage's optimizer to its weights) and a learning-rate schedule. A
+    # SpectralNormalization on each stage: its training call normalises
+    # its kernel in place once per step on one device (every microbatch
+    # normalised it again).
     reg = keras.regularizers.L2(1e-2)
     model = keras.Sequential([
         keras.Input((8,)),
         layers.Dense(32, activation="tanh", kernel_regularizer=reg,
                      activity_regularizer=keras.regularizers.L1(1e-3),
                      kernel_constraint=keras.constraints.MaxNorm(0.5)),
+        layers.SpectralNormalization(layers.Dense(16, activation="tanh")),
         layers.Dense(16, activation="tanh",
                      kernel_constraint=keras.constraints.NonNeg()),
         Penalty(name="penalty"),
+        layers.SpectralNormalization(layers.Dense(16, activation="tanh"),
+                                     power_iterations=2),
         layers.Dense(3, kernel_regularizer=reg, bias_regularizer=reg,
                      activity_regularizer=keras.regularizers.L2(1e-3),
                      bias_constraint=keras.constraints.UnitNorm(axis=0))])
