@@ -1808,7 +1808,7 @@ class DistributedModel(keras.Model):
 
         def reduce_sum(tensor):
             return links.reduce(
-                tf.cast(tensor, tf.float32),
+                tf.cast(tensor, loss_shares.share_dtype()),
                 links.keys.replica(links.replica), links.num_ranks,
                 next(calls))
 

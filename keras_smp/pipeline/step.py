@@ -160,13 +160,21 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         # Several replicas and a batch of unknown size (maybe a partial
         # one, split unevenly): each replica's rows count against the
         # global batch (`share_batch`: its average per replica).
+        # Its first row in the global batch too (`replica_part`): its
+        # random layers draw its rows of the global batch's draws (the
+        # strategy's part assumes equal shares: a partial batch of 27 rows
+        # is split 14 and 13, and the second replica's Dropout masks were
+        # rows 13..25 of one device's).
         context = loss_shares.replica_context(model.distribute_strategy)
         share_batch = true_batch
+        replica_part = contextlib.nullcontext()
         if context is not None and static is None and (training
                                                        or need_loss):
-            share_batch = context.all_reduce(
-                tf.distribute.ReduceOp.SUM,
-                tf.cast(true_batch, tf.float32)) / float(replicas)
+            offset, total = (model.distribute_strategy.extended
+                             ._smp_share_bounds(true_batch))
+            share_batch = (tf.cast(total, loss_shares.share_dtype())
+                           / float(replicas))
+            replica_part = split_draws.exactly((offset, true_batch))
         xs = [list(mb) for mb in zip(*[
             microbatch.split_rows(t, m, rows) for t in padded])]
         ys = microbatch.split(y, m, sizes=rows) if training else None
@@ -296,9 +304,10 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         trackers = [(v, tf.identity(v.value)) for m in
                     keras_private.loss_output_trackers(model)
                     for v in m.variables]
-    result = execute({r: lists(r) for r in ranks}, stages,
-                     transport, p, xs, loss_fn, forward_only=not training,
-                     times=times)
+    with replica_part:
+        result = execute({r: lists(r) for r in ranks}, stages,
+                         transport, p, xs, loss_fn,
+                         forward_only=not training, times=times)
     if from_first:
         # Whatever the step returns waits for `done`: the batch shared by
         # the first rank is then never pruned, even where nothing uses it
@@ -602,7 +611,7 @@ def _rows_share(rows, share_batch):
     loss, weighted by the rows, is divided by), or `None` (equal)."""
     if share_batch is rows:
         return None
-    return tf.cast(rows, tf.float32) / share_batch
+    return tf.cast(rows, share_batch.dtype) / share_batch
 
 
 def _no_loss(out, mb):
@@ -746,10 +755,11 @@ def _share(model, links, result, x, y, sample_weight, batch, rows,
                     else _whole_batch_loss(model, y, graph.pack_outputs(
                         [t[:true_batch] for t in merged]), sample_weight,
                         context, static, rows_share))
-            mine.append(tf.cast(loss, tf.float32))
+            mine.append(tf.cast(loss, loss_shares.share_dtype()))
             with tf.control_dependencies([result.done]):
                 mine += [v.value - before for v, before in trackers]
-    specs = pred_specs + ([((), tf.float32)] if has_loss else [])
+    specs = pred_specs + ([((), loss_shares.share_dtype())] if has_loss
+                         else [])
     specs += [((), v.dtype) for v in tracked]
     # One instance key per role (outputs, loss, trackers) and batch size.
     shares = links.SHARE_OUTPUTS if group is None else \
@@ -913,7 +923,8 @@ def loss_weight(compiled_losses, m, sample_weight, masked=False):
 def _share_factor(rows, m, batch):
     """`m x rows / batch`: how much more than `1/m` of the batch a
     microbatch of `rows` holds (exactly 1.0 when they are equal)."""
-    share = tf.cast(rows * m, tf.float32) / tf.cast(batch, tf.float32)
+    share = (tf.cast(rows * m, loss_shares.share_dtype())
+             / tf.cast(batch, loss_shares.share_dtype()))
     return tf.cast(share, keras.config.floatx())
 
 
@@ -1008,7 +1019,8 @@ def _loss_fn(model, ys, sws, sample_weight, m, training, flat_x, rows,
             # The replica's share of the rows (its one microbatch is its
             # batch): a batch of unknown size may be split unevenly.
             share = (1.0 if static else tf.cast(
-                microbatch.batch_rows(flat_x), tf.float32) / batch)
+                microbatch.batch_rows(flat_x), loss_shares.share_dtype())
+                / tf.cast(batch, loss_shares.share_dtype()))
             loss, _ = loss_shares.shared_loss(
                 model, context, divisors, ys[mb], y_pred, sws[mb], None,
                 rows_share=share)
@@ -1123,14 +1135,15 @@ def _microbatch_weights(model, entries, flat_x, m, ys, sws, rows, batch,
             if masks[k] is not None or given[0] is not None or labels:
                 totals[("weights", path)] = tf.add_n([tf.reduce_sum(tf.cast(
                     keras_private.merged_loss_weights(loss, w, masked(i)),
-                    tf.float32)) for i, w in enumerate(given)])
+                    loss_shares.share_dtype())) for i, w in enumerate(given)])
         elif reduction == "mean_with_sample_weight":
             continue  # (a custom one: equal microbatches, no weights, no
             # mask: checked)
         elif masks[k] is not None or labels:
             if masks[k] is not None:
                 parts[k] = split(masks[k])
-            counts = [tf.reduce_sum(tf.cast(masked(i), tf.float32))
+            counts = [tf.reduce_sum(tf.cast(masked(i),
+                                            loss_shares.share_dtype()))
                       for i in range(m)]
             factors[path] = counts
             totals[("mask", path)] = tf.add_n(counts)
@@ -1162,7 +1175,8 @@ def _microbatch_weights(model, entries, flat_x, m, ys, sws, rows, batch,
     divisors = None
     if divides:
         # The step's rows (all replicas'): `batch` is the average's.
-        step_rows = tf.cast(batch, tf.float32) * float(replicas)
+        step_rows = (tf.cast(batch, loss_shares.share_dtype())
+                     * float(replicas))
         divisors = [functools.partial(
             _step_divisor, {path: total for (kind, path), total
                             in totals.items() if kind == "weights"},
@@ -1203,8 +1217,8 @@ def _step_divisor(weighted, divides, labelled, m, step_rows, mb_rows, path,
             "return unmasked values and give sample weights.")
     if weights is not None:
         return weighted[path] / float(m)
-    per_row = tf.cast(tf.size(values), tf.float32) / tf.cast(
-        tf.maximum(mb_rows, 1), tf.float32)
+    per_row = tf.cast(tf.size(values), step_rows.dtype) / tf.cast(
+        tf.maximum(mb_rows, 1), step_rows.dtype)
     return per_row * step_rows / float(m)
 
 

@@ -303,6 +303,15 @@ ROWS = "rows"
 WEIGHTS = "sample weights"  # (key) "mean_with_sample_weight" losses
 
 
+def share_dtype():
+    """The dtype shares of the batch, the replicas' counts and sums, and
+    gradient norms are taken in: float32 (a 16-bit model's widened),
+    float64 in a float64 model (`keras.config.floatx()`, the same in
+    every process of a job), whose losses and gradients a float32 share
+    or norm would round (1e-9 apart)."""
+    return tf.float64 if keras.config.floatx() == "float64" else tf.float32
+
+
 def replica_context(strategy):
     """The replica context whose replicas split the batch, when `strategy`
     runs several data-parallel replicas whose `all_reduce` sums over
@@ -434,9 +443,10 @@ def divided_by_all_weights(context, keep_values=False):
     ```
     """
     def divisor(path, values, weights, values_masked=False):
-        local = (tf.cast(tf.size(values), tf.float32) if weights is None
-                 else tf.reduce_sum(tf.cast(weights, tf.float32)))
-        # Summed in float32 (a float16 loss's sum could overflow).
+        local = (tf.cast(tf.size(values), share_dtype()) if weights is None
+                 else tf.reduce_sum(tf.cast(weights, share_dtype())))
+        # Summed in float32 at least (a float16 loss's sum could
+        # overflow).
         return context.all_reduce(tf.distribute.ReduceOp.SUM, local)
 
     wrap = divided_by(divisor)
@@ -529,7 +539,7 @@ def global_shares(context, local):
     keys = sorted(local, key=repr)
     if not keys:
         return {}
-    values = tf.stack([tf.cast(local[k], tf.float32) for k in keys])
+    values = tf.stack([tf.cast(local[k], share_dtype()) for k in keys])
     total = context.all_reduce(tf.distribute.ReduceOp.SUM, values)
     shares = tf.math.divide_no_nan(
         values * float(context.num_replicas_in_sync), total)

@@ -414,8 +414,9 @@ def _weighed_by_share(optimizer, grads):
 
 
 def _times_share(grad, share):
-    """`grad` times `share` (a float32 scalar), multiplied in float32 for
-    16-bit gradients (a share such as 1/3 rounds in bfloat16)."""
+    """`grad` times `share` (a float32 scalar, float64 in a float64
+    model), multiplied in float32 for 16-bit gradients (a share such as
+    1/3 rounds in bfloat16)."""
     import tensorflow as tf
 
     if grad.dtype in (tf.float32, tf.float64):
@@ -460,8 +461,8 @@ def _replica_share(model, data):
         rows = tf.shape(first)[0]
     rows = tf.cast(rows, tf.int32)
     offset, total = strategy.extended._smp_share_bounds(rows)
-    share = tf.math.divide_no_nan(tf.cast(rows, tf.float32),
-                                  tf.cast(total, tf.float32))
+    share = tf.math.divide_no_nan(tf.cast(rows, loss_shares.share_dtype()),
+                                  tf.cast(total, loss_shares.share_dtype()))
     return share, (offset, rows)
 
 
@@ -2098,7 +2099,7 @@ def _patch_optimizer(keras):
             squares = [_squared_norm(g) for g, i in zip(grads, ids)
                        if g is not None and i not in skip]
             norm = tf.sqrt(reduce_sum(tf.add_n(squares) if squares
-                                      else tf.zeros([])))
+                                      else tf.zeros([], _share_dtype())))
             clip_norm = self.global_clipnorm
             scale = clip_norm * tf.minimum(1.0 / norm, 1.0 / clip_norm)
             scale = scale + (norm - norm)
@@ -2176,7 +2177,13 @@ def _squared_norm(grad):
 
     if isinstance(grad, tf.IndexedSlices):
         grad = grad.values
-    return tf.reduce_sum(tf.square(tf.cast(grad, tf.float32)))
+    return tf.reduce_sum(tf.square(tf.cast(grad, _share_dtype())))
+
+
+def _share_dtype():
+    from keras_smp.runtime import loss_shares
+
+    return loss_shares.share_dtype()
 
 
 def _clip_by_norm(grad, clip_norm, reduce_sum=None):

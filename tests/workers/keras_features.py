@@ -332,7 +332,9 @@ PARTIAL_LOSS = {"partial_loss_weight_decay": (
 # Training with a last batch that does not divide into the microbatches
 # or the replicas: 23 rows (replicas of 12 and 11 rows: microbatches of
 # 6 + 6 and 6 + 5), with one replica 21 (11 and 10); each replica's loss
-# counts by its share of the rows, as one device's would.
+# counts by its share of the rows, as one device's would. With Dropout:
+# each replica's microbatches draw their rows of one device's masks (the
+# second pipeline drew rows 11..21, not 12..22).
 N_PARTIAL = BATCHES * ROWS - ROWS + (21 if MODE == "mp" else 23)
 PARTIAL = {"partial_last_batch": lambda m: m.fit(
     X[:N_PARTIAL], Y[:N_PARTIAL], batch_size=ROWS, epochs=2, verbose=0,
@@ -373,7 +375,8 @@ for name, (optimizer, fit, frozen) in CASES.items():
     for distributed in (False, True):
         model = build(distributed, optimizer, frozen,
                       loss_only=name in LOSS_ONLY,
-                      partial_loss=name in PARTIAL_LOSS)
+                      partial_loss=name in PARTIAL_LOSS,
+                      dropout=name in PARTIAL)
         start = model.get_weights()
         history = fit(model).history
         weights = model.get_weights()

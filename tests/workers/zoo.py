@@ -455,6 +455,30 @@ def mixed_float16(rng):
     return (model, _classifier_compile(keras.optimizers.SGD(0.1)), data, {})
 
 
+def float64(rng):
+    # A float64 model (`keras.config.set_floatx`; zoo_fit restores it):
+    # Dropout, a weight regularizer and `global_clipnorm` on both stages,
+    # and a partial last batch (59 rows: 11 in the last, split 6 and 5
+    # over replicas). Compared to float64 rounding: the norm over the
+    # stages, the regularizers' sum and the shared loss were float32.
+    keras.config.set_floatx("float64")
+    # (and the global policy, which keeps the floatx it was first read
+    # with: zoo_fit reads it to restore it)
+    keras.config.set_dtype_policy("float64")
+    model = keras.Sequential([
+        keras.Input((8,)),
+        layers.Dense(32, activation="tanh",
+                     kernel_regularizer=keras.regularizers.L2(1e-2)),
+        layers.Dropout(0.2, seed=4),
+        layers.Dense(16, activation="relu",
+                     kernel_regularizer=keras.regularizers.L2(1e-2)),
+        layers.Dense(3)])
+    x = _flat(rng, SAMPLES - 5).astype("float64")
+    return (model, _classifier_compile(
+        keras.optimizers.Adam(1e-2, global_clipnorm=0.5)),
+        (x, _classes(x, 3, rng), None), {})
+
+
 @keras.saving.register_keras_serializable(package="zoo")
 class SqrtGate(layers.Layer):
     """Replaces feature 0 by sqrt(x0^2 w): the gradient of `w` is NaN for a
@@ -536,7 +560,7 @@ ZOO = {f.__name__: f for f in (
     ignore_class, sparse_input, masked_attention, cnn_bn,
     cnn_sync_bn, dropout, resnet, multi_io, regularized,
     frozen, mixed_bfloat16, mixed_float16, loss_scale_skip,
-    frozen_stage_loss_scale, class_weight_lr)}
+    frozen_stage_loss_scale, class_weight_lr, float64)}
 
 
 def build(name):
@@ -552,7 +576,7 @@ def build(name):
     vrng = np.random.RandomState(1)
     # Validation data: the first batch, permuted (so it differs from
     # training batches but has the same distribution).
-    perm = vrng.permutation(SAMPLES)[:n_val]
+    perm = vrng.permutation(keras.tree.flatten(x)[0].shape[0])[:n_val]
     take = lambda t: ({k: v[perm] for k, v in t.items()}  # noqa: E731
                       if isinstance(t, dict) else t[perm])
     fit_args = dict(fit_args)

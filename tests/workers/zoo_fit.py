@@ -85,7 +85,7 @@ def train(name):
 
 
 for name in args.names:
-    policy = keras.config.dtype_policy()
+    policy, floatx = keras.config.dtype_policy(), keras.config.floatx()
     try:
         if strategy is not None:
             with strategy.scope():
@@ -103,4 +103,5 @@ for name in args.names:
             # Peers may now wait on this process: stop the job.
             raise
     finally:
+        keras.config.set_floatx(floatx)
         keras.config.set_dtype_policy(policy)
