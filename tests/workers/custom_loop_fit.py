@@ -13,7 +13,8 @@ was traced; the plain one's before), and step 1 made to overflow in
 both loops (the scale set to 2^40; 2^10 again for step 2): both skip it.
 With "dropout", a Dropout on each stage (GaussianNoise on the second),
 gradients from a tape: each microbatch draws its rows of the whole
-batch's masks, and the seed generators end where the plain loop's do.
+batch's masks, and the seed generators end where the plain loop's do; and
+a SpectralNormalization, normalising its kernel once per step.
 """
 
 import json
@@ -49,7 +50,7 @@ class Model(smp.DistributedModel):
         super().__init__()
         self.d1 = keras.layers.Dense(16, activation="tanh",
                                      activity_regularizer=ACTIVITY[0])
-        self.d2 = keras.layers.Dense(16, activation="relu")
+        self.d2 = _second()
         self.d3 = keras.layers.Dense(3, activity_regularizer=ACTIVITY[1])
 
         self.drops = _random_layers()
@@ -57,6 +58,14 @@ class Model(smp.DistributedModel):
     def call(self, inputs):
         h = self.drops[0](self.d1(inputs))
         return self.d3(self.drops[1](self.d2(h)))
+
+
+def _second():
+    # With "dropout", also a SpectralNormalization: its training call
+    # normalises its kernel in place, once per step as in the plain loop
+    # (each microbatch normalised it again).
+    dense = keras.layers.Dense(16, activation="relu")
+    return keras.layers.SpectralNormalization(dense) if DROPOUT else dense
 
 
 def _random_layers():
@@ -73,7 +82,7 @@ plain = keras.Sequential([
     keras.Input((8,)),
     keras.layers.Dense(16, "tanh", activity_regularizer=ACTIVITY[0]),
     (drops := _random_layers())[0],
-    keras.layers.Dense(16, "relu"), drops[1],
+    _second(), drops[1],
     keras.layers.Dense(3, activity_regularizer=ACTIVITY[1])])
 initial = model.get_weights()
 plain.set_weights(initial)
