@@ -57,11 +57,11 @@ def rerun(state, snap, fn, what, fix, collect_losses=False, weights=()):
     result (`run_stateless` also returns the state updates).
     `collect_losses`: layers' `add_loss()` losses are kept for `fn` to
     collect (`keras_private.added_losses`); otherwise Keras drops them.
-    `weights`: the recomputed layers' weights, to name one that `fn`
-    assigns although it is not in `state` (a trainable weight: a
-    `SpectralNormalization` normalises its kernel in place in training,
-    which a recomputation would do again to the normalised kernel, and
-    differentiate through): that raises a `ValueError` naming it and `fix`.
+    `weights`: the recomputed layers' weights; `fn` assigning a trainable
+    one (a `SpectralNormalization` normalises its kernel in place in
+    training, which a recomputation would do again to the normalised
+    kernel, and differentiate through) raises a `ValueError` naming it
+    and `fix`.
     """
     return run_stateless(state, snap, fn, what, fix, collect_losses,
                          weights)[0]
@@ -92,17 +92,19 @@ def run_stateless(state, snap, fn, what, fix, collect_losses=False,
             "Use Keras layers (Dropout, GaussianNoise...) or keras.random "
             "ops with a `keras.random.SeedGenerator` attached to the layer, "
             f"or {fix}.")
-    known = {id(v) for v, _ in mapping}
-    others = keras_private.stateless_assigned(scope) - known
-    if others:
-        names = sorted(v.path for v in weights if id(v) in others)
+    # A trainable weight of the recomputed layers assigned (other
+    # variables outside the mapping, a metric's, are written by the
+    # forward and their second write dropped, as before).
+    assigned = keras_private.stateless_assigned(scope)
+    names = sorted(v.path for v in weights
+                   if v.trainable and id(v) in assigned)
+    if names:
         raise ValueError(
-            f"activation_checkpointing: {what} assigns "
-            f"{'weights ' + str(names) if names else 'a trainable weight'} "
+            f"activation_checkpointing: {what} assigns weights {names} "
             "in its training call (a SpectralNormalization normalises "
-            "its kernel in place); a recomputation would assign it again "
-            "and differ from the forward pass. Keep that layer out of "
-            f"the recomputed part, or {fix}.")
+            "its kernel in place); a recomputation would assign them "
+            "again and differ from the forward pass. Keep that layer out "
+            f"of the recomputed part, or {fix}.")
     updates = []
     for v, before in mapping:
         value = scope.get_current_value(v)

@@ -423,9 +423,11 @@ def _times_share(grad, share):
         return _scaled(grad, share)
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(
-            tf.cast(tf.cast(grad.values, tf.float32) * share, grad.dtype),
+            tf.cast(tf.cast(grad.values, tf.float32)
+                    * tf.cast(share, tf.float32), grad.dtype),
             grad.indices, grad.dense_shape)
-    return tf.cast(tf.cast(grad, tf.float32) * share, grad.dtype)
+    return tf.cast(tf.cast(grad, tf.float32) * tf.cast(share, tf.float32),
+                   grad.dtype)
 
 
 def _replica_share(model, data):
@@ -452,7 +454,8 @@ def _replica_share(model, data):
         return None, None
     first = flat[0]
     if first.shape[0] is not None:
-        return tf.constant(1.0 / context.num_replicas_in_sync), None
+        return tf.constant(1.0 / context.num_replicas_in_sync,
+                           loss_shares.share_dtype()), None
     if isinstance(first, tf.SparseTensor):
         rows = first.dense_shape[0]
     elif isinstance(first, tf.RaggedTensor):

@@ -149,10 +149,16 @@ def remembered_seeds(states, store, key):
     `store`, a dict): each microbatch's forward draws from the seeds the
     whole batch's draws from, and the generators advance once per step."""
     if key not in store:
-        store[key] = [tf.identity(v.value) for v in states]
+        store[key] = ([id(v) for v in states],
+                      [tf.identity(v.value) for v in states])
         return
-    for v, value in zip(states, store[key]):
-        v.assign(value)
+    # By variable: a layer first built by the first microbatch's call
+    # (in the trace that creates the variables, which `tf.function`
+    # traces again once they exist) has none before it.
+    before = dict(zip(*store[key]))
+    for v in states:
+        if id(v) in before:
+            v.assign(before[id(v)])
 
 
 def _outside_parts(fn):

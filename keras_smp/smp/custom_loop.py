@@ -166,16 +166,17 @@ def seeds_as_in_first_microbatch(model, layers):
     the same call of the step's first microbatch, so that every
     microbatch draws from the seeds one call on the whole batch draws
     from (its rows of them: `runtime.split_draws`), and the generators
-    advance once per step."""
+    advance once per step (`keras_private.once_per_step_states`: and a
+    `SpectralNormalization` normalises its kernel once)."""
     if not in_step() or split_draws.current() is None:
         return  # (no part: each microbatch draws for its own shape)
     slot = _microbatch_calls.get(id(model), 0)
     _microbatch_calls[id(model)] = slot + 1
-    states = keras_private.once_per_step_states(layers)
-    if states:
-        split_draws.remembered_seeds(
-            states, _seed_starts,
-            (tf.compat.v1.get_default_graph(), id(model), slot))
+    # (Also none: a layer built by the first microbatch's call and
+    # holding such state then is a clear error in the next.)
+    split_draws.remembered_seeds(
+        keras_private.once_per_step_states(layers), _seed_starts,
+        (tf.compat.v1.get_default_graph(), id(model), slot))
 
 
 def note_step_variables(variables):

@@ -142,7 +142,8 @@ def build(distributed, optimizer=momentum_sgd, frozen=False,
         # Momentum carries each step's batch into every later step.
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         model.compile(optimizer(), {"cls": loss} if partial_loss else loss)
-        if isinstance(model.optimizer, keras.optimizers.ScheduleFreeAdamW):
+        if not distributed and isinstance(
+                model.optimizer, keras.optimizers.ScheduleFreeAdamW):
             # Built now, as Keras builds it under any tf.distribute
             # strategy: plain Keras without one builds it inside the traced
             # step, where the copy of the weights its `build` assigns is
