@@ -64,7 +64,8 @@ def test_two_local_replicas_match_single_device(in_process, case):
     assert in_process[case]["atol"] <= ATOL, in_process[case]
 
 
-@pytest.mark.parametrize("case", ["own_values_mask", "two_sparse_lookups"])
+@pytest.mark.parametrize("case", ["own_values_mask", "two_sparse_lookups",
+                                  "dice_without_axis", "circle"])
 def test_unsplittable_losses_and_gradients_warn_once_naming_the_fix(case):
     # own_values_mask: a loss whose `call` attaches a Keras mask computed
     # from its predictions: the replicas cannot know the batch's unmasked
@@ -73,8 +74,10 @@ def test_unsplittable_losses_and_gradients_warn_once_naming_the_fix(case):
     # sparse inputs (Keras looks up each input's distinct ids once): one
     # device's sparse gradient holds each id once per lookup, which the
     # replicas' parts cannot rebuild (a single lookup's are summed by id:
-    # test_model_zoo's sparse_input). Training runs; one warning names the
-    # loss or weight and the fix.
+    # test_model_zoo's sparse_input). dice_without_axis, circle: Keras
+    # losses making one value of several rows (a ratio of sums over the
+    # batch, pairs of rows), which parts cannot add up to. Training runs;
+    # one warning names the loss or weight and the fix.
     proc = run_python([os.path.join(WORKERS, "replica_shares.py"), case],
                       timeout=300)
     row = next(json.loads(l) for l in proc.stdout.splitlines()

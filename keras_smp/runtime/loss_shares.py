@@ -170,9 +170,13 @@ def _per_row(loss, path):
             or loss.reduction not in MEANS + ("mean_with_sample_weight",)):
         return loss
 
+    coupled = _couples_rows(loss)
+
     def call(own, y_true, y_pred):
         out = own(y_true, y_pred)
-        if (_parts.current is not None and loss.reduction in MEANS
+        if _parts.current is not None and coupled:
+            _warn_coupled_rows(loss.name, _parts.current[0], coupled)
+        elif (_parts.current is not None and loss.reduction in MEANS
                 and keras_private.keras_mask(out) is not None
                 and not keras_private.masks_by_labels(loss)):
             # ("mean_with_sample_weight": divided by all parts' weights,
@@ -221,6 +225,36 @@ def _warn_weighted_parts(name, parts, weighted, masked):
         "per row to train as on one device (reduce over the other axes "
         "only, e.g. `ops.mean(..., axis=-1)`; for Keras' losses give the "
         "outputs and targets the shape (batch, 1)).", stacklevel=2)
+
+
+def _couples_rows(loss):
+    """How `loss` makes one value of several rows of its batch together,
+    which the parts of a split batch cannot add up to (None: it does
+    not): Keras' `Dice` and `Tversky` without `axis` (one ratio of sums
+    over the whole batch), `Circle` (pairs of the batch's rows)."""
+    if (isinstance(loss, (keras.losses.Dice, keras.losses.Tversky))
+            and getattr(loss, "axis", None) is None):
+        return ("one ratio of sums over the whole batch (axis=None); give "
+                "it `axis` (the non-batch axes, e.g. axis=-1, or (1, 2, 3) "
+                "for images) for one score per row, which the parts add up "
+                "to, or")
+    if isinstance(loss, keras.losses.Circle):
+        return "a score over pairs of the batch's rows;"
+    return None
+
+
+def _warn_coupled_rows(name, parts, how):
+    """Once per loss: a loss coupling its batch's rows (`_couples_rows`)
+    computed on parts of a split batch."""
+    if ("coupled", name) in _warned:
+        return
+    _warned.add(("coupled", name))
+    warnings.warn(
+        f"keras-smp: the loss {name!r} computes {how} use microbatches=1 "
+        f"with one replica. This step splits the batch into {parts}, each "
+        "computing it over its own rows, so the step's loss and gradients "
+        "differ from one device's (as BatchNormalization's per-part "
+        "statistics do).", stacklevel=2)
 
 
 def _warn_own_mask(name, parts):

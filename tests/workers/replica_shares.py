@@ -41,6 +41,8 @@ Cases:
   predictions: `{"warned": n, "fix": n}`, the warning's count.
 - two_sparse_lookups: one Dense layer called on two sparse inputs, Adam:
   `{"warned": n, "fix": n}`, the warning's count.
+- dice_without_axis, circle: Keras' Dice (axis=None: one ratio over the
+  batch) and Circle (pairs of rows) losses: `{"warned": n, "fix": n}`.
 - mean_with_sample_weight: two outputs whose losses divide by their
   sample weights' sum (`reduction="mean_with_sample_weight"`), per-token
   weights under the embedding's mask and per-row weights (each replica's
@@ -449,6 +451,24 @@ def own_values_mask():
         "reduction='mean_with_sample_weight'")
 
 
+def coupled_rows(loss, warning, fix):
+    # A loss making one value of several rows together (Dice without
+    # `axis`: one ratio of sums over the batch; Circle: pairs of rows):
+    # no parts add up to it, so a warning (once) names the loss and the
+    # fix; training runs.
+    def build():
+        model = keras.Sequential([
+            keras.Input((SEQ,)), keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(3, activation="sigmoid")])
+        model.compile(optimizer="sgd", loss=loss())
+        return model
+
+    targets = keras.utils.to_categorical(Y[:, 0], 3)
+    return warned(build, lambda model: model.fit(
+        X.astype("float32"), targets if "dice" in warning else Y[:, 0],
+        batch_size=32, epochs=2, verbose=0, shuffle=False), warning, fix)
+
+
 def warned(build, fit, warning, fix):
     """`{"warned": n, "fix": n}`: how many warnings holding `warning`,
     and `fix`, training `build()` with `fit` on the replicas gave (its
@@ -552,6 +572,12 @@ CASES = {"custom_loop": custom_loop, "super_train_step": super_train_step,
          "empty_replica": empty_replica, "two_masks": two_masks,
          "ignore_class": ignore_class, "own_values_mask": own_values_mask,
          "two_sparse_lookups": two_sparse_lookups,
+         "dice_without_axis": lambda: coupled_rows(
+             keras.losses.Dice, "the loss 'dice' computes one ratio of sums",
+             "give it `axis`"),
+         "circle": lambda: coupled_rows(
+             keras.losses.Circle, "the loss 'circle' computes a score over "
+             "pairs", "use microbatches=1 with one replica"),
          "mean_with_sample_weight": mean_with_sample_weight,
          "mean_with_sample_weight_unweighted":
              lambda: mean_with_sample_weight(weighted=False),
