@@ -232,13 +232,17 @@ def _couples_rows(loss):
     which the parts of a split batch cannot add up to (None: it does
     not): Keras' `Dice` and `Tversky` without `axis` (one ratio of sums
     over the whole batch), `Circle` (pairs of the batch's rows)."""
-    if (isinstance(loss, (keras.losses.Dice, keras.losses.Tversky))
-            and getattr(loss, "axis", None) is None):
+    fn = getattr(loss, "fn", None)  # compile(loss="dice") wraps it
+    if ((isinstance(loss, (keras.losses.Dice, keras.losses.Tversky))
+         and getattr(loss, "axis", None) is None)
+            or (not isinstance(loss, (keras.losses.Dice,
+                                      keras.losses.Tversky))
+                and fn in (keras.losses.dice, keras.losses.tversky))):
         return ("one ratio of sums over the whole batch (axis=None); give "
                 "it `axis` (the non-batch axes, e.g. axis=-1, or (1, 2, 3) "
                 "for images) for one score per row, which the parts add up "
                 "to, or")
-    if isinstance(loss, keras.losses.Circle):
+    if isinstance(loss, keras.losses.Circle) or fn is keras.losses.circle:
         return "a score over pairs of the batch's rows;"
     return None
 
