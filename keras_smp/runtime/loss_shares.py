@@ -205,12 +205,20 @@ def _per_row(loss, path):
 _warned = set()
 
 
+def _first_time(key):
+    """Whether a warning keyed `key` (its kind, the loss's name) is given
+    now: once per process."""
+    if key in _warned:
+        return False
+    _warned.add(key)
+    return True
+
+
 def _warn_weighted_parts(name, parts, weighted, masked):
     """Once per loss: a value for the whole batch weighed by its part's
     sample weights or mask (see `count_batch_values_per_row`)."""
-    if name in _warned:
+    if not _first_time(name):
         return
-    _warned.add(name)
     what = " and ".join(
         (["sample weights (or class_weight)"] if weighted else [])
         + (["a Keras mask on its output"] if masked else []))
@@ -250,9 +258,8 @@ def _couples_rows(loss):
 def _warn_coupled_rows(name, parts, how):
     """Once per loss: a loss coupling its batch's rows (`_couples_rows`)
     computed on parts of a split batch."""
-    if ("coupled", name) in _warned:
+    if not _first_time(("coupled", name)):
         return
-    _warned.add(("coupled", name))
     warnings.warn(
         f"keras-smp: the loss {name!r} computes {how} use microbatches=1 "
         f"with one replica. This step splits the batch into {parts}, each "
@@ -265,9 +272,8 @@ def _warn_own_mask(name, parts):
     """Once per loss: a loss whose `call` masks its values itself in a
     way `keras_private.label_mask` does not know ahead (it knows Keras'
     `ignore_class`), computed on parts of a split batch."""
-    if ("mask", name) in _warned:
+    if not _first_time(("mask", name)):
         return
-    _warned.add(("mask", name))
     warnings.warn(
         f"keras-smp: the loss {name!r} attaches a Keras mask to its values "
         f"in its `call`, and this step splits the batch into {parts}: each "
