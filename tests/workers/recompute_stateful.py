@@ -93,33 +93,24 @@ def train_attention(recompute):
 
 att_w, att_loss = train_attention(False)
 att_layer_w, att_layer_loss = train_attention(["proj", "mha"])
-try:
-    train(True, noise=True)
-    random_error = "no error"
-except ValueError as e:
-    random_error = str(e)
-try:
-    train(["noise"], noise=True)
-    layer_random_error = "no error"
-except ValueError as e:
-    layer_random_error = str(e)
+
+
+def error_of(*args, **kwargs):
+    """The ValueError message training with these arguments raises."""
+    try:
+        train(*args, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+random_error = error_of(True, noise=True)
+layer_random_error = error_of(["noise"], noise=True)
 # A SpectralNormalization normalises its (trainable) kernel in place in
 # training: recomputing it would normalise it again.
-try:
-    train(True, spectral=True)
-    spectral_error = "no error"
-except ValueError as e:
-    spectral_error = str(e)
-try:
-    train(["sn"], spectral=True)
-    layer_spectral_error = "no error"
-except ValueError as e:
-    layer_spectral_error = str(e)
-try:
-    train(["d9"])
-    unknown_error = "no error"
-except ValueError as e:
-    unknown_error = str(e)
+spectral_error = error_of(True, spectral=True)
+layer_spectral_error = error_of(["sn"], spectral=True)
+unknown_error = error_of(["d9"])
 print(json.dumps({
     "random_error": random_error,
     "layer_random_error": layer_random_error,
