@@ -205,6 +205,10 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
     checkpointing = model._smp_config().activation_checkpointing
     layer_names = graph.checkpointed_names(checkpointing)
     compiles = xla.wanted(model)
+    # In one process, a weight several stages use (tied) lives on one
+    # stage's device; the other stages' compiled forwards take its value.
+    shared = _weights_of_several_stages(graph, stage_vars) if (
+        compiles and links is None) else {}
     unreached, covered = (_reaching_no_loss(model, graph, has_loss)
                           if training else (set(), None))
     if unreached:
@@ -239,7 +243,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
         if compiles:
             if s == 0:
                 fn = _model_inputs_constant(fn)
-            fn = xla.compiled(fn, f"stage {s}", graph.stage_layers(s))
+            fn = xla.compiled(fn, f"stage {s}", graph.stage_layers(s),
+                              read_outside=shared.get(s, ()))
         elif not whole and s not in split and not unreached and not any(
                 recompute.marked(node.operation, layer_names)
                 for node in graph.stage_nodes(s)) and not any(
@@ -811,6 +816,17 @@ def _merged(graph, result):
     masks) of the whole batch, merged from the microbatches."""
     return [microbatch.merge([o[i] for o in result.outputs])
             for i in range(len(graph.carries[-1]))]
+
+
+def _weights_of_several_stages(graph, stage_vars):
+    """`{stage: [weight]}`: the trainable weights of each stage in
+    `stage_vars` that another stage of the model also uses."""
+    users = {}
+    for s in range(graph.num_stages):
+        for w in graph.stage_weights(s):
+            users.setdefault(id(w), set()).add(s)
+    return {s: [w for w in ws if len(users.get(id(w), ())) > 1]
+            for s, ws in stage_vars.items()}
 
 
 # Sums of one tied weight's gradient one traced function may hold (a

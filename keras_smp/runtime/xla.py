@@ -77,14 +77,17 @@ def blocking_layers(layers):
             if not getattr(layer, "supports_jit", True)]
 
 
-def compiled(fn, name, layers=()):
+def compiled(fn, name, layers=(), read_outside=()):
     """`fn` as an XLA-compiled `tf.function`, or `fn` itself (with a
     warning naming them) when one of `layers` cannot be compiled.
 
     The layers' non-trainable state (`BatchNormalization`'s moving
     statistics, `Dropout`'s seed) is read and updated outside the compiled
     function (`tracing.with_state_outside`): a strategy's variables cannot
-    be assigned inside a nested `tf.function` in a replica context."""
+    be assigned inside a nested `tf.function` in a replica context. So are
+    the variables `read_outside` (weights several stages of one process
+    use, which live on one stage's device: XLA cannot read a variable of
+    another device); their gradients flow through the values read."""
     layers = list(layers)
     blocking = blocking_layers(layers)
     if blocking:
@@ -95,6 +98,8 @@ def compiled(fn, name, layers=()):
             "jit_compile=False to silence this.", stacklevel=3)
         return fn
     state = tracing.layer_state(layers)
+    state += [v for v in read_outside
+              if all(v is not known for known in state)]
     if not state and not keras_private.may_add_losses(layers):
         return tf.function(_refusing_helper_losses(fn, name, layers),
                            jit_compile=True, autograph=False)

@@ -7,8 +7,8 @@ count = [0]
 _original = _xla.compiled
 
 
-def _counting(fn, name, layers=()):
-    out = _original(fn, name, layers)
+def _counting(fn, name, layers=(), **kwargs):
+    out = _original(fn, name, layers, **kwargs)
     if out is fn:  # not compiled (a layer XLA cannot compile)
         return out
 
