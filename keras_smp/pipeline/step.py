@@ -244,7 +244,8 @@ def run_step(model, data, training, need_loss=True, need_outputs=True,
             if s == 0:
                 fn = _model_inputs_constant(fn)
             fn = xla.compiled(fn, f"stage {s}", graph.stage_layers(s),
-                              read_outside=shared.get(s, ()))
+                              read_outside=shared.get(s, ()),
+                              differentiated=training and not whole)
         elif not whole and s not in split and not unreached and not any(
                 recompute.marked(node.operation, layer_names)
                 for node in graph.stage_nodes(s)) and not any(

@@ -215,7 +215,8 @@ def _patch_make_functions(trainer):
             if fn is None or fn is before:  # Keras returned the cached one
                 return result
             if compiles and not is_pipelined(self):
-                fn = xla.compiled_calls(self, fn)
+                fn = xla.compiled_calls(
+                    self, fn, differentiated=_attr == "train_function")
                 setattr(self, _attr, fn)
             runtime = _multi_worker_runtime(self)
             if runtime is not None:

@@ -83,6 +83,14 @@ def collective_ops(graph):
                    if node.op.startswith(_COLLECTIVE_PREFIXES)})
 
 
+def loops(graph):
+    """Sorted names of `graph`'s while loops (`tf.while_loop`: a Keras RNN
+    layer not unrolled, `keras.ops.scan`, `fori_loop`, `while_loop`),
+    functions it calls included."""
+    return sorted({node.name for node in _nodes(graph)
+                   if node.op in ("While", "StatelessWhile")})
+
+
 def seeded_random_ops(graph):
     """Sorted op types of `graph`'s stateful random ops with a fixed seed
     (`tf.random.uniform` and the like after `tf.random.set_seed`, which
@@ -153,7 +161,7 @@ def _check_nothing_lost(scope, passed, layers, what, new_seeds_ok,
 
 
 def with_state_outside(fn, state, owner, layers=(), jit_compile=True,
-                       what="jit_compile=True"):
+                       what="jit_compile=True", inline_loops=None):
     """`fn` as a `tf.function` (XLA-compiled with `jit_compile`) with
     `state` (Keras variables) passed in as values and the values it
     assigns returned, then assigned by the caller (in the step's own
@@ -166,7 +174,12 @@ def with_state_outside(fn, state, owner, layers=(), jit_compile=True,
     Raises (when traced) `NotImplementedError` if the call assigns another
     variable; without `jit_compile`, `NotTraceable` for that, and if it
     makes Keras' global seed generator, holds collective ops or seeded
-    random ops, or synchronises replicas. `what` starts the message."""
+    random ops, or synchronises replicas. `what` starts the message.
+    `inline_loops`: for a call to be differentiated, a function of the
+    loops' names (`loops`) called once when the trace holds a while loop,
+    after which `fn` runs inline: TensorFlow cannot differentiate a
+    compiled call of a loop outside it (its per-iteration values, lists,
+    cannot leave the XLA computation)."""
     import keras
 
     compiled_for = {}
@@ -228,8 +241,14 @@ def with_state_outside(fn, state, owner, layers=(), jit_compile=True,
         values = [tf.identity(v.value) for v in variables]
         # The microbatch's (or replica's) rows as arguments: a trace
         # called per microbatch must not capture the first one's.
-        out, updates, losses = compiled_for[key](
-            args, kwargs, values, split_draws.as_arguments())
+        call = (args, kwargs, values, split_draws.as_arguments())
+        if inline_loops is not None:
+            found = loops(
+                compiled_for[key].get_concrete_function(*call).graph)
+            if found:
+                inline_loops(found)
+                return fn(*args, **kwargs)
+        out, updates, losses = compiled_for[key](*call)
         for i, value in sorted(updates.items()):
             variables[i].assign(value)
         for loss in losses:  # only layers add losses: `owner` exists

@@ -77,7 +77,7 @@ def blocking_layers(layers):
             if not getattr(layer, "supports_jit", True)]
 
 
-def compiled(fn, name, layers=(), read_outside=()):
+def compiled(fn, name, layers=(), read_outside=(), differentiated=True):
     """`fn` as an XLA-compiled `tf.function`, or `fn` itself (with a
     warning naming them) when one of `layers` cannot be compiled.
 
@@ -87,7 +87,12 @@ def compiled(fn, name, layers=(), read_outside=()):
     be assigned inside a nested `tf.function` in a replica context. So are
     the variables `read_outside` (weights several stages of one process
     use, which live on one stage's device: XLA cannot read a variable of
-    another device); their gradients flow through the values read."""
+    another device); their gradients flow through the values read.
+
+    `differentiated`: whether the step takes the call's gradient. Such a
+    call holding a while loop (a Keras RNN layer, `keras.ops.scan`) runs
+    inline, uncompiled, with a warning (`_inline_loops`); its inference
+    stays compiled."""
     layers = list(layers)
     blocking = blocking_layers(layers)
     if blocking:
@@ -100,11 +105,53 @@ def compiled(fn, name, layers=(), read_outside=()):
     state = tracing.layer_state(layers)
     state += [v for v in read_outside
               if all(v is not known for known in state)]
-    if not state and not keras_private.may_add_losses(layers):
-        return tf.function(_refusing_helper_losses(fn, name, layers),
-                           jit_compile=True, autograph=False)
-    return tracing.with_state_outside(fn, state, tracing.loss_owner(layers),
-                                      layers)
+    inline = _inline_loops(name) if differentiated else None
+    if state or keras_private.may_add_losses(layers):
+        return tracing.with_state_outside(
+            fn, state, tracing.loss_owner(layers), layers,
+            inline_loops=inline)
+    plain = tf.function(_refusing_helper_losses(fn, name, layers),
+                        jit_compile=True, autograph=False)
+    if inline is None:
+        return plain
+
+    def run(*args, **kwargs):
+        found = tracing.loops(
+            plain.get_concrete_function(*args, **kwargs).graph)
+        if found:
+            inline(found)
+            return fn(*args, **kwargs)
+        return plain(*args, **kwargs)
+
+    return run
+
+
+def _inline_loops(name):
+    """The warning, once, for a compiled call of `name` to be
+    differentiated that holds while loops: it runs uncompiled."""
+    warned = []
+
+    def warn(found):
+        if warned:
+            return
+        warned.append(True)
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        warnings.warn(
+            f"jit_compile=True: {name} runs without XLA in training "
+            f"because it holds a while loop ({shown}): a Keras RNN layer "
+            "(LSTM, GRU, SimpleRNN) not unrolled, or keras.ops.scan, "
+            "fori_loop or while_loop. keras-smp compiles a call's forward "
+            "and backward as two XLA computations, and TensorFlow cannot "
+            "pass a loop's per-iteration values from one to the other "
+            "('Support for TensorList crossing the XLA/TF boundary is not "
+            "implemented'). Its evaluate and predict stay compiled. To "
+            "compile it in training too: unroll the RNN (unroll=True, "
+            "for a fixed sequence length), or, in a pipeline, recompute "
+            "the stage (activation_checkpointing; its forward is "
+            "compiled, its recomputation is not). jit_compile=False "
+            "silences this.", stacklevel=2)
+
+    return warn
 
 
 def _refusing_helper_losses(fn, name, layers):
@@ -129,14 +176,15 @@ def _refusing_helper_losses(fn, name, layers):
     return run
 
 
-def compiled_calls(model, step_function):
+def compiled_calls(model, step_function, differentiated=True):
     """`step_function` tracing `model.call` as a compiled function.
 
     For a plain Keras model (data parallelism): Keras' own `train_step`
     (or the user's) calls `model(...)`, whose `call` is then one XLA
     computation, and so is its gradient. (Keras itself turns
     `jit_compile` off, with its own warning, for a model holding a layer
-    that cannot be compiled.)
+    that cannot be compiled.) `differentiated`: whether it is the train
+    step (see `compiled`).
     """
     original = model.call
 
@@ -150,7 +198,8 @@ def compiled_calls(model, step_function):
                      for t in tf.nest.flatten(out)]
 
     compiled_call = compiled(call, f"model {model.name!r}",
-                             keras_private.flatten_layers(model))
+                             keras_private.flatten_layers(model),
+                             differentiated=differentiated)
 
     def fast(*args, **kwargs):
         out, masks = compiled_call(*args, **kwargs)

@@ -36,7 +36,7 @@ p.add_argument("--model",
                choices=["mlp", "tied", "manual", "deep", "tokens", "wide",
                         "nested", "subclassed", "reversible",
                         "reversible_tied", "reversible_frozen",
-                        "shared_lookup", "positions"],
+                        "shared_lookup", "positions", "loops"],
                default="mlp",
                help="manual: the mlp as a subclassed DistributedModel with "
                "partition scopes when pipelined (plain mlp otherwise); "
@@ -200,6 +200,17 @@ def build():
         h = keras.layers.Add(name="add")(
             [h, keras.ops.mean(first, axis=1, keepdims=True)])
         model = keras.Model(inputs, keras.layers.Dense(20, name="out")(h))
+        split = ["d2"]
+    elif args.model == "loops":
+        # Recurrent layers: an LSTM (a while loop) in the first stage, an
+        # unrolled GRU (no loop) in the second.
+        model = keras.Sequential([
+            keras.Input((8,)),
+            keras.layers.Reshape((4, 2)),
+            keras.layers.LSTM(8, return_sequences=True, name="d1"),
+            keras.layers.GRU(8, unroll=True, name="d2"),
+            keras.layers.Dense(3),
+        ])
         split = ["d2"]
     elif args.model == "tokens":
         model = keras.Sequential([
