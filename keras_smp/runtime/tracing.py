@@ -91,6 +91,16 @@ def loops(graph):
                    if node.op in ("While", "StatelessWhile")})
 
 
+def loops_once(concrete, found):
+    """`loops(concrete.graph)` of a traced function (a
+    `ConcreteFunction`), looked up once: `found` is the caller's cache
+    (a step traces a stage's call once per microbatch)."""
+    hit = found.get(id(concrete))
+    if hit is None or hit[0] is not concrete:
+        hit = found[id(concrete)] = (concrete, loops(concrete.graph))
+    return hit[1]
+
+
 def seeded_random_ops(graph):
     """Sorted op types of `graph`'s stateful random ops with a fixed seed
     (`tf.random.uniform` and the like after `tf.random.set_seed`, which
@@ -182,7 +192,7 @@ def with_state_outside(fn, state, owner, layers=(), jit_compile=True,
     cannot leave the XLA computation)."""
     import keras
 
-    compiled_for = {}
+    compiled_for, looping = {}, {}
 
     def compiled_with(variables):
         passed = {id(v) for v in variables}
@@ -243,8 +253,8 @@ def with_state_outside(fn, state, owner, layers=(), jit_compile=True,
         # called per microbatch must not capture the first one's.
         call = (args, kwargs, values, split_draws.as_arguments())
         if inline_loops is not None:
-            found = loops(
-                compiled_for[key].get_concrete_function(*call).graph)
+            found = loops_once(
+                compiled_for[key].get_concrete_function(*call), looping)
             if found:
                 inline_loops(found)
                 return fn(*args, **kwargs)

@@ -114,10 +114,11 @@ def compiled(fn, name, layers=(), read_outside=(), differentiated=True):
                         jit_compile=True, autograph=False)
     if inline is None:
         return plain
+    looping = {}
 
     def run(*args, **kwargs):
-        found = tracing.loops(
-            plain.get_concrete_function(*args, **kwargs).graph)
+        found = tracing.loops_once(
+            plain.get_concrete_function(*args, **kwargs), looping)
         if found:
             inline(found)
             return fn(*args, **kwargs)
@@ -147,11 +148,9 @@ def _inline_loops(name):
             "implemented'). It trains as plain Keras without XLA does "
             "(its random layers draw TensorFlow's numbers, not XLA's); "
             "its evaluate and predict stay compiled. To "
-            "compile it in training too: unroll the RNN (unroll=True, "
-            "for a fixed sequence length), or, in a pipeline, recompute "
-            "the stage (activation_checkpointing; its forward is "
-            "compiled, its recomputation is not). jit_compile=False "
-            "silences this.", stacklevel=2)
+            "compile it in training too, unroll the RNN (unroll=True, "
+            "for a fixed sequence length) or move the loop to a stage "
+            "of its own; jit_compile=False silences this.", stacklevel=2)
 
     return warn
 

@@ -154,6 +154,26 @@ class TokenAndPosition(keras.layers.Layer):
         return keras.ops.not_equal(x, 0)
 
 
+class MinimalCell(keras.layers.Layer):
+    """Keras' guide's minimal RNN cell: weights, no state of its own (no
+    seed generator, unlike LSTM's and GRU's cells)."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = self.state_size = units
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], self.units),
+                                      name="kernel")
+        self.recurrent = self.add_weight(shape=(self.units, self.units),
+                                         name="recurrent")
+
+    def call(self, inputs, states):
+        h = keras.ops.tanh(keras.ops.matmul(inputs, self.kernel)
+                           + keras.ops.matmul(states[0], self.recurrent))
+        return h, [h]
+
+
 def build():
     keras.utils.set_random_seed(
         1234 + (strategy.topology.rank if args.seed_by_rank else 0))
@@ -202,16 +222,19 @@ def build():
         model = keras.Model(inputs, keras.layers.Dense(20, name="out")(h))
         split = ["d2"]
     elif args.model == "loops":
-        # Recurrent layers: an LSTM (a while loop) in the first stage, an
-        # unrolled GRU (no loop) in the second.
+        # While loops: with 3 stages, an LSTM in the first, an unrolled GRU
+        # (no loop) in the second, an RNN of a cell without state of its
+        # own in the third.
         model = keras.Sequential([
             keras.Input((8,)),
             keras.layers.Reshape((4, 2)),
             keras.layers.LSTM(8, return_sequences=True, name="d1"),
-            keras.layers.GRU(8, unroll=True, name="d2"),
+            keras.layers.GRU(8, unroll=True, return_sequences=True,
+                             name="d2"),
+            keras.layers.RNN(MinimalCell(8), name="d3"),
             keras.layers.Dense(3),
         ])
-        split = ["d2"]
+        split = ["d2", "d3"]
     elif args.model == "tokens":
         model = keras.Sequential([
             keras.Input((8,), dtype="int32"),
