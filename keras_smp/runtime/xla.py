@@ -147,10 +147,11 @@ def _inline_loops(name):
             "('Support for TensorList crossing the XLA/TF boundary is not "
             "implemented'). It trains as plain Keras without XLA does "
             "(its random layers draw TensorFlow's numbers, not XLA's); "
-            "its evaluate and predict stay compiled. To "
-            "compile it in training too, unroll the RNN (unroll=True, "
-            "for a fixed sequence length) or move the loop to a stage "
-            "of its own; jit_compile=False silences this.", stacklevel=2)
+            "its evaluate and predict stay compiled. To compile it in "
+            "training too, unroll the RNN (unroll=True, for a fixed "
+            "sequence length); to keep more of the model compiled, move "
+            "the loop to a stage of its own. jit_compile=False silences "
+            "this.", stacklevel=2)
 
     return warn
 
